@@ -1,0 +1,146 @@
+"""Granularity-typed index layouts.
+
+Two different things can describe where a batch's KV lives, and confusing them is the bug this
+project grew from (`seed.md`):
+
+* `TokenCSR`: `indptr` counts **tokens**, `indices[indptr[i] + t]` is the **token slot** (row of
+  the KV pool) of token `t` of sequence `i`. Static `capacity = indices.shape[0]`.
+* `PageTable`: `table[i, p]` is the **page id** of page `p` of sequence `i`, `lengths[i]` counts
+  **tokens**, and `page_size` is static. Token `t` lives at slot `table[i, t // ps] * ps + t % ps`.
+
+They are distinct pytrees; functions that take one check it with `expect_layout`, so passing the
+other fails at trace time. Conversions are explicit (`funcmla.indices`).
+
+Static sizes (`page_size`) are pytree meta fields and therefore part of the jit cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["TokenCSR", "PageTable", "PoolSpec", "expect_layout", "is_power_of_two"]
+
+
+def is_power_of_two(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and (n & (n - 1)) == 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenCSR:
+    """Token-granular CSR over a KV pool.
+
+    indptr:  int32 [num_seqs + 1]  token offsets; indptr[0] == 0, indptr[-1] = live tokens.
+    indices: int32 [capacity]      token slots; entries past indptr[-1] are fill (see
+                                   `funcmla.indices.FILL_SLOT`) and must never be read.
+    """
+
+    indptr: jax.Array
+    indices: jax.Array
+
+    granularity = "token"
+
+    @property
+    def capacity(self) -> int:
+        """Static length of `indices`, in tokens."""
+        return self.indices.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.indptr.shape[0] - 1
+
+    @property
+    def lengths(self) -> jax.Array:
+        """int32 [num_seqs]: tokens per sequence."""
+        return self.indptr[1:] - self.indptr[:-1]
+
+    @property
+    def num_tokens(self) -> jax.Array:
+        """int32 scalar: live tokens (indptr[-1])."""
+        return self.indptr[-1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """Page-granular block table (FlashMLA / FlashInfer style).
+
+    table:   int32 [num_seqs, max_pages]  page ids; columns past ceil(lengths / ps) are padding
+                                          (they point at the reserved page 0).
+    lengths: int32 [num_seqs]             tokens per sequence.
+    page_size: static int, power of two.
+    """
+
+    table: jax.Array
+    lengths: jax.Array
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+
+    granularity = "page"
+
+    def __post_init__(self):
+        if not is_power_of_two(self.page_size):
+            raise ValueError(f"PageTable.page_size must be a power of two, got {self.page_size!r}")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def num_pages(self) -> jax.Array:
+        """int32 [num_seqs]: pages in use per sequence, ceil(lengths / page_size)."""
+        return (self.lengths + self.page_size - 1) // self.page_size
+
+    @property
+    def kv_last_page_len(self) -> jax.Array:
+        """int32 [num_seqs]: tokens in the last page ((len - 1) % ps + 1; 0 for empty)."""
+        return jnp.where(self.lengths > 0, (self.lengths - 1) % self.page_size + 1, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """Static shape of a paged latent KV pool, in token slots.
+
+    `num_slots = (num_pages + 1) * page_size` rows: page 0 (slots `[0, page_size)`) is reserved
+    for padded tokens, as in SGLang, so `num_pages` usable pages hold slots
+    `[page_size, num_slots)`.
+    """
+
+    num_pages: int
+    page_size: int
+
+    def __post_init__(self):
+        if not is_power_of_two(self.page_size):
+            raise ValueError(f"PoolSpec.page_size must be a power of two, got {self.page_size!r}")
+        if not isinstance(self.num_pages, int) or self.num_pages <= 0:
+            raise ValueError(f"PoolSpec.num_pages must be a positive int, got {self.num_pages!r}")
+
+    @property
+    def num_slots(self) -> int:
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def first_usable_slot(self) -> int:
+        return self.page_size
+
+
+def expect_layout(value: Any, cls: type, name: str) -> None:
+    """Trace-time type check: raise TypeError naming `name` if `value` is not a `cls`.
+
+    This is what makes a PageTable passed where a TokenCSR is expected (or the reverse) fail at
+    trace time instead of being silently reinterpreted.
+    """
+    if not isinstance(value, cls):
+        got = getattr(value, "granularity", None)
+        what = f"{type(value).__name__}" + (f" ({got}-granular)" if got else "")
+        raise TypeError(
+            f"{name}: expected a {cls.__name__} ({cls.granularity}-granular), got {what}; "
+            "convert explicitly with funcmla.indices"
+        )
