@@ -1,0 +1,104 @@
+"""Dense reference for absorbed MLA attention over a paged latent pool, driven by metadata.
+
+    q        [T, H, D]      D = kv_lora_rank + qk_rope_head_dim (576)
+    kv_pool  [slots, D]     one latent row per token slot; V = kv_pool[:, :v_head_dim] (512)
+    qo_indptr, kv_indptr    int32 [B + 1]  token offsets (queries, keys)
+    kv_indices              int32 [capacity]  token slots
+
+Query j (0-based) of request i, with q_len = qo_indptr[i+1] - qo_indptr[i] queries and
+kv_len = kv_indptr[i+1] - kv_indptr[i] keys, attends to keys [0, kv_len - (q_len - 1 - j))
+when causal (bottom-right aligned: the last query sees every key), else to all kv_len keys.
+Queries past qo_indptr[-1] (padding) and queries that see no key get out = 0 and lse = +inf,
+as FlashMLA and AITER report them. Everything is computed in float32 (`Precision.HIGHEST`);
+lse is the natural log of the softmax denominator of the scaled scores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from funcmla.indices import FILL_SLOT, segment_ids
+
+__all__ = ["mla_attention_reference", "visible_kv_lens"]
+
+
+def visible_kv_lens(
+    qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, *, causal: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """Per query row t < num_q: (request index b [T], keys visible to it [T]).
+
+    Rows past qo_indptr[-1] get b = num_requests and 0 visible keys.
+    """
+    batch = qo_indptr.shape[0] - 1
+    b = segment_ids(qo_indptr, num_q)
+    live = b < batch
+    bc = jnp.minimum(b, batch - 1)
+    t = jnp.arange(num_q, dtype=jnp.int32)
+    q_len = qo_indptr[bc + 1] - qo_indptr[bc]
+    kv_len = kv_indptr[bc + 1] - kv_indptr[bc]
+    j = t - qo_indptr[bc]
+    vis = kv_len - (q_len - 1 - j) if causal else kv_len
+    vis = jnp.where(live, jnp.clip(vis, 0, kv_len), 0)
+    return b, vis.astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len", "query_chunk")
+)
+def mla_attention_reference(
+    q: jax.Array,  # [T, H, D]
+    kv_pool: jax.Array,  # [slots, D]
+    qo_indptr: jax.Array,  # int32 [B + 1]
+    kv_indptr: jax.Array,  # int32 [B + 1]
+    kv_indices: jax.Array,  # int32 [capacity]
+    *,
+    sm_scale: float,
+    v_head_dim: int = 512,
+    causal: bool = True,
+    max_kv_len: int | None = None,
+    query_chunk: int = 16,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (out float32 [T, H, v_head_dim], lse float32 [T, H]).
+
+    `max_kv_len` (static, tokens) bounds the keys gathered per query; it defaults to
+    `kv_indices.shape[0]`, always correct but slower. It must be >= every request's KV length
+    (check with `funcmla.checks`); keys past it would be ignored.
+    """
+    if q.ndim != 3 or kv_pool.ndim != 2 or q.shape[-1] != kv_pool.shape[-1]:
+        raise ValueError(
+            f"expected q [T, H, D] and kv_pool [slots, D], got q {q.shape}, kv_pool {kv_pool.shape}"
+        )
+    if not 0 < v_head_dim <= kv_pool.shape[-1]:
+        raise ValueError(f"v_head_dim={v_head_dim} must be in (0, {kv_pool.shape[-1]}]")
+    num_q, num_heads, _ = q.shape
+    span = kv_indices.shape[0] if max_kv_len is None else int(max_kv_len)
+    span = max(span, 1)
+    b, vis = visible_kv_lens(qo_indptr, kv_indptr, num_q, causal=causal)
+    batch = qo_indptr.shape[0] - 1
+    start = kv_indptr[jnp.minimum(b, batch - 1)]
+    pos = jnp.arange(span, dtype=jnp.int32)
+    hi = jax.lax.Precision.HIGHEST
+
+    def one_query(args):
+        q_t, start_t, vis_t = args
+        valid = pos < vis_t
+        slots = kv_indices.at[start_t + pos].get(mode="fill", fill_value=FILL_SLOT)
+        slots = jnp.where(valid, slots, FILL_SLOT)
+        k = kv_pool.at[slots].get(mode="fill", fill_value=0).astype(jnp.float32)  # [S, D]
+        s = jnp.einsum("hd,sd->hs", q_t.astype(jnp.float32), k, precision=hi) * sm_scale
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
+        denom = jnp.sum(p, axis=-1)
+        out = jnp.einsum("hs,sd->hd", p, k[:, :v_head_dim], precision=hi)
+        has = vis_t > 0
+        out = jnp.where(has, out / jnp.where(has, denom, 1.0)[:, None], 0.0)
+        lse = jnp.where(has, m[:, 0] + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)
+        return out, lse
+
+    out, lse = jax.lax.map(one_query, (q, start, vis), batch_size=max(1, min(query_chunk, num_q)))
+    return out.astype(jnp.float32), lse.astype(jnp.float32)
