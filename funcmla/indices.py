@@ -81,11 +81,11 @@ def gather_token_indices(
     """
     if not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    req_to_token = jnp.asarray(req_to_token)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     req_pool_indices = jnp.asarray(req_pool_indices, jnp.int32)
     batch = kv_lens.shape[0]
-    if kv_start is None:
-        kv_start = jnp.zeros((batch,), jnp.int32)
+    kv_start = jnp.zeros((batch,), jnp.int32) if kv_start is None else jnp.asarray(kv_start)
     indptr = indptr_from_lens(kv_lens)
     t = jnp.arange(capacity, dtype=jnp.int32)
     seg = segment_ids(indptr, capacity)
@@ -113,10 +113,11 @@ def page_table_from_token_slots(
     `funcmla.checks.check_page_contiguity`.
     """
     _check_page_size(page_size)
+    req_to_token = jnp.asarray(req_to_token)
+    req_pool_indices = jnp.asarray(req_pool_indices, jnp.int32)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     batch = kv_lens.shape[0]
-    if kv_start is None:
-        kv_start = jnp.zeros((batch,), jnp.int32)
+    kv_start = jnp.zeros((batch,), jnp.int32) if kv_start is None else jnp.asarray(kv_start)
     p = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     pos = kv_start[:, None] + p * page_size
     slots = req_to_token.at[req_pool_indices[:, None], pos].get(mode="fill", fill_value=0)

@@ -1,0 +1,29 @@
+"""Shared test configuration: hypothesis profiles sized for a 2-core CPU."""
+
+import os
+
+import jax
+from hypothesis import HealthCheck, settings
+
+
+settings.register_profile(
+    "ci",
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def on_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
