@@ -1,0 +1,214 @@
+"""One attention entry point that picks a backend and reports which one ran.
+
+Backends, in the order `auto` tries them:
+
+* "aiter":     AITER's MLA kernels through torch (ROCm torch with amd-aiter importable;
+               contract-tested only, see `funcmla.interop.aiter_dispatch`).
+* "pallas":    funcmla's Pallas decode kernel (`funcmla.attention.pallas.mla_decode`) on an
+               NVIDIA GPU through JAX. Imported lazily; used for uniform-length queries (decode,
+               target verify, draft extend: `s_q` queries per request, s_q <= PALLAS_MAX_S_Q);
+               anything else falls back to the reference.
+* "reference": `funcmla.attention.reference.mla_attention_reference` (dense, float32, any
+               platform).
+
+`select_backend(requested)` honours an explicit request (and raises, saying why, if that backend
+cannot run here); `auto` picks the first available. `mla_attention` runs the chosen backend and
+returns an `AttentionResult` with the name of the backend that actually ran (the pallas request
+may fall back to "reference" for ragged queries, and says so in `fallback_reason`).
+
+Inputs may be torch tensors or JAX arrays; outputs are in the framework of `q`. torch inputs are
+imported into JAX without copies (`funcmla.interop.dlpack`), JAX outputs exported the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from funcmla.attention.reference import mla_attention_reference
+from funcmla.interop import aiter_dispatch
+from funcmla.interop.dlpack import to_jax, to_torch
+
+__all__ = [
+    "BACKENDS",
+    "PALLAS_MAX_S_Q",
+    "AttentionResult",
+    "backend_availability",
+    "select_backend",
+    "mla_attention",
+]
+
+BACKENDS = ("aiter", "pallas", "reference")
+PALLAS_MAX_S_Q = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionResult:
+    """out [T, H, v_head_dim]; lse [T, H] float32 natural log (None if the backend has none)."""
+
+    out: Any
+    lse: Any
+    backend: str
+    fallback_reason: str | None = None
+
+
+def _pallas_unavailable_reason() -> str | None:
+    try:
+        devices = jax.devices()
+    except RuntimeError as err:  # no backend at all
+        return f"no JAX devices ({err})"
+    dev = devices[0]
+    if dev.platform != "gpu":
+        return f"JAX's default device is {dev.platform!r}, not an NVIDIA GPU"
+    version = str(getattr(dev.client, "platform_version", "")).lower()
+    if "rocm" in version or "hip" in version:
+        return "JAX runs on ROCm; the Pallas kernel targets NVIDIA GPUs"
+    try:
+        _pallas_decode()
+    except (ImportError, AttributeError) as err:
+        return f"funcmla.attention.pallas.mla_decode is not importable ({err})"
+    return None
+
+
+def _aiter_unavailable_reason() -> str | None:
+    try:
+        aiter_dispatch.load_aiter()
+    except aiter_dispatch.AiterUnavailable as err:
+        return str(err)
+    return None
+
+
+def backend_availability() -> dict[str, str | None]:
+    """Backend name -> None if it can run here, else the reason it cannot."""
+    return {
+        "aiter": _aiter_unavailable_reason(),
+        "pallas": _pallas_unavailable_reason(),
+        "reference": None,
+    }
+
+
+def select_backend(requested: str | None = None) -> str:
+    """Resolve "auto"/None to the first available backend; check an explicit request."""
+    if requested in (None, "auto"):
+        avail = backend_availability()
+        return next(name for name in BACKENDS if avail[name] is None)
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r}; choose from {BACKENDS} or 'auto'")
+    reason = backend_availability()[requested]
+    if reason is not None:
+        raise RuntimeError(f"attention backend {requested!r} was requested but cannot run: {reason}")
+    return requested
+
+
+def _pallas_decode():
+    from funcmla.attention.pallas import mla_decode  # lazy: written separately, may be absent
+
+    return mla_decode
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len",
+                                             "out_dtype"))
+def _reference(q, kv_rows, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head_dim, causal,
+               max_kv_len, out_dtype):
+    out, lse = mla_attention_reference(q, kv_rows, qo_indptr, kv_indptr, kv_indices,
+                                       sm_scale=sm_scale, v_head_dim=v_head_dim, causal=causal,
+                                       max_kv_len=max_kv_len)
+    return out.astype(out_dtype), lse
+
+
+def _rows(kv_pool):
+    """[slots, 1, D] / [slots, 1, 1, D] / [slots, D] -> [slots, D] (a free reshape)."""
+    return kv_pool.reshape(kv_pool.shape[0], kv_pool.shape[-1])
+
+
+def _uniform_s_q(mode, meta) -> int | None:
+    """s_q if every request has the same number of queries (known statically), else None."""
+    if mode == "decode":
+        return 1
+    if mode in ("target_verify", "draft_extend"):
+        return int(meta.num_draft_tokens)
+    return None
+
+
+def mla_attention(
+    q,  # [T, H, 576] torch or JAX
+    kv_pool,  # [slots, 576] / [slots, 1, 576] / [slots, 1, 1, 576], torch or JAX
+    meta,  # funcmla.metadata.ForwardMetadata (JAX) for pallas/reference; torch metadata for aiter
+    *,
+    sm_scale: float,
+    v_head_dim: int = 512,
+    causal: bool = True,
+    backend: str | None = None,
+    max_kv_len: int | None = None,
+    plan=None,
+    num_kv_splits: int | None = None,
+    kv_scale=None,
+    q_scale=None,
+    mode: str | None = None,
+) -> AttentionResult:
+    """Absorbed MLA attention over token-granular metadata on the selected backend.
+
+    max_kv_len: static bound on KV tokens per request for the JAX backends (bucket it to few
+                values to limit recompiles); None means the kv_indices capacity.
+    plan, num_kv_splits, q_scale, kv_scale: AITER only (see aiter_dispatch.mla_decode).
+    mode:       "decode" | "extend" | "target_verify" | "draft_extend"; defaults to `meta.mode`
+                (torch metadata with SGLang's fields has none: pass it). It picks the kernel.
+    The output dtype is q's dtype; lse is float32.
+    """
+    name = select_backend(backend)
+    mode = mode or getattr(meta, "mode", None)
+    if name == "aiter":
+        return _run_aiter(q, kv_pool, meta, mode=mode, sm_scale=sm_scale, v_head_dim=v_head_dim,
+                          causal=causal, plan=plan, num_kv_splits=num_kv_splits,
+                          q_scale=q_scale, kv_scale=kv_scale)
+    from_torch = isinstance(q, torch.Tensor)
+    qj = to_jax(q) if from_torch else q
+    kvj = to_jax(kv_pool) if isinstance(kv_pool, torch.Tensor) else kv_pool
+    kvj = _rows(kvj)
+    fallback = None
+    s_q = _uniform_s_q(mode, meta)
+    if name == "pallas":
+        if not causal:
+            fallback = "the Pallas kernel is causal only"
+        elif s_q is None or s_q > PALLAS_MAX_S_Q:
+            fallback = (f"mode {mode!r} has ragged or long queries; the "
+                        f"Pallas kernel takes s_q <= {PALLAS_MAX_S_Q} queries per request")
+    if name == "pallas" and fallback is None:
+        out, lse = _pallas_decode()(qj, kvj, kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices,
+                                    sm_scale=float(sm_scale), s_q=s_q, max_kv_len=max_kv_len,
+                                    v_head_dim=v_head_dim)
+        out = out.astype(qj.dtype)
+        ran = "pallas"
+    else:
+        out, lse = _reference(qj, kvj, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                              sm_scale=float(sm_scale), v_head_dim=v_head_dim, causal=causal,
+                              max_kv_len=max_kv_len, out_dtype=jnp.dtype(qj.dtype))
+        ran = "reference"
+    if from_torch:
+        out, lse = to_torch(out), to_torch(lse)
+    return AttentionResult(out, lse, ran, fallback)
+
+
+def _run_aiter(q, kv_pool, meta, *, mode, sm_scale, v_head_dim, causal, plan, num_kv_splits, q_scale,
+               kv_scale) -> AttentionResult:
+    if not isinstance(q, torch.Tensor) or not isinstance(kv_pool, torch.Tensor):
+        raise TypeError("the aiter backend takes torch tensors (q, kv_pool)")
+    if not causal:
+        raise ValueError("the AITER MLA path here is causal (bottom-right) only")
+    if num_kv_splits is None:
+        raise ValueError("the aiter backend needs num_kv_splits (always passed to AITER)")
+    if mode not in ("decode", "extend", "target_verify", "draft_extend"):
+        raise ValueError(f"the aiter backend needs mode= (decode/extend/...), got {mode!r}")
+    if mode == "extend":
+        out = aiter_dispatch.mla_prefill(q, kv_pool, meta, sm_scale=sm_scale,
+                                         num_kv_splits=num_kv_splits, v_head_dim=v_head_dim)
+        return AttentionResult(out, None, "aiter")
+    out, lse = aiter_dispatch.mla_decode(q, kv_pool, meta, plan, sm_scale=sm_scale,
+                                         num_kv_splits=num_kv_splits, v_head_dim=v_head_dim,
+                                         q_scale=q_scale, kv_scale=kv_scale)
+    return AttentionResult(out, lse, "aiter")
