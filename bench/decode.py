@@ -1,0 +1,488 @@
+"""Benchmark of the Pallas paged MLA decode kernel (funcmla.attention.pallas) on one GPU.
+
+Measures, in one process:
+  * the HBM ceiling: a 4 GiB device-to-device copy (bytes read + written);
+  * an XLA baseline: jnp gather of the KV rows + einsum softmax einsum, under jit;
+  * the kernel, over heads {16, 128} x batch {1, 32, 128} x context {1k, 4k, 16k} x page size
+    {1, 64} (--quick: context 4k only), random data, several pool copies so L2 (60 MB) never
+    holds the working set.
+
+Timing: one jitted function runs the decode `n` times on distinct (q, pool copy) pairs, so XLA
+cannot merge the calls, and the wall time of that function (after a warm-up, synchronised) is
+divided by `n`; the median over `--reps` repeats is reported. This amortises JAX's per-dispatch
+host cost over `n` back-to-back kernels (n >= 8; 32 for small cases).
+
+Reports time, GB/s (bytes = B*ctx*576*2 + q + out), % of the copy ceiling, TFLOP/s
+(2*B*H*ctx*(576+512)), the ratio to the XLA baseline, and the relative error against a float32
+reference (Precision.HIGHEST). --check runs a correctness sweep first (s_q 1..4, page sizes
+1/16/64, varying lengths with zero-length sequences, NaN in unused pool rows), --big-pool checks
+addressing past 2**31 / 576 slots, --torch measures the torch -> DLPack -> kernel -> torch
+per-call host overhead, --variants times tiling variants on the target cases.
+Writes decode.json and decode.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
+from funcmla.attention.pallas.decode_common import (  # noqa: E402
+    choose_num_splits,
+    num_row_blocks,
+)
+from funcmla.layout import PageTable  # noqa: E402
+
+D, DV = 576, 512
+SM_SCALE = 0.1352337788608801
+HI = jax.lax.Precision.HIGHEST
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------- data
+
+def make_case(key, b: int, h: int, ctx: int, page_size: int, s_q: int, copies: int, n_q: int):
+    """Pool copies [copies][slots, 576], q list, metadata pytree (CSR arrays for page 1, a
+    PageTable else) and the [B, ctx] slot matrix for the XLA baseline."""
+    rows = b * ctx
+    if page_size == 1:
+        slots = rows + 1  # slot 0 reserved
+    else:
+        slots = (b * (ctx // page_size) + 1) * page_size
+    k1, k2, k3 = jax.random.split(key, 3)
+    pools = [jax.random.normal(jax.random.fold_in(k1, c), (slots, D), jnp.bfloat16)
+             for c in range(copies)]
+    qs = [jax.random.normal(jax.random.fold_in(k2, i), (b * s_q, h, D), jnp.bfloat16)
+          for i in range(n_q)]
+    if page_size == 1:
+        perm = jax.random.permutation(k3, jnp.arange(1, slots, dtype=jnp.int32))
+        indptr = jnp.arange(b + 1, dtype=jnp.int32) * ctx
+        meta = dict(kv_indptr=indptr, kv_indices=perm)
+        slot_mat = perm.reshape(b, ctx)
+    else:
+        npages = b * (ctx // page_size)
+        perm = jax.random.permutation(k3, jnp.arange(1, npages + 1, dtype=jnp.int32))
+        table = perm.reshape(b, ctx // page_size)
+        lengths = jnp.full((b,), ctx, jnp.int32)
+        meta = dict(page_table=PageTable(table, lengths, page_size))
+        pos = jnp.arange(ctx, dtype=jnp.int32)
+        slot_mat = table[:, pos // page_size] * page_size + pos % page_size
+    return pools, qs, meta, slot_mat
+
+
+def xla_decode(q, pool, slot_mat, *, s_q: int, sm_scale: float, precision=None):
+    """The XLA baseline: gather [B, L, 576], scores, softmax, PV. Equal-length sequences."""
+    b, ctx = slot_mat.shape
+    t, h, _ = q.shape
+    kv = pool[slot_mat]  # [B, L, D]
+    qr = q.reshape(b, s_q * h, D)
+    s = jnp.einsum("brd,bld->brl", qr, kv, preferred_element_type=jnp.float32,
+                   precision=precision) * sm_scale
+    tok = jnp.arange(s_q * h) // h
+    limit = ctx - s_q + 1 + tok
+    s = jnp.where(jnp.arange(ctx)[None, None, :] < limit[None, :, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    l_ = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("brl,bld->brd", p.astype(kv.dtype) if precision is None else p,
+                   kv[..., :DV], preferred_element_type=jnp.float32, precision=precision)
+    o = o / l_
+    lse = (m + jnp.log(l_))[..., 0]
+    return o.reshape(t, h, DV).astype(q.dtype if precision is None else jnp.float32), \
+        lse.reshape(t, h)
+
+
+def rel_err(a, ref):
+    a = jnp.asarray(a, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm((a - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
+
+
+# ----------------------------------------------------------------------------- timing
+
+def time_calls(fn, args_list, reps: int) -> float:
+    """Median seconds per call of `fn` over args_list, calls batched into one jit."""
+    def many(all_args):
+        return [fn(*a) for a in all_args]
+    jf = jax.jit(many)
+    jax.block_until_ready(jf(args_list))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jf(args_list))
+        ts.append((time.perf_counter() - t0) / len(args_list))
+    return statistics.median(ts)
+
+
+def hbm_ceiling(gib: float = 4.0, reps: int = 10) -> float:
+    n = int(gib * 2**30)
+    x = jax.random.randint(jax.random.PRNGKey(0), (n // 4,), 0, 2**30, jnp.int32)
+    f = jax.jit(lambda v: v + 1)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    t = statistics.median(ts)
+    del x
+    return 2 * n / t
+
+
+# ----------------------------------------------------------------------------- checks
+
+def np_reference(q, pool, slot_lists, s_q, sm_scale):
+    """float64 numpy reference; slot_lists[b] = the sequence's token slots."""
+    q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
+    pool = np.asarray(jnp.asarray(pool, jnp.float32), np.float64)
+    t, h, _ = q.shape
+    out = np.zeros((t, h, DV))
+    lse = np.full((t, h), np.inf)
+    for b, sl in enumerate(slot_lists):
+        kv = pool[np.asarray(sl, np.int64)]
+        for i in range(s_q):
+            vis = min(max(len(sl) - s_q + 1 + i, 0), len(sl))
+            if vis == 0:
+                continue
+            s = q[b * s_q + i] @ kv[:vis].T * sm_scale
+            m = s.max(1, keepdims=True)
+            p = np.exp(s - m)
+            l_ = p.sum(1, keepdims=True)
+            out[b * s_q + i] = p @ kv[:vis, :DV] / l_
+            lse[b * s_q + i] = (m + np.log(l_))[:, 0]
+    return out, lse
+
+
+def correctness_sweep(rng, results):
+    log("== correctness sweep (GPU, vs float64 numpy)")
+    worst = 0.0
+    fails = []
+    cases = []  # every head count x s_q, page sizes 1/16/64 in rotation (each seen 5-6 times)
+    for h in (16, 32, 64, 128):
+        for s_q in (1, 2, 3, 4):
+            cases.append((h, s_q, (1, 16, 64)[len(cases) % 3]))
+    for h, s_q, ps in cases:
+        b = 5
+        lens = rng.integers(0, 700, size=b)
+        lens[1] = 0
+        lens[2] = max(lens[2], 1)
+        max_pages = -(-int(lens.max()) // ps) + 1
+        n_pages = b * max_pages + 1
+        slots = n_pages * ps
+        pool = rng.standard_normal((slots, D)).astype(np.float32)
+        pool[:ps] = np.nan  # reserved page / padding target
+        q = rng.standard_normal((b * s_q, h, D)).astype(np.float32)
+        page_perm = rng.permutation(np.arange(1, n_pages)).astype(np.int32)
+        table = page_perm[: b * max_pages].reshape(b, max_pages).copy()
+        slot_lists = []
+        for i in range(b):
+            np_ = -(-int(lens[i]) // ps)
+            table[i, np_:] = 0  # padded entries
+            pos = np.arange(lens[i])
+            slot_lists.append(table[i, pos // ps] * ps + pos % ps)
+        # poison rows not used by any sequence
+        used = np.zeros(slots, bool)
+        for sl in slot_lists:
+            used[sl] = True
+        pool[~used] = np.nan
+        qb = jnp.asarray(q, jnp.bfloat16)
+        pb = jnp.asarray(pool, jnp.bfloat16)
+        ref_o, ref_l = np_reference(qb, pb, slot_lists, s_q, SM_SCALE)
+        for ns in (None, 1, 3):
+            if ps == 1:
+                indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+                ind = np.zeros(int(indptr[-1]) + 37, np.int32)
+                ind[: indptr[-1]] = np.concatenate(slot_lists) if indptr[-1] else []
+                meta = dict(kv_indptr=jnp.asarray(indptr), kv_indices=jnp.asarray(ind))
+            else:
+                meta = dict(page_table=PageTable(jnp.asarray(table), jnp.asarray(
+                    lens.astype(np.int32)), ps))
+            o, lse = mla_decode(qb, pb, **meta, sm_scale=SM_SCALE, s_q=s_q, num_splits=ns)
+            o = np.asarray(jnp.asarray(o, jnp.float32), np.float64)
+            lse = np.asarray(lse, np.float64)
+            live = np.isfinite(ref_l)
+            err = np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o)
+            ok = (np.isfinite(o).all() and err < 1e-2
+                  and np.allclose(lse[live], ref_l[live], atol=2e-2, rtol=1e-3)
+                  and (lse[~live] == np.inf).all() and (o[~live] == 0).all())
+            worst = max(worst, err)
+            if not ok:
+                fails.append(dict(h=h, s_q=s_q, ps=ps, ns=ns, err=float(err)))
+    log(f"   {len(cases) * 3} runs, worst rel err {worst:.2e}, failures {len(fails)}: {fails[:5]}")
+    results["correctness"] = dict(runs=len(cases) * 3, worst_rel_err=worst, failures=fails)
+    return not fails
+
+
+def big_pool_check(results):
+    """Slots past 2**31 / 576 (the int32 element-offset limit) are addressed correctly."""
+    log("== big-pool check")
+    limit = 2**31 // D
+    slots = limit + 70_000
+    pool = jnp.zeros((slots, D), jnp.bfloat16)
+    key = jax.random.PRNGKey(7)
+    high = jax.random.normal(key, (64, D), jnp.bfloat16)
+    start = slots - 64
+    pool = jax.lax.dynamic_update_slice(pool, high, (start, 0))
+    q = jax.random.normal(jax.random.fold_in(key, 1), (1, 16, D), jnp.bfloat16)
+    indptr = jnp.array([0, 64], jnp.int32)
+    ind = jnp.arange(start, slots, dtype=jnp.int32)
+    o, lse = mla_decode(q, pool, kv_indptr=indptr, kv_indices=ind, sm_scale=SM_SCALE)
+    ref_o, ref_l = np_reference(q, high, [np.arange(64)], 1, SM_SCALE)
+    err = float(np.linalg.norm(np.asarray(o, np.float64) - ref_o) / np.linalg.norm(ref_o))
+    log(f"   pool {slots} slots ({slots * D * 2 / 2**30:.2f} GiB), rows >= {start}: rel err "
+        f"{err:.2e}")
+    results["big_pool"] = dict(slots=slots, pool_gib=slots * D * 2 / 2**30, rel_err=err)
+    del pool
+    return err < 1e-2
+
+
+# ----------------------------------------------------------------------------- bench
+
+def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, baseline=True,
+               s_q=1):
+    kv_bytes = b * ctx * D * 2
+    copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
+    n = max(copies, 32 if kv_bytes < 64e6 else 8)
+    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, ps, s_q, copies, n)
+    # metadata travels as jit arguments (never as baked-in constants)
+    args = [(qs[i], pools[i % copies], meta) for i in range(n)]
+    mkl = dict(max_kv_len=ctx) if ps == 1 else {}
+    kern = lambda q, p, m: mla_decode(q, p, **m, **mkl, sm_scale=SM_SCALE,  # noqa: E731
+                                      s_q=s_q, num_splits=num_splits, config=config)
+    t0 = time.perf_counter()
+    t_k = time_calls(kern, args, reps)
+    t_compile = time.perf_counter() - t0
+    o, lse = jax.jit(kern)(qs[0], pools[0], meta)
+    ref_o, ref_l = jax.jit(lambda q, p, sm: xla_decode(
+        q.astype(jnp.float32), p.astype(jnp.float32), sm, s_q=s_q, sm_scale=SM_SCALE,
+        precision=HI))(qs[0], pools[0], slot_mat)
+    err = rel_err(o, ref_o)
+    lse_err = float(jnp.max(jnp.abs(lse - ref_l)))
+    t_x = None
+    if baseline:
+        xargs = [(qs[i], pools[i % copies], slot_mat) for i in range(n)]
+        base = lambda q, p, sm: xla_decode(q, p, sm, s_q=s_q, sm_scale=SM_SCALE)  # noqa: E731
+        t_x = time_calls(base, xargs, reps)
+    nbytes = kv_bytes + qs[0].size * 2 + b * s_q * h * DV * 2
+    flops = 2 * b * s_q * h * ctx * (D + DV)
+    rows = s_q * h
+    cfg = config
+    bm = cfg.resolved_block_m(rows)
+    ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, cfg)
+    del pools, qs
+    return dict(heads=h, batch=b, ctx=ctx, page_size=ps, s_q=s_q, num_splits=ns, block_m=bm,
+                block_kv=cfg.block_kv, num_stages=cfg.num_stages,
+                num_warps=cfg.resolved_num_warps(bm), copies=copies, calls_per_timing=n,
+                compile_and_time_s=t_compile,
+                time_us=t_k * 1e6, gbps=nbytes / t_k / 1e9, pct_ceiling=100 * nbytes / t_k / ceiling,
+                tflops=flops / t_k / 1e12, rel_err=err, lse_max_abs_err=lse_err,
+                xla_time_us=None if t_x is None else t_x * 1e6,
+                speedup_vs_xla=None if t_x is None else t_x / t_k)
+
+
+def torch_overhead(results, reps=200):
+    """Per-call host cost of torch -> jax.dlpack -> kernel -> torch.from_dlpack."""
+    log("== torch shim overhead")
+    import torch
+
+    b, h, ctx = 1, 16, 1024
+    pools, qs, meta, _ = make_case(jax.random.PRNGKey(3), b, h, ctx, 64, 1, 1, 1)
+    tq = torch.randn(b, h, D, device="cuda", dtype=torch.bfloat16)
+    tpool = torch.from_dlpack(pools[0])
+    g = jax.jit(lambda q, p, m: mla_decode(q, p, **m, sm_scale=SM_SCALE))
+    f = lambda q, p: g(q, p, meta)  # noqa: E731
+
+    def shim(q_t, pool_t):
+        o, lse = f(jax.dlpack.from_dlpack(q_t), jax.dlpack.from_dlpack(pool_t))
+        return torch.from_dlpack(o), torch.from_dlpack(lse)
+
+    qj = jax.dlpack.from_dlpack(tq)
+    for _ in range(20):
+        shim(tq, tpool)
+        jax.block_until_ready(f(qj, pools[0]))
+    torch.cuda.synchronize()
+
+    def per_call(fn, sync):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            r = fn()
+            sync(r)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    t_jax = per_call(lambda: f(qj, pools[0]), jax.block_until_ready)
+    t_shim = per_call(lambda: shim(tq, tpool), lambda r: torch.cuda.synchronize())
+    t_jax_host = per_call(lambda: f(qj, pools[0]), lambda r: None)
+    t_shim_host = per_call(lambda: shim(tq, tpool), lambda r: None)
+    torch.cuda.synchronize()
+    d = dict(case=f"B={b} H={h} ctx={ctx} ps=64", jax_call_synced_us=t_jax * 1e6,
+             shim_call_synced_us=t_shim * 1e6, jax_dispatch_us=t_jax_host * 1e6,
+             shim_dispatch_us=t_shim_host * 1e6,
+             shim_overhead_us=(t_shim - t_jax) * 1e6)
+    log("   " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in d.items()))
+    results["torch_shim"] = d
+
+
+def print_table(rows, title):
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        for r in rows:
+            log(r)
+        return
+    t = Table(title=title)
+    for c in ("H", "B", "ctx", "ps", "splits", "us", "GB/s", "%ceil", "TFLOP/s", "xla us",
+              "x xla", "rel err"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(str(r["heads"]), str(r["batch"]), str(r["ctx"]), str(r["page_size"]),
+                  str(r["num_splits"]), f"{r['time_us']:.1f}", f"{r['gbps']:.0f}",
+                  f"{r['pct_ceiling']:.1f}", f"{r['tflops']:.1f}",
+                  "-" if r["xla_time_us"] is None else f"{r['xla_time_us']:.1f}",
+                  "-" if r["speedup_vs_xla"] is None else f"{r['speedup_vs_xla']:.2f}",
+                  f"{r['rel_err']:.1e}")
+    Console(width=140).print(t)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, h, key, label in ((axes[0], 16, "pct_ceiling", "% of copy ceiling"),
+                              (axes[1], 128, "tflops", "TFLOP/s")):
+        sel = [r for r in rows if r["heads"] == h]
+        names = [f"B{r['batch']}\nL{r['ctx'] // 1024}k\np{r['page_size']}" for r in sel]
+        ax.bar(range(len(sel)), [r[key] for r in sel], label="pallas")
+        if h == 16:
+            ax.axhline(80, color="r", ls="--", label="target 80%")
+        else:
+            ax.axhline(550, color="r", ls="--", label="target 550")
+        ax.set_xticks(range(len(sel)))
+        ax.set_xticklabels(names, fontsize=6)
+        ax.set_title(f"heads {h}: {label}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def dump(results, out):
+    with open(os.path.join(out, "decode.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--quick", action="store_true", help="context 4k only")
+    ap.add_argument("--check", action="store_true", help="correctness sweep first")
+    ap.add_argument("--big-pool", action="store_true", help="addressing past 2**31/576 slots")
+    ap.add_argument("--torch", action="store_true", help="torch shim overhead")
+    ap.add_argument("--variants", action="store_true", help="tiling variants on target cases")
+    ap.add_argument("--no-grid", action="store_true", help="skip the main grid")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--block-m-128", type=int, default=None, help="block_m for 128 heads")
+    ap.add_argument("--num-stages", type=int, default=2)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = dict(device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
+    log(f"jax {jax.__version__} on {jax.devices()[0]}")
+    ok = True
+    rng = np.random.default_rng(0)
+    if args.check:
+        ok &= correctness_sweep(rng, results)
+    if args.big_pool:
+        ok &= big_pool_check(results)
+    if args.torch:
+        try:
+            torch_overhead(results)
+        except Exception as e:  # report, keep benchmarking
+            log(f"   torch shim failed: {type(e).__name__}: {e}")
+            results["torch_shim"] = dict(error=f"{type(e).__name__}: {e}")
+    dump(results, args.out)
+    ceiling = hbm_ceiling()
+    results["hbm_ceiling_gbps"] = ceiling / 1e9
+    log(f"== HBM copy ceiling {ceiling / 1e9:.0f} GB/s")
+
+    def cfg_for(h):
+        bm = args.block_m_128 if h == 128 else None
+        return DecodeKernelConfig(block_m=bm, num_stages=args.num_stages)
+
+    key = jax.random.PRNGKey(0)
+    rows = []
+    if args.variants:
+        log("== variants")
+        var = []
+        for h, b, ctx in ((16, 32, 4096), (128, 32, 4096), (16, 1, 4096)):
+            for bm, bkv, st, nw in ((None, 64, 2, None), (None, 64, 3, None),
+                                    (None, 32, 3, None), (None, 64, 2, 4),
+                                    (32, 64, 2, None), (16, 64, 2, 4)):
+                if h == 16 and bm is not None and bm != 16:
+                    continue
+                for ns in (None,) if b > 1 else (None, 8, 16, 32):
+                    try:
+                        c = DecodeKernelConfig(block_m=bm, block_kv=bkv, num_stages=st,
+                                               num_warps=nw)
+                        r = bench_case(key, h, b, ctx, 64, ceiling, 5, c, ns, baseline=False)
+                        r["num_warps_cfg"] = nw
+                        var.append(r)
+                        log(f"   H{h} B{b} L{ctx} bm={r['block_m']} bkv={bkv} st={st} "
+                            f"nw={r['num_warps']} ns={r['num_splits']}: {r['time_us']:.1f} us "
+                            f"{r['pct_ceiling']:.1f}% {r['tflops']:.0f} TF err {r['rel_err']:.1e}")
+                    except Exception as e:
+                        log(f"   H{h} bm={bm} bkv={bkv} st={st} nw={nw} ns={ns}: FAILED "
+                            f"{type(e).__name__}: {str(e)[:300]}")
+        results["variants"] = var
+        dump(results, args.out)
+    if not args.no_grid:
+        ctxs = (4096,) if args.quick else (1024, 4096, 16384)
+        for h in (16, 128):
+            for b in (1, 32, 128):
+                for ctx in ctxs:
+                    for ps in (1, 64):
+                        try:
+                            r = bench_case(jax.random.fold_in(key, len(rows)), h, b, ctx, ps,
+                                           ceiling, args.reps, cfg_for(h))
+                        except Exception as e:
+                            log(f"   H{h} B{b} L{ctx} p{ps}: FAILED {type(e).__name__}: {e}")
+                            ok = False
+                            continue
+                        rows.append(r)
+                        results["grid"] = rows
+                        dump(results, args.out)
+                        log(f"   H{h} B{b} L{ctx} p{ps}: {r['time_us']:.1f} us, "
+                            f"{r['pct_ceiling']:.1f}% ceil, {r['tflops']:.1f} TF, "
+                            f"x{r['speedup_vs_xla']:.2f} vs XLA, err {r['rel_err']:.1e}")
+        results["grid"] = rows
+    dump(results, args.out)
+    if rows:
+        plot(rows, os.path.join(args.out, "decode.png"))
+        print_table(rows, f"paged MLA decode (ceiling {ceiling / 1e9:.0f} GB/s)")
+    log("OK" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

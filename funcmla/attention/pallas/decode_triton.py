@@ -1,0 +1,280 @@
+"""Absorbed MLA decode over the paged latent pool: a Pallas kernel on the Triton lowering.
+
+One program handles `block_m` folded query rows of one sequence (rows = s_q tokens x H heads,
+token-major, so q[b*s_q:(b+1)*s_q] is one contiguous [s_q*H, 576] slab) against one split of
+that sequence's KV. Each step gathers `block_kv` pool rows by slot id and reads each row once for
+both products: 576 = 512 + 64 is split into two power-of-two loads (the Triton lowering needs
+power-of-two tiles), scores = q_nope.k_nope^T + q_pe.k_pe^T, and the 512-wide k_nope tile doubles
+as V. Online softmax in base 2 with fp32 accumulators; splits are merged by a log-sum-exp combine
+(`decode_common.merge_splits`), skipped when there is one split.
+
+Grid: (row blocks, splits, sequences), row blocks fastest, so the programs that read the same KV
+run side by side and the second read of a tile comes from L2.
+
+Masking: token j of sequence b is visible to query token i (0-based among its s_q tokens) iff
+j < kv_len - s_q + 1 + i (bottom-right causal; with s_q = 1 simply j < kv_len). Gathers past
+kv_len are predicated off and read as 0, so whatever the pool holds there (NaN included) never
+reaches the result. A sequence with kv_len = 0 gives out 0 and lse +inf.
+
+Addressing: slot ids are int32; the Triton lowering computes element offsets in 64-bit once the
+pool exceeds 4 GiB (2**31 bf16 elements), so pools past 2**31 / 576 slots are addressed
+correctly (checked on the GPU in bench/decode.py --big-pool). Pools past 2**31 - 1 rows are
+rejected.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from funcmla.attention.pallas.decode_common import (
+    MAX_POOL_ROWS,
+    DecodeKernelConfig,
+    KVRows,
+    choose_num_splits,
+    kv_rows_from_csr,
+    kv_rows_from_page_table,
+    merge_splits,
+    num_row_blocks,
+)
+from funcmla.layout import PageTable, is_power_of_two
+
+__all__ = ["mla_decode", "mla_decode_rows", "validate_decode_inputs", "DecodeKernelConfig"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _decode_kernel(table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, *,
+                   page_size: int, block_kv: int, num_splits: int, s_q: int, num_heads: int,
+                   d_v: int, d_rope: int, scale_log2: float, final: bool, evict_first: bool):
+    hb = pl.program_id(0)
+    split = pl.program_id(1)
+    b = pl.program_id(2)
+    block_m = q_ref.shape[0]
+    table_len = table_ref.shape[0]
+
+    kv_len = kv_lens_ref[b]
+    start_entry = table_start_ref[b]
+
+    rows = hb * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    tok = rows // num_heads
+    # Bottom-right causal limit per row; padded rows (tok >= s_q) clamp to kv_len.
+    limit = jnp.minimum(kv_len - s_q + 1 + tok, kv_len)
+
+    q_nope = q_ref[:, pl.ds(0, d_v)]
+    q_pe = q_ref[:, pl.ds(d_v, d_rope)]
+
+    total_blocks = (kv_len + block_kv - 1) // block_kv
+    per_split = (total_blocks + num_splits - 1) // num_splits
+    first = split * per_split
+    last = jnp.minimum(first + per_split, total_blocks)
+
+    eviction = "evict_first" if evict_first else None
+    cols_v = lax.broadcasted_iota(jnp.int32, (block_kv, d_v), 1)
+    cols_r = d_v + lax.broadcasted_iota(jnp.int32, (block_kv, d_rope), 1)
+    nt = (((1,), (1,)), ((), ()))
+
+    def body(blk, carry):
+        acc, m_i, l_i = carry
+        pos = blk * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+        in_seq = pos < kv_len
+        entry = jnp.minimum(start_entry + pos // page_size, table_len - 1)
+        ids = table_ref[entry]
+        slot = jnp.where(in_seq, ids * page_size + pos % page_size, 0)
+        # Two 2-D gathers of the same rows (columns [0, 512) and [512, 576)); both indices are
+        # arrays so the interpret-mode discharge can express them as one gather each.
+        rows_k = slot[:, None]
+        mask = jnp.broadcast_to(in_seq[:, None], (block_kv, d_v))
+        k_nope = pltriton.load(
+            kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, d_v)), cols_v], mask=mask,
+            other=0.0, eviction_policy=eviction)
+        mask = jnp.broadcast_to(in_seq[:, None], (block_kv, d_rope))
+        k_pe = pltriton.load(
+            kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, d_rope)), cols_r], mask=mask,
+            other=0.0, eviction_policy=eviction)
+        s = lax.dot_general(q_nope, k_nope, nt, preferred_element_type=jnp.float32)
+        s = s + lax.dot_general(q_pe, k_pe, nt, preferred_element_type=jnp.float32)
+        s = jnp.where(pos[None, :] < limit[:, None], s * scale_log2, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(k_nope.dtype), k_nope, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l_new
+
+    acc = jnp.zeros((block_m, d_v), jnp.float32)
+    m_i = jnp.full((block_m,), -jnp.inf, jnp.float32)
+    l_i = jnp.zeros((block_m,), jnp.float32)
+    acc, m_i, l_i = lax.fori_loop(first, last, body, (acc, m_i, l_i))
+
+    has = l_i > 0.0
+    o_ref[...] = (acc / jnp.where(has, l_i, 1.0)[:, None]).astype(o_ref.dtype)
+    empty = jnp.inf if final else -jnp.inf
+    lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, empty)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
+                                              "interpret", "v_head_dim"))
+def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int = 1,
+                    num_splits: int | None = None, config: DecodeKernelConfig = DecodeKernelConfig(),
+                    v_head_dim: int = 512, interpret: bool = False):
+    """`mla_decode` on a prepared `KVRows` (see there for the arguments)."""
+    t, h, d = q.shape
+    slots, d_pool = kv_pool.shape
+    if d_pool != d:
+        raise ValueError(f"kv_pool row width {d_pool} != q head dim {d} (q {q.shape})")
+    d_rope = d - v_head_dim
+    if not (is_power_of_two(v_head_dim) and is_power_of_two(d_rope) and d_rope >= 16):
+        raise ValueError(
+            f"head dim {d} must be v_head_dim ({v_head_dim}) + a rope part, both powers of two "
+            ">= 16 (the Triton lowering tiles them separately)")
+    if q.dtype != kv_pool.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must both be bf16 or f16")
+    if slots > MAX_POOL_ROWS:
+        raise ValueError(f"kv_pool has {slots} rows; slot ids are int32 (at most {MAX_POOL_ROWS})")
+    if slots < kv.page_size:
+        raise ValueError(f"kv_pool has {slots} rows, fewer than page_size={kv.page_size}")
+    if not isinstance(s_q, int) or s_q <= 0 or t % s_q:
+        raise ValueError(f"s_q={s_q!r} must be a positive int dividing q.shape[0]={t}")
+    b = t // s_q
+    if kv.num_seqs != b:
+        raise ValueError(f"q holds {b} sequences (T={t}, s_q={s_q}) but the KV metadata has "
+                         f"{kv.num_seqs}")
+    rows = s_q * h
+    block_m = config.resolved_block_m(rows)
+    n_rb = num_row_blocks(rows, block_m)
+    rows_pad = n_rb * block_m
+    if num_splits is None:
+        num_splits = choose_num_splits(b, n_rb, kv.max_kv_len, config)
+    if not isinstance(num_splits, int) or num_splits <= 0:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    final = num_splits == 1
+
+    qr = q.reshape(b, rows, d)
+    if rows_pad != rows:
+        qr = jnp.pad(qr, ((0, 0), (0, rows_pad - rows), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel, page_size=kv.page_size, block_kv=config.block_kv, num_splits=num_splits,
+        s_q=s_q, num_heads=h, d_v=v_head_dim, d_rope=d_rope,
+        scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first)
+    o_dtype = q.dtype if final else jnp.float32
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa: E731
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(n_rb, num_splits, b),
+        in_specs=[
+            full(kv.table_start.shape),
+            full(kv.kv_lens.shape),
+            full(kv.table.shape),
+            pl.BlockSpec((None, block_m, d), lambda i, j, k: (k, i, 0)),
+            full(kv_pool.shape),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_m, v_head_dim), lambda i, j, k: (k, j, i, 0)),
+            pl.BlockSpec((None, None, block_m), lambda i, j, k: (k, j, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, num_splits, rows_pad, v_head_dim), o_dtype),
+            jax.ShapeDtypeStruct((b, num_splits, rows_pad), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(
+            num_warps=config.resolved_num_warps(block_m), num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"mla_decode_ps{kv.page_size}_m{block_m}_kv{config.block_kv}",
+    )(kv.table_start, kv.kv_lens, kv.table, qr, kv_pool)
+
+    if final:
+        out, lse_out = o[:, 0], lse[:, 0]
+    else:
+        out, lse_out = merge_splits(o, lse, q.dtype)
+    out = out[:, :rows].reshape(t, h, v_head_dim)
+    lse_out = lse_out[:, :rows].reshape(t, h)
+    return out, lse_out
+
+
+def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None = None,
+               kv_indices: jax.Array | None = None, page_table: PageTable | None = None,
+               sm_scale: float, s_q: int = 1, num_splits: int | None = None,
+               config: DecodeKernelConfig = DecodeKernelConfig(), max_kv_len: int | None = None,
+               v_head_dim: int = 512, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA decode over the paged latent pool.
+
+    q:          [T, H, 576] bf16, T = batch * s_q, token-major (the s_q tokens of a sequence
+                are consecutive).
+    kv_pool:    [slots, 576] bf16; V is the first `v_head_dim` (512) columns of each row.
+    KV metadata, exactly one of:
+      kv_indptr [B+1] int32 (tokens) + kv_indices [capacity] int32 (token slots); page size 1.
+      page_table: funcmla.layout.PageTable (page ids [B, max_pages], lengths [B] in tokens,
+                  static page_size); token t of sequence b is row table[b, t//ps]*ps + t%ps.
+    sm_scale:   softmax scale (static float).
+    s_q:        query tokens per sequence (1..4 for speculative decoding), bottom-right causal.
+    num_splits: split-KV count; None picks it with `decode_common.choose_num_splits`.
+    max_kv_len: static upper bound on KV tokens per sequence for the split rule (token CSR
+                only; defaults to the capacity of kv_indices).
+    interpret:  run in Pallas interpret mode (CPU).
+
+    Returns out [T, H, 512] (q.dtype) and lse [T, H] float32 (natural log); a sequence with no
+    KV gives out 0 and lse +inf. Index values are not checked here (see
+    `validate_decode_inputs` for an eager check); out-of-range positions are never read.
+    """
+    if page_table is not None:
+        if kv_indptr is not None or kv_indices is not None:
+            raise ValueError("pass either page_table or (kv_indptr, kv_indices), not both")
+        if max_kv_len is not None:
+            raise ValueError("max_kv_len is implied by the page table's width")
+        kv = kv_rows_from_page_table(page_table)
+    else:
+        if kv_indptr is None or kv_indices is None:
+            raise ValueError("pass kv_indptr and kv_indices (token CSR) or page_table")
+        kv = kv_rows_from_csr(kv_indptr, kv_indices, max_kv_len)
+    return mla_decode_rows(q, kv_pool, kv, sm_scale=float(sm_scale), s_q=s_q,
+                           num_splits=num_splits, config=config, v_head_dim=v_head_dim,
+                           interpret=interpret)
+
+
+def validate_decode_inputs(kv_pool_rows: int, *, kv_indptr=None, kv_indices=None,
+                           page_table: PageTable | None = None) -> None:
+    """Eager (non-jittable) value check of decode metadata; raises ValueError naming the field.
+
+    Token CSR: kv_indptr starts at 0, is non-decreasing and ends within kv_indices; every live
+    kv_indices entry is in [0, kv_pool_rows). Page table: lengths fit the table width and every
+    live page id p has (p + 1) * page_size <= kv_pool_rows.
+    """
+    import numpy as np
+
+    if page_table is not None:
+        table = np.asarray(page_table.table)
+        lengths = np.asarray(page_table.lengths)
+        ps = page_table.page_size
+        if (lengths < 0).any():
+            raise ValueError(f"page_table.lengths has negative values: {lengths[lengths < 0][:4]}")
+        need = -(-lengths // ps)
+        if (need > table.shape[1]).any():
+            bad = int(np.argmax(need > table.shape[1]))
+            raise ValueError(f"page_table.lengths[{bad}]={lengths[bad]} needs {need[bad]} pages; "
+                             f"the table has {table.shape[1]}")
+        for i, n in enumerate(need):
+            live = table[i, :n]
+            if live.size and (live.min() < 0 or (live.max() + 1) * ps > kv_pool_rows):
+                raise ValueError(f"page_table.table[{i}] has page ids outside "
+                                 f"[0, {kv_pool_rows // ps}): {live.min()}..{live.max()}")
+        return
+    indptr = np.asarray(kv_indptr)
+    indices = np.asarray(kv_indices)
+    if indptr[0] != 0 or (np.diff(indptr) < 0).any() or indptr[-1] > indices.shape[0]:
+        raise ValueError(f"kv_indptr must start at 0, not decrease and end <= "
+                         f"{indices.shape[0]}; got {indptr[:4]}..{indptr[-1]}")
+    live = indices[: indptr[-1]]
+    if live.size and (live.min() < 0 or live.max() >= kv_pool_rows):
+        raise ValueError(f"kv_indices has slots outside [0, {kv_pool_rows}): "
+                         f"{live.min()}..{live.max()}")
+
