@@ -1,0 +1,84 @@
+"""The decode planner's sequential fill as ONE Pallas program (Triton backend on GPU).
+
+A single program walks the qo tiles in order, carrying `(cu, remain)` in registers, and writes
+per tile `(c0, f, m, merged)` (see `funcmla.planners.decode.fill_step`, which it shares with the
+`lax.scan` fallback, so both run the same arithmetic). Tiles are visited in chunks of `chunk`:
+the chunk's inputs are loaded up front as independent scalar loads (so their latencies
+overlap), then the chunk's steps run unrolled; only the carry is sequential.
+
+The Triton backend is deprecated in JAX 0.11 (still shipped); it is the simplest way to run a
+scalar loop over global int32 arrays in one GPU thread block. Off-GPU the same kernel runs in
+Pallas interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from funcmla.planners.decode import FILL_OUT_FIELDS, TILE_FIELDS, FillParams, fill_step
+
+__all__ = ["fill_tiles_pallas", "DEFAULT_CHUNK"]
+
+DEFAULT_CHUNK = 16
+
+
+def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: int):
+    payload = scalars_ref[0]
+    bpc = scalars_ref[1]
+    num_chunks = tiles_ref.shape[0] // chunk
+
+    def body(ci, carry):
+        cu, remain = carry
+        base = ci * chunk
+        rows = [tuple(tiles_ref[base + k, c] for c in range(len(TILE_FIELDS)))
+                for k in range(chunk)]
+        for k in range(chunk):
+            cu, remain, out = fill_step(params, payload, bpc, cu, remain, rows[k])
+            for c in range(len(FILL_OUT_FIELDS)):
+                out_ref[base + k, c] = jnp.asarray(out[c], jnp.int32)
+        return cu, remain
+
+    lax.fori_loop(0, num_chunks, body, (jnp.int32(0), payload))
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
+                      params: FillParams, chunk: int = DEFAULT_CHUNK,
+                      interpret: bool | None = None) -> jax.Array:
+    """Greedy fill in one Pallas program. tiles: int32 [S, 6] (TILE_FIELDS) -> int32 [S, 4]
+    (FILL_OUT_FIELDS). `interpret=None`: compiled (Triton) on GPU, interpreted elsewhere."""
+    if interpret is None:
+        interpret = not _on_gpu()
+    num_slots = tiles.shape[0]
+    chunk = max(1, min(chunk, num_slots))
+    padded = -(-num_slots // chunk) * chunk
+    if padded != num_slots:  # empty slots (n = -1) leave the carry unchanged
+        pad = jnp.zeros((padded - num_slots, tiles.shape[1]), jnp.int32).at[:, 0].set(-1)
+        tiles = jnp.concatenate([tiles, pad])
+    scalars = jnp.stack([jnp.asarray(payload, jnp.int32), jnp.asarray(bpc, jnp.int32)])
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=1, num_stages=1)
+    call = pl.pallas_call(
+        functools.partial(_fill_kernel, params=params, chunk=chunk),
+        out_shape=jax.ShapeDtypeStruct((padded, len(FILL_OUT_FIELDS)), jnp.int32),
+        grid=(1,),
+        interpret=interpret,
+        name="mla_decode_plan_fill",
+        **kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+        out = call(scalars, tiles)
+    return out[:num_slots]
