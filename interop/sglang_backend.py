@@ -275,6 +275,21 @@ def _build_step(req_to_token, inputs, *, mode, batch, capacity, n, pad_to):
     return meta, _layout(pad_to, capacity).pack(fields)
 
 
+def _eager_forward_metadata(buf: torch.Tensor, layout: PackedLayout, batch: int, total: int,
+                            max_q_len: int, max_kv_len: int | None,
+                            num_kv_splits: int | None) -> ForwardMetadata:
+    """SGLang's ForwardMetadata as views of the exported packed buffer (kv_indices cut to the
+    batch's `total` tokens, as SGLang sizes it). The hot path of the per-step hand-off."""
+    off = layout.offsets
+    return ForwardMetadata(
+        buf.as_strided((batch + 1,), (1,), off["kv_indptr"]),
+        buf.as_strided((total,), (1,), off["kv_indices"]),
+        buf.as_strided((batch + 1,), (1,), off["qo_indptr"]),
+        buf.as_strided((batch,), (1,), off["kv_last_page_len"]),
+        max_q_len, max_kv_len, run_graph=False, num_kv_splits=num_kv_splits,
+    )
+
+
 class FuncMLAAttnBackend:
     """SGLang-style absorbed-MLA attention backend; metadata by funcmla (see module docstring).
 
@@ -389,12 +404,10 @@ class FuncMLAAttnBackend:
                                    fb.extend_seq_lens if mode == "extend" else None)
         meta, packed = _build_step(self._req_to_token_jax, inputs, mode=mode, batch=batch,
                                    capacity=capacity, n=n, pad_to=batch)
-        views = _layout(batch, capacity).torch_views(to_torch(packed))  # the step's one export
-        self.forward_metadata = ForwardMetadata(
-            views["kv_indptr"], views["kv_indices"][:total], views["qo_indptr"],
-            views["kv_last_page_len"], max_q, max_kv, run_graph=False,
-            num_kv_splits=self.num_kv_splits,
-        )
+        self.forward_metadata = _eager_forward_metadata(
+            to_torch(packed), _layout(batch, capacity), batch, total, max_q, max_kv,
+            self.num_kv_splits)  # the step's one export, then 4 views
+
         self._jax_meta, self._mode = meta, mode
         self._max_kv_bound = self._kv_bound(mode, max_kv, fb.seq_lens_cpu, n)
 
