@@ -7,6 +7,8 @@
 * `sglang_backend`: an attention backend with SGLang's surface, metadata built by funcmla.
 * `torch_native`:   SGLang's torch-native MLA algorithm restated in torch (the comparison baseline).
 * `torch_csr`:      a CUDA-graph-capturable torch consumer of the static metadata buffers.
+* `testing`:        random paged batches laid out like SGLang's allocator (tests, benchmarks).
+* `launcher`:       funcmla's Pallas decode kernels launched directly on torch tensors.
 
 Core `funcmla` never imports torch; this package does. amd-aiter is imported lazily.
 """

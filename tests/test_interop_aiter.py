@@ -274,3 +274,54 @@ def test_backend_selection_prefers_aiter_when_present_and_reports_it(fake_aiter)
     res = mla_attention(q, kv, _Meta(b, [1, 1]), sm_scale=SCALE, mode="extend",
                         num_kv_splits=16)
     assert res.backend == "aiter" and fake_aiter[1][0] == "mla_prefill_fwd"
+
+
+def test_real_planner_outputs_flow_into_the_kernels(fake_aiter):
+    """funcmla metadata -> funcmla planners -> export (one crossing) -> the AITER calls."""
+    import jax
+
+    from funcmla.config import MI300X, MI355X
+    from funcmla.metadata import decode_metadata
+    from funcmla.planners.decode import DecodePlanConfig, plan_mla_decode
+    from funcmla.planners.decode_sizes import mla_decode_plan_sizes
+    from funcmla.planners.prefill import PrefillPlanConfig, plan_ps_prefill
+
+    b, kv, q = _batch([100, 3, 47, 0], [1, 1, 1, 1], seed=5)
+    meta = decode_metadata(jnp.asarray(b.req_to_token.numpy()),
+                           jnp.asarray(b.req_pool_indices.numpy()),
+                           jnp.asarray(b.seq_lens.numpy()), capacity=256)
+    cfg = DecodePlanConfig(device=MI300X, num_heads=H)
+    plan = jax.jit(plan_mla_decode, static_argnames=("config",))(
+        meta.qo_indptr, meta.kv_indptr, meta.kv_last_page_len, config=cfg)
+    ap = ad.export_work_plan(plan)
+    sizes = mla_decode_plan_sizes(4, cfg)
+    assert ap.work_indptr.shape == sizes.work_indptr == (MI300X.num_cu + 1,)
+    assert ap.work_info_set.shape == sizes.work_info
+    np.testing.assert_array_equal(ap.work_info_set.numpy(), np.asarray(plan.work_info))
+    out, _ = ad.mla_decode(q, kv, _Meta(b, [1, 1, 1, 1]), ap, sm_scale=SCALE, num_kv_splits=32)
+    (_, a), = fake_aiter
+    assert a["work_info_set"] is ap.work_info_set
+    assert a["work_meta_data"].tolist() == [ap.work_indptr.data_ptr(),
+                                           ap.work_info_set.data_ptr()]
+    # prefill PS: the token-granular default plan passes, the legacy page-granular one is refused
+    qo = jnp.array([0, 40, 100], jnp.int32)
+    kvp = jnp.array([0, 300, 400], jnp.int32)
+    ctx = jnp.array([300, 100], jnp.int32)
+    for legacy in (False, True):
+        pcfg = (PrefillPlanConfig.legacy_page_granular(64, device=MI355X, gqa_ratio=8)
+                if legacy else PrefillPlanConfig(device=MI355X, gqa_ratio=8))
+        pap = ad.export_work_plan(plan_ps_prefill(qo, kvp, ctx, config=pcfg))
+        q8 = torch.zeros(100, 8, 192).to(torch.float8_e4m3fn)
+        k8 = torch.zeros(400, 1, 192).to(torch.float8_e4m3fn)
+        v8 = torch.zeros(400, 1, 128).to(torch.float8_e4m3fn)
+        args = (q8, k8, v8, torch.tensor([0, 40, 100], dtype=torch.int32),
+                torch.tensor([0, 300, 400], dtype=torch.int32),
+                torch.arange(400, dtype=torch.int32), pap)
+        if legacy:
+            with pytest.raises(ValueError, match="block_size is 64"):
+                ad.mla_prefill_ps(*args, max_seqlen_q=60, softmax_scale=SCALE)
+        else:
+            ad.mla_prefill_ps(*args, max_seqlen_q=60, softmax_scale=SCALE)
+            name, a = fake_aiter[-2]
+            assert name == "mla_prefill_ps_asm_fwd"
+            assert a["splitData"].shape[0] == pap.reduce_partial_map.shape[0] * 256
