@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
+    merge_splits,
     num_row_blocks,
 )
 from funcmla.layout import PageTable  # noqa: E402
@@ -128,7 +129,11 @@ def time_calls(fn, args_list, reps: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(jf(args_list))
         ts.append((time.perf_counter() - t0) / len(args_list))
+    LAST_SPREAD[:] = [min(ts), max(ts)]
     return statistics.median(ts)
+
+
+LAST_SPREAD = [0.0, 0.0]
 
 
 def hbm_ceiling(gib: float = 4.0, reps: int = 10) -> float:
@@ -144,6 +149,30 @@ def hbm_ceiling(gib: float = 4.0, reps: int = 10) -> float:
     t = statistics.median(ts)
     del x
     return 2 * n / t
+
+
+def torch_copy_ceiling(gib: float = 4.0, reps: int = 10) -> float | None:
+    """The same copy through torch (CUDA events), as a cross-check of the JAX one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    n = int(gib * 2**30)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(ts)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -269,6 +298,7 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     t0 = time.perf_counter()
     t_k = time_calls(kern, args, reps)
     t_compile = time.perf_counter() - t0
+    spread = list(LAST_SPREAD)
     o, lse = jax.jit(kern)(qs[0], pools[0], meta)
     ref_o, ref_l = jax.jit(lambda q, p, sm: xla_decode(
         q.astype(jnp.float32), p.astype(jnp.float32), sm, s_q=s_q, sm_scale=SM_SCALE,
@@ -280,18 +310,28 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
         xargs = [(qs[i], pools[i % copies], slot_mat) for i in range(n)]
         base = lambda q, p, sm: xla_decode(q, p, sm, s_q=s_q, sm_scale=SM_SCALE)  # noqa: E731
         t_x = time_calls(base, xargs, reps)
-    nbytes = kv_bytes + qs[0].size * 2 + b * s_q * h * DV * 2
-    flops = 2 * b * s_q * h * ctx * (D + DV)
     rows = s_q * h
     cfg = config
     bm = cfg.resolved_block_m(rows)
     ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, cfg)
+    t_merge = None
+    if ns > 1:  # the combine alone, on partials of the kernel's shape
+        rp = num_row_blocks(rows, bm) * bm
+        margs = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (b, ns, rp, DV)),
+                  jax.random.normal(jax.random.fold_in(key, 200 + i), (b, ns, rp)))
+                 for i in range(n)]
+        t_merge = time_calls(lambda o_, l_: merge_splits(o_, l_, jnp.bfloat16), margs, reps)
+        del margs
+    nbytes = kv_bytes + qs[0].size * 2 + b * s_q * h * DV * 2
+    flops = 2 * b * s_q * h * ctx * (D + DV)
     del pools, qs
     return dict(heads=h, batch=b, ctx=ctx, page_size=ps, s_q=s_q, num_splits=ns, block_m=bm,
                 block_kv=cfg.block_kv, num_stages=cfg.num_stages,
                 num_warps=cfg.resolved_num_warps(bm), copies=copies, calls_per_timing=n,
                 compile_and_time_s=t_compile,
-                time_us=t_k * 1e6, gbps=nbytes / t_k / 1e9, pct_ceiling=100 * nbytes / t_k / ceiling,
+                waves=cfg.waves, evict_first=cfg.evict_first,
+                time_us=t_k * 1e6, time_us_min=spread[0] * 1e6, time_us_max=spread[1] * 1e6,
+                merge_us=None if t_merge is None else t_merge * 1e6, gbps=nbytes / t_k / 1e9, pct_ceiling=100 * nbytes / t_k / ceiling,
                 tflops=flops / t_k / 1e12, rel_err=err, lse_max_abs_err=lse_err,
                 xla_time_us=None if t_x is None else t_x * 1e6,
                 speedup_vs_xla=None if t_x is None else t_x / t_k)
@@ -333,10 +373,19 @@ def torch_overhead(results, reps=200):
     t_jax_host = per_call(lambda: f(qj, pools[0]), lambda r: None)
     t_shim_host = per_call(lambda: shim(tq, tpool), lambda r: None)
     torch.cuda.synchronize()
+    # pieces of the shim, host time each
+    t_in_q = per_call(lambda: jax.dlpack.from_dlpack(tq), lambda r: None)
+    t_in_pool = per_call(lambda: jax.dlpack.from_dlpack(tpool), lambda r: None)
+    o_j, l_j = f(qj, pools[0])
+    jax.block_until_ready(o_j)
+    t_out = per_call(lambda: torch.from_dlpack(o_j), lambda r: None)
+    torch.cuda.synchronize()
     d = dict(case=f"B={b} H={h} ctx={ctx} ps=64", jax_call_synced_us=t_jax * 1e6,
              shim_call_synced_us=t_shim * 1e6, jax_dispatch_us=t_jax_host * 1e6,
              shim_dispatch_us=t_shim_host * 1e6,
-             shim_overhead_us=(t_shim - t_jax) * 1e6)
+             shim_overhead_us=(t_shim - t_jax) * 1e6,
+             from_dlpack_q_us=t_in_q * 1e6, from_dlpack_pool_us=t_in_pool * 1e6,
+             torch_from_dlpack_out_us=t_out * 1e6)
     log("   " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                           for k, v in d.items()))
     results["torch_shim"] = d
@@ -404,7 +453,7 @@ def main(argv=None):
     ap.add_argument("--no-grid", action="store_true", help="skip the main grid")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--block-m-128", type=int, default=None, help="block_m for 128 heads")
-    ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--num-stages", type=int, default=DecodeKernelConfig().num_stages)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     results = dict(device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
@@ -422,39 +471,81 @@ def main(argv=None):
             log(f"   torch shim failed: {type(e).__name__}: {e}")
             results["torch_shim"] = dict(error=f"{type(e).__name__}: {e}")
     dump(results, args.out)
-    ceiling = hbm_ceiling()
+    jax_ceiling = hbm_ceiling()
+    try:
+        torch_ceiling = torch_copy_ceiling()
+    except Exception as e:  # torch without CUDA
+        log(f"   torch copy failed: {e}")
+        torch_ceiling = None
+    ceiling = max(jax_ceiling, torch_ceiling or 0.0)
     results["hbm_ceiling_gbps"] = ceiling / 1e9
-    log(f"== HBM copy ceiling {ceiling / 1e9:.0f} GB/s")
+    results["copy_jax_gbps"] = jax_ceiling / 1e9
+    results["copy_torch_gbps"] = None if torch_ceiling is None else torch_ceiling / 1e9
+    log(f"== HBM copy ceiling {ceiling / 1e9:.0f} GB/s (jax {jax_ceiling / 1e9:.0f}, torch "
+        f"{(torch_ceiling or 0) / 1e9:.0f})")
 
     def cfg_for(h):
+        if h in tuned:
+            return tuned[h]
         bm = args.block_m_128 if h == 128 else None
         return DecodeKernelConfig(block_m=bm, num_stages=args.num_stages)
 
     key = jax.random.PRNGKey(0)
     rows = []
+    tuned = {}
     if args.variants:
-        log("== variants")
+        log("== variants (the grid then uses the best per head count)")
         var = []
-        for h, b, ctx in ((16, 32, 4096), (128, 32, 4096), (16, 1, 4096)):
-            for bm, bkv, st, nw in ((None, 64, 2, None), (None, 64, 3, None),
-                                    (None, 32, 3, None), (None, 64, 2, 4),
-                                    (32, 64, 2, None), (16, 64, 2, 4)):
-                if h == 16 and bm is not None and bm != 16:
-                    continue
-                for ns in (None,) if b > 1 else (None, 8, 16, 32):
+        C = DecodeKernelConfig
+        sweeps = {
+            16: ([(16, 32, 4096, 1), (16, 128, 4096, 1)], {
+                "st2": C(num_stages=2), "st3": C(num_stages=3),
+                "st3-nw8": C(num_stages=3, num_warps=8),
+                "st3-noevict": C(num_stages=3, evict_first=False),
+                "st3-waves1": C(num_stages=3, waves=1), "st3-waves4": C(num_stages=3, waves=4),
+                "kv32-st4": C(block_kv=32, num_stages=4),
+                "kv32-st4-nw8": C(block_kv=32, num_stages=4, num_warps=8)}),
+            128: ([(128, 32, 4096, 64), (128, 128, 4096, 64)], {
+                "st2": C(num_stages=2), "st3": C(num_stages=3),
+                "st3-waves1": C(num_stages=3, waves=1),
+                "st3-noevict": C(num_stages=3, evict_first=False),
+                "kv32-st4": C(block_kv=32, num_stages=4),
+                "m32-st3-nw4": C(block_m=32, num_stages=3, num_warps=4),
+                "m32-st3-nw8": C(block_m=32, num_stages=3, num_warps=8)}),
+        }
+        for h, (cases, cfgs) in sweeps.items():
+            score = {}
+            for name, c in cfgs.items():
+                tot = 0.0
+                for (hh, b, ctx, ps) in cases:
                     try:
-                        c = DecodeKernelConfig(block_m=bm, block_kv=bkv, num_stages=st,
-                                               num_warps=nw)
-                        r = bench_case(key, h, b, ctx, 64, ceiling, 5, c, ns, baseline=False)
-                        r["num_warps_cfg"] = nw
-                        var.append(r)
-                        log(f"   H{h} B{b} L{ctx} bm={r['block_m']} bkv={bkv} st={st} "
-                            f"nw={r['num_warps']} ns={r['num_splits']}: {r['time_us']:.1f} us "
-                            f"{r['pct_ceiling']:.1f}% {r['tflops']:.0f} TF err {r['rel_err']:.1e}")
+                        r = bench_case(key, hh, b, ctx, ps, ceiling, 5, c, baseline=False)
                     except Exception as e:
-                        log(f"   H{h} bm={bm} bkv={bkv} st={st} nw={nw} ns={ns}: FAILED "
-                            f"{type(e).__name__}: {str(e)[:300]}")
+                        log(f"   H{hh} B{b} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                        tot = math.inf
+                        continue
+                    r["variant"] = name
+                    var.append(r)
+                    tot += r["time_us"] / (b * ctx)
+                    log(f"   H{hh} B{b} L{ctx} p{ps} {name}: ns={r['num_splits']} "
+                        f"{r['time_us']:.1f} us ({r['time_us_min']:.1f}-{r['time_us_max']:.1f})"
+                        f" {r['pct_ceiling']:.1f}% {r['tflops']:.0f} TF merge "
+                        f"{r['merge_us'] or 0:.1f} us err {r['rel_err']:.1e}")
+                score[name] = tot
+            best = min(score, key=score.get)
+            tuned[h] = cfgs[best]
+            log(f"   -> heads {h}: {best} {cfgs[best]}")
+        # batch-1 latency: the split rule's floor on blocks per split
+        for name, c in (("st3-mbs1", C(num_stages=3, min_blocks_per_split=1)),
+                        ("st3-mbs2", C(num_stages=3)),
+                        ("kv32-st4-mbs1", C(block_kv=32, num_stages=4, min_blocks_per_split=1))):
+            r = bench_case(key, 16, 1, 4096, 1, ceiling, 7, c, baseline=False)
+            r["variant"] = name
+            var.append(r)
+            log(f"   H16 B1 L4096 p1 {name}: ns={r['num_splits']} {r['time_us']:.1f} us "
+                f"merge {r['merge_us'] or 0:.1f} us")
         results["variants"] = var
+        results["tuned"] = {str(k): dataclasses.asdict(v) for k, v in tuned.items()}
         dump(results, args.out)
     if not args.no_grid:
         ctxs = (4096,) if args.quick else (1024, 4096, 16384)
@@ -474,7 +565,8 @@ def main(argv=None):
                         dump(results, args.out)
                         log(f"   H{h} B{b} L{ctx} p{ps}: {r['time_us']:.1f} us, "
                             f"{r['pct_ceiling']:.1f}% ceil, {r['tflops']:.1f} TF, "
-                            f"x{r['speedup_vs_xla']:.2f} vs XLA, err {r['rel_err']:.1e}")
+                            f"x{r['speedup_vs_xla']:.2f} vs XLA, merge {r['merge_us'] or 0:.1f}"
+                            f" us, err {r['rel_err']:.1e}")
         results["grid"] = rows
     dump(results, args.out)
     if rows:

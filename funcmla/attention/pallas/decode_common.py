@@ -42,7 +42,8 @@ class DecodeKernelConfig:
                 two >= 16. None: min(64, next power of two >= rows).
     block_kv:   KV tokens per inner-loop step; a power of two >= 16.
     num_warps:  warps per program. None: 4 when block_m <= 16, else 8.
-    num_stages: software-pipelining depth of the KV loads.
+    num_stages: software-pipelining depth of the KV loads (3 was fastest on H200 for 16 and
+                128 heads; see docs/decode_kernel_notes.md).
     num_sms:    multiprocessors the split rule fills (132 on H200).
     waves:      programs per multiprocessor the split rule aims for.
     min_blocks_per_split: the split rule never makes a split shorter than this many KV blocks.
@@ -52,7 +53,7 @@ class DecodeKernelConfig:
     block_m: int | None = None
     block_kv: int = 64
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int = 3
     num_sms: int = 132
     waves: int = 2
     min_blocks_per_split: int = 2

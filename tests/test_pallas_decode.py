@@ -1,0 +1,285 @@
+"""The Pallas paged MLA decode kernel against a float64 dense NumPy reference.
+
+CPU runs use Pallas interpret mode on small, fixed shapes (so each variant compiles once); the
+GPU tests (compiled kernel) skip without a GPU. Unused pool rows, including the reserved page 0
+that padded table entries point at, hold NaN: any read past a sequence's end shows up.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from funcmla.attention.pallas import (
+    DecodeKernelConfig,
+    choose_num_splits,
+    merge_splits,
+    mla_decode,
+    validate_decode_inputs,
+)
+from funcmla.layout import PageTable
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+D, DV = 576, 512
+SCALE = 0.1352
+
+
+def on_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def reference(q, pool, slot_lists, s_q, sm_scale):
+    """float64 dense decode; slot_lists[b] = token slots of sequence b (bottom-right causal)."""
+    q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
+    pool = np.asarray(jnp.asarray(pool, jnp.float32), np.float64)
+    t, h, _ = q.shape
+    out = np.zeros((t, h, DV))
+    lse = np.full((t, h), np.inf)
+    for b, slots in enumerate(slot_lists):
+        kv = pool[np.asarray(slots, np.int64)]
+        for i in range(s_q):
+            vis = min(max(len(slots) - s_q + 1 + i, 0), len(slots))
+            if vis == 0:
+                continue
+            s = q[b * s_q + i] @ kv[:vis].T * sm_scale
+            m = s.max(axis=1, keepdims=True)
+            p = np.exp(s - m)
+            den = p.sum(axis=1, keepdims=True)
+            out[b * s_q + i] = p @ kv[:vis, :DV] / den
+            lse[b * s_q + i] = (m + np.log(den))[:, 0]
+    return out, lse
+
+
+def make_problem(rng, *, batch, heads, s_q, page_size, lens, max_pages, capacity_pad=17):
+    """Random q and pool, a page table (page ids from a permutation of 1..), NaN elsewhere."""
+    n_pages = batch * max_pages + 1
+    slots = n_pages * page_size
+    pool = rng.standard_normal((slots, D)).astype(np.float32)
+    q = rng.standard_normal((batch * s_q, heads, D)).astype(np.float32)
+    perm = rng.permutation(np.arange(1, n_pages)).astype(np.int32)
+    table = perm[: batch * max_pages].reshape(batch, max_pages).copy()
+    slot_lists = []
+    for b in range(batch):
+        used = -(-int(lens[b]) // page_size)
+        table[b, used:] = 0  # padded entries point at the reserved page 0
+        pos = np.arange(lens[b])
+        slot_lists.append((table[b, pos // page_size] * page_size + pos % page_size).astype(
+            np.int32))
+    live = np.zeros(slots, bool)
+    for sl in slot_lists:
+        live[sl] = True
+    pool[~live] = np.nan
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    indices = np.zeros(int(indptr[-1]) + capacity_pad, np.int32)
+    if indptr[-1]:
+        indices[: indptr[-1]] = np.concatenate(slot_lists)
+    return dict(
+        q=jnp.asarray(q, jnp.bfloat16), pool=jnp.asarray(pool, jnp.bfloat16),
+        table=jnp.asarray(table), lens=jnp.asarray(np.asarray(lens, np.int32)),
+        kv_indptr=jnp.asarray(indptr), kv_indices=jnp.asarray(indices), slot_lists=slot_lists)
+
+
+def check(out, lse, ref_out, ref_lse):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    lse = np.asarray(lse, np.float64)
+    assert out.dtype == np.float64 and np.isfinite(out).all(), "NaN/inf in out"
+    live = np.isfinite(ref_lse)
+    assert (lse[~live] == np.inf).all(), "empty rows must have lse +inf"
+    assert (out[~live] == 0).all(), "empty rows must have out 0"
+    if live.any():
+        err = np.linalg.norm(out[live] - ref_out[live]) / np.linalg.norm(ref_out[live])
+        assert err < 1e-2, f"rel err {err}"
+        np.testing.assert_allclose(lse[live], ref_lse[live], rtol=1e-3, atol=2e-2)
+
+
+def run_csr(p, *, s_q, num_splits=None, capacity=None, sm_scale=SCALE, interpret=True,
+            config=DecodeKernelConfig()):
+    return mla_decode(p["q"], p["pool"], kv_indptr=p["kv_indptr"], kv_indices=p["kv_indices"],
+                      sm_scale=sm_scale, s_q=s_q, num_splits=num_splits, config=config,
+                      max_kv_len=capacity, interpret=interpret)
+
+
+def run_pages(p, *, s_q, page_size, num_splits=None, sm_scale=SCALE, interpret=True):
+    pt = PageTable(p["table"], p["lens"], page_size)
+    return mla_decode(p["q"], p["pool"], page_table=pt, sm_scale=sm_scale, s_q=s_q,
+                      num_splits=num_splits, interpret=interpret)
+
+
+# ------------------------------------------------------------------------------- interpret
+
+@pytest.mark.parametrize(
+    "heads,s_q,num_splits",
+    [(16, 1, None), (32, 2, 3), (16, 4, 1), (16, 3, 2)],
+)
+def test_token_csr_matches_reference(heads, s_q, num_splits):
+    rng = np.random.default_rng(heads * 10 + s_q)
+    lens = np.array([150, 0, 3, 97])  # includes a zero-length and a shorter-than-a-block one
+    p = make_problem(rng, batch=4, heads=heads, s_q=s_q, page_size=1, lens=lens, max_pages=160)
+    out, lse = run_csr(p, s_q=s_q, num_splits=num_splits)
+    assert out.shape == (4 * s_q, heads, DV) and out.dtype == jnp.bfloat16
+    assert lse.shape == (4 * s_q, heads) and lse.dtype == jnp.float32
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
+
+
+@pytest.mark.parametrize("page_size,heads,s_q,num_splits", [(16, 16, 3, 2), (64, 32, 1, None)])
+def test_page_table_matches_reference(page_size, heads, s_q, num_splits):
+    rng = np.random.default_rng(page_size + s_q)
+    lens = np.array([0, 130, 64, 1])
+    p = make_problem(rng, batch=4, heads=heads, s_q=s_q, page_size=page_size, lens=lens,
+                     max_pages=-(-130 // page_size) + 1)  # one padded column at least
+    out, lse = run_pages(p, s_q=s_q, page_size=page_size, num_splits=num_splits)
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
+
+
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**31 - 1),
+       lens=st.lists(st.integers(0, 200), min_size=3, max_size=3))
+def test_random_lengths_token_csr(seed, lens):
+    """Any lengths (zero, partial blocks, several blocks) on one compiled shape."""
+    rng = np.random.default_rng(seed)
+    lens = np.array(lens)
+    p = make_problem(rng, batch=3, heads=16, s_q=2, page_size=1, lens=lens, max_pages=200,
+                     capacity_pad=600 - int(lens.sum()))
+    out, lse = run_csr(p, s_q=2, num_splits=2, capacity=200)
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 2, SCALE))
+
+
+def test_split_count_does_not_change_result():
+    rng = np.random.default_rng(5)
+    p = make_problem(rng, batch=2, heads=16, s_q=1, page_size=1, lens=np.array([300, 77]),
+                     max_pages=300)
+    o1, l1 = run_csr(p, s_q=1, num_splits=1)
+    o4, l4 = run_csr(p, s_q=1, num_splits=4)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l4), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o4, np.float32),
+                               atol=2e-2)
+
+
+def test_all_empty_and_scale_parameter():
+    rng = np.random.default_rng(9)
+    p = make_problem(rng, batch=2, heads=16, s_q=1, page_size=1, lens=np.array([0, 0]),
+                     max_pages=4)
+    for ns in (1, 3):
+        out, lse = run_csr(p, s_q=1, num_splits=ns)
+        assert (np.asarray(out, np.float32) == 0).all() and (np.asarray(lse) == np.inf).all()
+    # a different scale is honoured (and differs from the default's result)
+    p = make_problem(rng, batch=2, heads=16, s_q=1, page_size=1, lens=np.array([40, 9]),
+                     max_pages=40)
+    out, lse = run_csr(p, s_q=1, sm_scale=0.03)
+    ref = reference(p["q"], p["pool"], p["slot_lists"], 1, 0.03)
+    check(out, lse, *ref)
+    assert not np.allclose(ref[1], reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE)[1])
+
+
+# ------------------------------------------------------------------------------- pure parts
+
+def test_merge_splits_equals_softmax_over_union():
+    rng = np.random.default_rng(1)
+    s = rng.standard_normal((2, 3, 4, 40))  # [B, 3, 4, 2 splits x 20 keys] scores
+    v = rng.standard_normal((2, 40, DV))
+    parts_o, parts_l = [], []
+    for k in range(2):
+        sk = s[..., 20 * k: 20 * (k + 1)]
+        m = sk.max(-1, keepdims=True)
+        p = np.exp(sk - m)
+        parts_o.append(np.einsum("bxrk,bkd->bxrd", p / p.sum(-1, keepdims=True),
+                                 v[:, 20 * k: 20 * (k + 1)]))
+        parts_l.append((m + np.log(p.sum(-1, keepdims=True)))[..., 0])
+    # fold [B, 3, 4] rows into R=12 and add an empty third split
+    o_part = np.stack([x.reshape(2, 12, DV) for x in parts_o] + [np.zeros((2, 12, DV))], 1)
+    l_part = np.stack([x.reshape(2, 12) for x in parts_l] + [np.full((2, 12), -np.inf)], 1)
+    out, lse = merge_splits(jnp.asarray(o_part, jnp.float32), jnp.asarray(l_part, jnp.float32),
+                            jnp.float32)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    ref_o = np.einsum("bxrk,bkd->bxrd", p / p.sum(-1, keepdims=True), v).reshape(2, 12, DV)
+    ref_l = (m + np.log(p.sum(-1, keepdims=True)))[..., 0].reshape(2, 12)
+    np.testing.assert_allclose(np.asarray(out), ref_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_l, rtol=1e-5, atol=1e-5)
+    out, lse = merge_splits(jnp.zeros((1, 2, 3, DV)), jnp.full((1, 2, 3), -jnp.inf), jnp.float32)
+    assert (np.asarray(out) == 0).all() and (np.asarray(lse) == np.inf).all()
+
+
+def test_split_rule():
+    cfg = DecodeKernelConfig()  # 132 SMs, 2 waves, >= 2 blocks of 64 per split
+    assert choose_num_splits(32, 1, 4096, cfg) == 9  # ceil(264 / 32)
+    assert choose_num_splits(128, 2, 4096, cfg) == 2  # ceil(264 / 256)
+    assert choose_num_splits(1, 1, 4096, cfg) == 32  # capped: 64 blocks // 2
+    assert choose_num_splits(1, 1, 10, cfg) == 1
+    assert choose_num_splits(512, 2, 4096, cfg) == 1
+    assert choose_num_splits(1, 1, 4096, DecodeKernelConfig(min_blocks_per_split=1)) == 64
+
+
+def test_bad_inputs_are_named():
+    rng = np.random.default_rng(2)
+    p = make_problem(rng, batch=2, heads=16, s_q=1, page_size=1, lens=np.array([5, 6]),
+                     max_pages=8)
+    with pytest.raises(ValueError, match="s_q"):
+        run_csr(p, s_q=3)
+    with pytest.raises(TypeError, match="kv_pool"):
+        mla_decode(p["q"], p["pool"].astype(jnp.float32), kv_indptr=p["kv_indptr"],
+                   kv_indices=p["kv_indices"], sm_scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="sequences"):
+        mla_decode(p["q"][:1], p["pool"], kv_indptr=p["kv_indptr"], kv_indices=p["kv_indices"],
+                   sm_scale=SCALE, interpret=True)
+    with pytest.raises(TypeError, match="kv_indices"):
+        mla_decode(p["q"], p["pool"], kv_indptr=p["kv_indptr"],
+                   kv_indices=p["kv_indices"].astype(jnp.uint32), sm_scale=SCALE)
+    with pytest.raises(ValueError, match="not both"):
+        mla_decode(p["q"], p["pool"], kv_indptr=p["kv_indptr"], kv_indices=p["kv_indices"],
+                   page_table=PageTable(p["table"], p["lens"], 1), sm_scale=SCALE)
+    with pytest.raises(ValueError, match="num_splits"):
+        run_csr(p, s_q=1, num_splits=0)
+    with pytest.raises(ValueError, match="block_m"):
+        DecodeKernelConfig(block_m=24)
+    with pytest.raises(ValueError, match="row width"):
+        mla_decode(p["q"], p["pool"][:, :512], kv_indptr=p["kv_indptr"],
+                   kv_indices=p["kv_indices"], sm_scale=SCALE)
+
+
+def test_validate_decode_inputs():
+    indptr = np.array([0, 3, 5], np.int32)
+    validate_decode_inputs(10, kv_indptr=indptr, kv_indices=np.array([1, 2, 3, 4, 9, 99]))
+    with pytest.raises(ValueError, match="kv_indices"):
+        validate_decode_inputs(10, kv_indptr=indptr, kv_indices=np.array([1, 2, 3, 4, 10]))
+    with pytest.raises(ValueError, match="kv_indptr"):
+        validate_decode_inputs(10, kv_indptr=np.array([0, 3, 9]), kv_indices=np.arange(5))
+    table = jnp.array([[1, 2], [3, 0]], jnp.int32)
+    validate_decode_inputs(64, page_table=PageTable(table, jnp.array([20, 16]), 16))
+    with pytest.raises(ValueError, match="page_table.table"):
+        validate_decode_inputs(48, page_table=PageTable(table, jnp.array([20, 16]), 16))
+    with pytest.raises(ValueError, match="page_table.lengths"):
+        validate_decode_inputs(64, page_table=PageTable(table, jnp.array([40, 16]), 16))
+
+
+# ------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not on_gpu(), reason="needs a GPU (compiled Pallas kernel)")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,s_q,page_size", [(16, 1, 1), (128, 2, 64), (64, 4, 16)])
+def test_gpu_kernel_matches_reference(heads, s_q, page_size):
+    rng = np.random.default_rng(heads + s_q)
+    lens = np.array([1000, 0, 64, 513, 7])
+    max_pages = -(-1000 // page_size) + 1
+    p = make_problem(rng, batch=5, heads=heads, s_q=s_q, page_size=page_size, lens=lens,
+                     max_pages=max_pages)
+    if page_size == 1:
+        out, lse = run_csr(p, s_q=s_q, interpret=False)
+    else:
+        out, lse = run_pages(p, s_q=s_q, page_size=page_size, interpret=False)
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
