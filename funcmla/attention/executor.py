@@ -1,0 +1,305 @@
+"""Execute a `WorkPlan` the way AITER's persistent kernels read it: per-work partial attention,
+then a log-sum-exp merge with `mla_reduce_v1` semantics. The executable statement of what a plan
+means (modelled on AITER's `torch_mla_extend_split_kv` + `torch_mla_reduce_v1`).
+
+    q        [T, H, D]    D = 576 (absorbed MLA; prefill plans run these shapes too)
+    kv_pool  [slots, D]   one latent row per token slot; V = kv_pool[:, :v_head_dim]
+    metadata             qo_indptr [B+1] (query tokens), kv_indptr [B+1] (kv_indices entries),
+                         kv_indices [cap] (entries), kv_last_page_len [B] (tokens in the last
+                         entry); `funcmla.metadata.ForwardMetadata` or `PagedKVMetadata`.
+
+One kv_indices entry is `kv_page_size` tokens: a token slot when 1 (token CSR), a page id when
+> 1 (token t of the entry lives at slot `page * kv_page_size + t`). A work of request `b`
+(`batch_idx // qk_batch_ratio`) reads entries `[kv_start, kv_end)`, i.e. batch-local tokens
+`[(kv_start - kv_indptr[b]) * ps, min((kv_end - kv_indptr[b]) * ps, kv_len - kv_offset))`,
+exactly as the kernel does: it reads entries, whatever granularity the planner assumed. That is
+why a plan whose `block_size` differs from `kv_page_size` is refused unless
+`allow_legacy_mismatch=True` (then it runs literally, reproducing the seed's garbage).
+
+Causal masking is bottom-right on absolute positions: query j of a request with q_len queries
+and kv_len keys sees keys `u <= kv_len - q_len + j`. A work with `partial_qo_loc == -1` writes
+final rows (lse +inf and out 0 where no key is visible); otherwise it writes fp32 partial rows
+`partial_qo_loc + (row - qo_start)` with lse -inf where no key is visible. For each reduce group
+with at least two partials (`mla_reduce_v1` skips smaller ones), rows `[qo_start, qo_end)` of
+`reduce_final_map` are merged: `m = max lse_i`, `out = sum e^(lse_i - m) out_i / sum e^(...)`,
+`lse = log(sum) + m`, `+inf` when the sum is 0.
+
+Prefill plans restrict each work to q heads `[q_head_range & 0xFFFF, q_head_range >> 16)`;
+decode plans cover all heads. Decode plans with head folding (`qk_batch_ratio > 1`) index folded
+rows: q is viewed as `(bs, ratio, seqlen, H / ratio)` rows as AITER's `mla_decode_fwd` does
+(aiter-planners.md §4.1.4), and the output is unfolded back.
+
+Static bounds: `max_qo_span` (query rows per work) and `max_kv_span` (tokens per work). A live
+work that exceeds them, or writes partial rows past `max_partials * max_qo_span`, makes the
+whole output NaN (loud, never a silent clamp); `plan_spans` computes them on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funcmla.planners.plan import (
+    BATCH_IDX, KV_END, KV_OFFSET, KV_START, PARTIAL_QO_LOC, QO_END, QO_START, Q_HEAD_RANGE,
+    WorkPlan,
+)
+
+__all__ = ["PagedKVMetadata", "run_work_plan", "plan_spans", "reduce_partials"]
+
+
+class PagedKVMetadata(NamedTuple):
+    """Metadata whose kv_indices entries are pages (AITER decode with page_size > 1).
+
+    qo_indptr [B+1] query tokens; kv_indptr [B+1] pages; kv_indices [cap] page ids;
+    kv_last_page_len [B] tokens in each request's last page. Pass `kv_page_size` to the executor.
+    """
+
+    qo_indptr: jax.Array
+    kv_indptr: jax.Array
+    kv_indices: jax.Array
+    kv_last_page_len: jax.Array
+
+
+def _entry_granularity_check(plan: WorkPlan, metadata, kv_page_size: int, allow: bool) -> None:
+    if getattr(metadata, "granularity", None) == "token" and kv_page_size != 1:
+        raise ValueError(
+            f"kv_page_size={kv_page_size} but the metadata ({type(metadata).__name__}) is "
+            "token-granular: its kv_indices entries are single tokens")
+    if plan.block_size != kv_page_size and not allow:
+        raise ValueError(
+            f"{plan.kind} plan block_size={plan.block_size} but kv_indices entries hold "
+            f"kv_page_size={kv_page_size} token(s): the kernel would read kv_len/{plan.block_size}"
+            " entries per work, not kv_len tokens (sglang#25556). Re-plan with block_size="
+            f"{kv_page_size}, or pass allow_legacy_mismatch=True to reproduce the bug.")
+
+
+def _fold_q(q, *, ratio: int, seqlen: int):
+    """[bs*seqlen, H, D] -> [bs*ratio*seqlen, H/ratio, D], rows ordered (bs, ratio, seqlen)."""
+    t, h, d = q.shape
+    bs = t // seqlen
+    return q.reshape(bs, seqlen, ratio, h // ratio, d).transpose(0, 2, 1, 3, 4).reshape(
+        bs * ratio * seqlen, h // ratio, d)
+
+
+def _unfold(x, *, ratio: int, seqlen: int):
+    """Inverse of `_fold_q` for [rows, Hf, ...] arrays."""
+    rows, hf = x.shape[:2]
+    rest = x.shape[2:]
+    bs = rows // (ratio * seqlen)
+    x = x.reshape((bs, ratio, seqlen, hf) + rest)
+    x = jnp.moveaxis(x, 1, 2)
+    return x.reshape((bs * seqlen, ratio * hf) + rest)
+
+
+def reduce_partials(out, lse, part_out, part_lse, plan: WorkPlan, *, max_qo_span: int):
+    """`mla_reduce_v1`: merge partial rows into final rows for groups with >= 2 partials.
+
+    out [T, H, Dv], lse [T, H]: final rows (overwritten where a group merges);
+    part_out [P, H, Dv], part_lse [P, H]: fp32 partial rows. Returns (out, lse).
+    """
+    num_rows, num_heads = lse.shape
+    ri = plan.reduce_indptr
+    num_entries = plan.reduce_partial_map.shape[0]
+    if num_entries == 0 or plan.num_tiles == 0:
+        return out, lse
+    e = jnp.arange(num_entries, dtype=jnp.int32)
+    grp = jnp.clip(jnp.searchsorted(ri[1:], e, side="right").astype(jnp.int32), 0, plan.num_tiles - 1)
+    m_grp = ri[grp + 1] - ri[grp]
+    e_live = (e < ri[-1]) & (e >= ri[grp]) & (m_grp >= 2)
+    qs, qe = plan.reduce_final_map[grp, 0], plan.reduce_final_map[grp, 1]
+    l = jnp.arange(max_qo_span, dtype=jnp.int32)
+    tgt = qs[:, None] + l[None, :]  # [E, L]
+    ok = e_live[:, None] & (tgt < qe[:, None]) & (tgt >= 0) & (tgt < num_rows)
+    src = plan.reduce_partial_map[:, None] + l[None, :]
+    ok = ok & (src >= 0) & (src < part_lse.shape[0])
+    tgt = jnp.where(ok, tgt, num_rows)
+    src = jnp.where(ok, src, 0)
+    p_lse = part_lse[src]  # [E, L, H]
+    p_out = part_out[src]  # [E, L, H, Dv]
+    m = jnp.full((num_rows + 1, num_heads), -jnp.inf, jnp.float32).at[tgt].max(
+        jnp.where(ok[..., None], p_lse, -jnp.inf), mode="drop")
+    m_t = m[tgt]
+    finite_m = jnp.isfinite(m_t)
+    w = jnp.where(ok[..., None] & finite_m & jnp.isfinite(p_lse), jnp.exp(p_lse - jnp.where(finite_m, m_t, 0.0)), 0.0)
+    den = jnp.zeros((num_rows + 1, num_heads), jnp.float32).at[tgt].add(w, mode="drop")[:num_rows]
+    num = jnp.zeros((num_rows + 1, num_heads, out.shape[-1]), jnp.float32).at[tgt].add(
+        w[..., None] * p_out, mode="drop")[:num_rows]
+    merged = jnp.zeros((num_rows + 1,), bool).at[tgt].set(True, mode="drop")[:num_rows]
+    has = den > 0
+    r_out = jnp.where(has[..., None], num / jnp.where(has, den, 1.0)[..., None], 0.0)
+    r_lse = jnp.where(has, jnp.log(jnp.where(has, den, 1.0)) + m[:num_rows], jnp.inf)
+    out = jnp.where(merged[:, None, None], r_out, out)
+    lse = jnp.where(merged[:, None], r_lse, lse)
+    return out, lse
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "max_qo_span", "max_kv_span", "v_head_dim", "causal",
+                     "kv_page_size", "qk_batch_ratio", "uni_seqlen_qo", "allow_legacy_mismatch",
+                     "work_chunk"),
+)
+def run_work_plan(
+    q: jax.Array,  # [T, H, D]
+    kv_pool: jax.Array,  # [slots, D]
+    metadata,
+    plan: WorkPlan,
+    *,
+    sm_scale: float,
+    max_qo_span: int,
+    max_kv_span: int,
+    v_head_dim: int = 512,
+    causal: bool = True,
+    kv_page_size: int = 1,
+    qk_batch_ratio: int = 1,
+    uni_seqlen_qo: int = -1,
+    allow_legacy_mismatch: bool = False,
+    work_chunk: int = 8,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (out float32 [T, H, v_head_dim], lse float32 [T, H]) as the kernels + reduce would.
+
+    Equals `mla_attention_reference` for every valid plan. `qk_batch_ratio` / `uni_seqlen_qo`
+    describe decode head folding (`DecodePlanConfig.qk_batch_ratio`, `.uni_seqlen_qo`).
+    """
+    _entry_granularity_check(plan, metadata, kv_page_size, allow_legacy_mismatch)
+    if q.ndim != 3 or kv_pool.ndim != 2 or q.shape[-1] != kv_pool.shape[-1]:
+        raise ValueError(f"expected q [T, H, D] and kv_pool [slots, D], got {q.shape}, {kv_pool.shape}")
+    if not 0 < v_head_dim <= kv_pool.shape[-1]:
+        raise ValueError(f"v_head_dim={v_head_dim} must be in (0, {kv_pool.shape[-1]}]")
+    for name, v in (("max_qo_span", max_qo_span), ("max_kv_span", max_kv_span)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    ratio, ps = qk_batch_ratio, kv_page_size
+    num_tokens, num_heads, _ = q.shape
+    qo_indptr = metadata.qo_indptr
+    kv_indptr, kv_indices = metadata.kv_indptr, metadata.kv_indices
+    last_len = metadata.kv_last_page_len
+    batch = kv_indptr.shape[0] - 1
+    if ratio > 1:
+        if plan.kind != "decode" or uni_seqlen_qo < 1 or num_heads % ratio:
+            raise ValueError(
+                f"qk_batch_ratio={ratio} needs a decode plan, uni_seqlen_qo >= 1 (got "
+                f"{uni_seqlen_qo}) and num_heads ({num_heads}) divisible by the ratio")
+        if num_tokens != batch * uni_seqlen_qo:
+            raise ValueError(f"folded decode needs q rows = B * uni_seqlen_qo = {batch * uni_seqlen_qo}, got {num_tokens}")
+        qf = _fold_q(q, ratio=ratio, seqlen=uni_seqlen_qo)
+    else:
+        qf = q
+    rows_f, heads_f, _ = qf.shape
+    hi = jax.lax.Precision.HIGHEST
+    qf32 = qf.astype(jnp.float32)
+    n_entries = kv_indptr[1:] - kv_indptr[:-1]
+    kv_len = jnp.where(n_entries > 0, (n_entries - 1) * ps + last_len, 0)
+    qo_len = qo_indptr[1:] - qo_indptr[:-1]
+
+    wi = plan.work_info
+    w_ids = jnp.arange(plan.max_work, dtype=jnp.int32)
+    live = w_ids < plan.num_works
+    req = jnp.clip(wi[:, BATCH_IDX] // ratio, 0, batch - 1)
+    kb = kv_indptr[req]
+    tok_start = (wi[:, KV_START] - kb) * ps
+    tok_end = jnp.minimum(jnp.minimum((wi[:, KV_END] - kb) * ps, kv_len[req] - wi[:, KV_OFFSET]), kv_len[req])
+    if ratio > 1:
+        q_base = uni_seqlen_qo * wi[:, BATCH_IDX]
+        q_len_w = jnp.full_like(q_base, uni_seqlen_qo)
+    else:
+        q_base, q_len_w = qo_indptr[req], qo_len[req]
+    if plan.kind == "prefill":
+        h_lo, h_hi = wi[:, Q_HEAD_RANGE] & 0xFFFF, wi[:, Q_HEAD_RANGE] >> 16
+    else:
+        h_lo, h_hi = jnp.zeros_like(req), jnp.full_like(req, heads_f)
+    span = tok_end - tok_start
+    n_rows = wi[:, QO_END] - wi[:, QO_START]
+    ploc = wi[:, PARTIAL_QO_LOC]
+    part_rows = plan.reduce_partial_map.shape[0] * max_qo_span
+    overflow = live & ((span > max_kv_span) | (n_rows > max_qo_span)
+                       | ((ploc >= 0) & (ploc + n_rows > part_rows)))
+
+    pos = jnp.arange(max_kv_span, dtype=jnp.int32)
+    lrow = jnp.arange(max_qo_span, dtype=jnp.int32)
+    heads = jnp.arange(heads_f, dtype=jnp.int32)
+
+    def one_work(args):
+        qs, qe, ts, te, kbase, kvl, qb, ql = args
+        u = ts + pos  # batch-local token positions
+        kv_ok = (pos < te - ts) & (u >= 0)
+        entry = kbase + u // ps
+        ent = kv_indices.at[entry].get(mode="fill", fill_value=0)
+        slot = ent * ps + u % ps if ps > 1 else ent
+        k = kv_pool.at[jnp.where(kv_ok, slot, 0)].get(mode="fill", fill_value=0).astype(jnp.float32)
+        rows = qs + lrow
+        row_ok = rows < qe
+        qr = qf32.at[rows].get(mode="fill", fill_value=0)  # [L, Hf, D]
+        vis = kv_ok[None, :] & row_ok[:, None]
+        if causal:
+            vis = vis & (u[None, :] <= kvl - ql + (rows - qb)[:, None])
+        s = jnp.einsum("lhd,sd->lhs", qr, k, precision=hi) * sm_scale
+        s = jnp.where(vis[:, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1)
+        fm = jnp.isfinite(m)
+        p = jnp.where(vis[:, None, :], jnp.exp(s - jnp.where(fm, m, 0.0)[..., None]), 0.0)
+        den = jnp.sum(p, axis=-1)
+        o = jnp.einsum("lhs,sd->lhd", p, k[:, :v_head_dim], precision=hi)
+        has = den > 0
+        o = jnp.where(has[..., None], o / jnp.where(has, den, 1.0)[..., None], 0.0)
+        lse = jnp.where(has, jnp.log(jnp.where(has, den, 1.0)) + jnp.where(fm, m, 0.0), -jnp.inf)
+        return o, lse
+
+    o_w, lse_w = jax.lax.map(
+        one_work,
+        (wi[:, QO_START], wi[:, QO_END], tok_start, tok_end, kb, kv_len[req], q_base, q_len_w),
+        batch_size=max(1, min(work_chunk, plan.max_work)),
+    )  # [W, L, Hf, Dv], [W, L, Hf]
+
+    rows = wi[:, QO_START][:, None] + lrow[None, :]  # [W, L]
+    ok = (live[:, None] & (rows < wi[:, QO_END][:, None]))[:, :, None] & (
+        (heads[None, None, :] >= h_lo[:, None, None]) & (heads[None, None, :] < h_hi[:, None, None]))
+    final = (ploc < 0)[:, None, None] & ok
+    partial = (ploc >= 0)[:, None, None] & ok
+    # Final rows: out 0 and lse +inf where nothing is visible.
+    f_idx = jnp.where(final, rows[:, :, None] * heads_f + heads[None, None, :], rows_f * heads_f)
+    out = jnp.zeros((rows_f * heads_f, v_head_dim), jnp.float32).at[f_idx.reshape(-1)].set(
+        o_w.reshape(-1, v_head_dim), mode="drop")
+    lse_f = jnp.where(jnp.isneginf(lse_w), jnp.inf, lse_w)
+    lse = jnp.full((rows_f * heads_f,), jnp.inf, jnp.float32).at[f_idx.reshape(-1)].set(
+        lse_f.reshape(-1), mode="drop")
+    p_rows = ploc[:, None] + lrow[None, :]
+    p_idx = jnp.where(partial & (p_rows < part_rows)[:, :, None],
+                      p_rows[:, :, None] * heads_f + heads[None, None, :], part_rows * heads_f)
+    part_out = jnp.zeros((part_rows * heads_f, v_head_dim), jnp.float32).at[p_idx.reshape(-1)].set(
+        o_w.reshape(-1, v_head_dim), mode="drop")
+    part_lse = jnp.full((part_rows * heads_f,), -jnp.inf, jnp.float32).at[p_idx.reshape(-1)].set(
+        lse_w.reshape(-1), mode="drop")
+
+    out, lse = reduce_partials(
+        out.reshape(rows_f, heads_f, v_head_dim), lse.reshape(rows_f, heads_f),
+        part_out.reshape(part_rows, heads_f, v_head_dim), part_lse.reshape(part_rows, heads_f),
+        plan, max_qo_span=max_qo_span)
+    bad = jnp.any(overflow)
+    out = jnp.where(bad, jnp.nan, out)
+    lse = jnp.where(bad, jnp.nan, lse)
+    if ratio > 1:
+        out = _unfold(out, ratio=ratio, seqlen=uni_seqlen_qo)
+        lse = _unfold(lse, ratio=ratio, seqlen=uni_seqlen_qo)
+    return out, lse
+
+
+def plan_spans(plan: WorkPlan, metadata, *, kv_page_size: int = 1, qk_batch_ratio: int = 1) -> tuple[int, int]:
+    """Host helper: (max_qo_span, max_kv_span) the live works of `plan` need (at least 1 each),
+    computed with the executor's own range rule. Needs concrete arrays."""
+    wi = np.asarray(plan.work_info)[: int(plan.num_works)]
+    if len(wi) == 0:
+        return 1, 1
+    kv_indptr = np.asarray(metadata.kv_indptr)
+    last = np.asarray(metadata.kv_last_page_len)
+    n = np.diff(kv_indptr)
+    kv_len = np.where(n > 0, (n - 1) * kv_page_size + last, 0)
+    req = np.clip(wi[:, BATCH_IDX] // qk_batch_ratio, 0, len(n) - 1)
+    kb = kv_indptr[req]
+    start = (wi[:, KV_START] - kb) * kv_page_size
+    end = np.minimum(np.minimum((wi[:, KV_END] - kb) * kv_page_size, kv_len[req] - wi[:, KV_OFFSET]), kv_len[req])
+    return max(1, int((wi[:, QO_END] - wi[:, QO_START]).max())), max(1, int((end - start).max()))
