@@ -83,23 +83,25 @@ def _aiter_unavailable_reason() -> str | None:
     return None
 
 
+_REASONS = {
+    "aiter": _aiter_unavailable_reason,
+    "pallas": _pallas_unavailable_reason,
+    "reference": lambda: None,
+}
+
+
 def backend_availability() -> dict[str, str | None]:
     """Backend name -> None if it can run here, else the reason it cannot."""
-    return {
-        "aiter": _aiter_unavailable_reason(),
-        "pallas": _pallas_unavailable_reason(),
-        "reference": None,
-    }
+    return {name: _REASONS[name]() for name in BACKENDS}
 
 
 def select_backend(requested: str | None = None) -> str:
     """Resolve "auto"/None to the first available backend; check an explicit request."""
     if requested in (None, "auto"):
-        avail = backend_availability()
-        return next(name for name in BACKENDS if avail[name] is None)
+        return next(name for name in BACKENDS if _REASONS[name]() is None)
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose from {BACKENDS} or 'auto'")
-    reason = backend_availability()[requested]
+    reason = _REASONS[requested]()
     if reason is not None:
         raise RuntimeError(f"attention backend {requested!r} was requested but cannot run: {reason}")
     return requested
@@ -111,10 +113,19 @@ def _pallas_decode():
     return mla_decode
 
 
+def _dequant(kv_rows, kv_fp8_dtype, kv_scale):
+    """uint8 bytes of an fp8 pool -> float32 values (bitcast inside jit: no copy of the pool)."""
+    if kv_fp8_dtype is None:
+        return kv_rows
+    vals = jax.lax.bitcast_convert_type(kv_rows, kv_fp8_dtype).astype(jnp.float32)
+    return vals if kv_scale is None else vals * kv_scale
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len",
-                                             "out_dtype"))
+                                             "out_dtype", "kv_fp8_dtype", "kv_scale"))
 def _reference(q, kv_rows, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head_dim, causal,
-               max_kv_len, out_dtype):
+               max_kv_len, out_dtype, kv_fp8_dtype=None, kv_scale=None):
+    kv_rows = _dequant(kv_rows, kv_fp8_dtype, kv_scale)
     out, lse = mla_attention_reference(q, kv_rows, qo_indptr, kv_indptr, kv_indices,
                                        sm_scale=sm_scale, v_head_dim=v_head_dim, causal=causal,
                                        max_kv_len=max_kv_len)
@@ -150,14 +161,23 @@ def mla_attention(
     kv_scale=None,
     q_scale=None,
     mode: str | None = None,
+    kv_fp8_dtype=None,
+    return_lse: bool = True,
 ) -> AttentionResult:
     """Absorbed MLA attention over token-granular metadata on the selected backend.
 
     max_kv_len: static bound on KV tokens per request for the JAX backends (bucket it to few
                 values to limit recompiles); None means the kv_indices capacity.
-    plan, num_kv_splits, q_scale, kv_scale: AITER only (see aiter_dispatch.mla_decode).
+    plan, num_kv_splits, q_scale: AITER only (see aiter_dispatch.mla_decode).
+    kv_scale:   AITER's kv_scale; on the JAX backends, the dequant scale of an fp8 pool.
     mode:       "decode" | "extend" | "target_verify" | "draft_extend"; defaults to `meta.mode`
                 (torch metadata with SGLang's fields has none: pass it). It picks the kernel.
+    kv_fp8_dtype: JAX backends: `kv_pool` holds the uint8 bytes of an fp8 cache of this JAX
+                dtype (as `to_jax(..., fp8="bits")` imports it); it is bitcast inside the jitted
+                reference (no copy, later torch writes stay visible) and multiplied by
+                `kv_scale` (a float) if given. The Pallas kernel takes bf16 pools only, so an
+                fp8 pool falls back to the reference.
+    return_lse: False skips exporting lse (one DLPack crossing less per call); lse is None.
     The output dtype is q's dtype; lse is float32.
     """
     name = select_backend(backend)
@@ -173,7 +193,9 @@ def mla_attention(
     fallback = None
     s_q = _uniform_s_q(mode, meta)
     if name == "pallas":
-        if not causal:
+        if kv_fp8_dtype is not None:
+            fallback = "the Pallas kernel reads bf16 KV pools; this pool is fp8"
+        elif not causal:
             fallback = "the Pallas kernel is causal only"
         elif s_q is None or s_q > PALLAS_MAX_S_Q:
             fallback = (f"mode {mode!r} has ragged or long queries; the "
@@ -187,10 +209,16 @@ def mla_attention(
     else:
         out, lse = _reference(qj, kvj, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                               sm_scale=float(sm_scale), v_head_dim=v_head_dim, causal=causal,
-                              max_kv_len=max_kv_len, out_dtype=jnp.dtype(qj.dtype))
+                              max_kv_len=max_kv_len, out_dtype=jnp.dtype(qj.dtype),
+                              kv_fp8_dtype=None if kv_fp8_dtype is None
+                              else jnp.dtype(kv_fp8_dtype),
+                              kv_scale=None if kv_scale is None else float(kv_scale))
         ran = "reference"
+    if not return_lse:
+        lse = None
     if from_torch:
-        out, lse = to_torch(out), to_torch(lse)
+        out = to_torch(out)
+        lse = None if lse is None else to_torch(lse)
     return AttentionResult(out, lse, ran, fallback)
 
 

@@ -359,13 +359,18 @@ class FuncMLAAttnBackend:
         packed = torch.cat([p.to(device=self.device, dtype=torch.int32) for p in parts])
         return to_jax(packed)  # the step's one import
 
-    def _kv_pool_jax(self, layer_id: int) -> jax.Array:
+    def _kv_pool_jax(self, layer_id: int) -> tuple[jax.Array, object]:
+        """(JAX alias of the layer's KV buffer, its fp8 dtype or None), imported once.
+
+        fp8 pools are imported as their uint8 bytes and bitcast inside the jitted attention, so
+        the alias stays live (an eager bitcast would be a stale copy)."""
         buf = self.token_to_kv_pool.get_key_buffer(layer_id)
         cached = self._kv_jax.get(layer_id)
         if cached is None or cached[0] != buf.data_ptr():
-            cached = (buf.data_ptr(), to_jax(buf))  # long-lived: imported once per storage
+            fp8 = FP8_DTYPES.get(buf.dtype)
+            cached = (buf.data_ptr(), to_jax(buf, fp8="bits"), fp8)  # once per storage
             self._kv_jax[layer_id] = cached
-        return cached[1]
+        return cached[1], cached[2]
 
     def _host_scalars(self, mode: str, seq_lens_cpu, n: int, extend_seq_lens_cpu=None):
         seq = [int(s) for s in seq_lens_cpu]
@@ -533,10 +538,13 @@ class FuncMLAAttnBackend:
                 raise RuntimeError(
                     f"the {self.attention_backend!r} backend runs in JAX, which a torch CUDA "
                     "graph cannot capture; capture with the aiter backend, or run eagerly")
-            res = mla_attention(q3, self._kv_pool_jax(layer.layer_id), self._jax_meta,
-                                sm_scale=layer.scaling, v_head_dim=layer.v_head_dim,
-                                causal=causal, backend=self.attention_backend,
-                                max_kv_len=self._max_kv_bound)
+            kv, kv_fp8 = self._kv_pool_jax(layer.layer_id)
+            res = mla_attention(q3, kv, self._jax_meta, sm_scale=layer.scaling,
+                                v_head_dim=layer.v_head_dim, causal=causal,
+                                backend=self.attention_backend, max_kv_len=self._max_kv_bound,
+                                kv_fp8_dtype=kv_fp8,
+                                kv_scale=layer.k_scale if kv_fp8 is not None else None,
+                                return_lse=False)
         self.last_backend = res.backend
         return res.out.reshape(-1, heads * layer.v_head_dim)
 

@@ -362,3 +362,32 @@ def teardown_module(module):
               "SGLang bf16 SDPA):")
         for k, (a, b, c) in ERRORS.items():
             print(f"  {k:16s} {a:.2e}  {b:.2e}  {c:.2e}")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_kv_pool_imported_once_stays_live_across_steps(kv_dtype):
+    """The pool crosses DLPack once; later torch writes (new tokens) must be seen, also for an
+    fp8 pool, which travels as uint8 and is bitcast inside jit (not an eager snapshot)."""
+    rng = np.random.default_rng(16)
+    b = random_paged_batch(rng, prefix_lens=[20, 50], extend_lens=[2, 2], page_size=16,
+                           max_context_len=MAX_CTX, pool_size=8, num_pages=4096 // 16 - 1)
+    pool = MLATokenToKVPool(b.num_slots - 16, 16, kv_dtype, 1)
+    vals = torch.from_numpy(rng.standard_normal(pool.kv_buffer[0].shape).astype(np.float32))
+    pool.set_kv_buffer(RadixAttention(H, SCALE), torch.arange(vals.shape[0]), vals)
+    backend = FuncMLAAttnBackend(b.req_to_token, pool, page_size=16,
+                                 attention_backend="reference")
+    layer = RadixAttention(tp_q_head_num=H, scaling=SCALE)
+    slots = b.out_cache_loc.view(2, 2)
+    for step in range(2):  # decode the two new tokens of each request, one per step
+        seq = b.seq_lens - 1 + step
+        fb = ForwardBatch(ForwardMode.DECODE, 2, b.req_pool_indices, seq, seq, int(seq.sum()),
+                          out_cache_loc=slots[:, step].contiguous())
+        backend.init_forward_metadata(fb)
+        q = torch.from_numpy(rng.standard_normal((2, H, 576)).astype(np.float32)).bfloat16()
+        k = torch.from_numpy(rng.standard_normal((2, 1, 576)).astype(np.float32) * 3)
+        out = backend.forward_decode(q, k.bfloat16(), None, layer, fb)
+        want = torch_native_mla_decode(q, pool.get_key_buffer(0), b.req_to_token,
+                                       b.req_pool_indices, seq, sm_scale=SCALE,
+                                       compute_dtype=torch.float32)
+        assert rel_err(out.view(2, H, 512), want) < 4e-3, step
+    assert len(backend._kv_jax) == 1
