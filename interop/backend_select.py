@@ -123,9 +123,9 @@ def _dequant(kv_rows, kv_fp8_dtype, kv_scale):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len",
                                              "out_dtype", "kv_fp8_dtype", "kv_scale"))
-def _reference(q, kv_rows, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head_dim, causal,
+def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head_dim, causal,
                max_kv_len, out_dtype, kv_fp8_dtype=None, kv_scale=None):
-    kv_rows = _dequant(kv_rows, kv_fp8_dtype, kv_scale)
+    kv_rows = _dequant(_rows(kv_pool), kv_fp8_dtype, kv_scale)
     out, lse = mla_attention_reference(q, kv_rows, qo_indptr, kv_indptr, kv_indices,
                                        sm_scale=sm_scale, v_head_dim=v_head_dim, causal=causal,
                                        max_kv_len=max_kv_len)
@@ -133,8 +133,18 @@ def _reference(q, kv_rows, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head
 
 
 def _rows(kv_pool):
-    """[slots, 1, D] / [slots, 1, 1, D] / [slots, D] -> [slots, D] (a free reshape)."""
+    """[slots, 1, D] / [slots, 1, 1, D] / [slots, D] -> [slots, D].
+
+    Free inside jit only: an eager reshape of the imported pool would copy all of it."""
     return kv_pool.reshape(kv_pool.shape[0], kv_pool.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "max_kv_len", "v_head_dim"))
+def _pallas(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_head_dim):
+    out, lse = _pallas_decode()(q, _rows(kv_pool), kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                sm_scale=sm_scale, s_q=s_q, max_kv_len=max_kv_len,
+                                v_head_dim=v_head_dim)
+    return out.astype(q.dtype), lse
 
 
 def _uniform_s_q(mode, meta) -> int | None:
@@ -189,7 +199,6 @@ def mla_attention(
     from_torch = isinstance(q, torch.Tensor)
     qj = to_jax(q) if from_torch else q
     kvj = to_jax(kv_pool) if isinstance(kv_pool, torch.Tensor) else kv_pool
-    kvj = _rows(kvj)
     fallback = None
     s_q = _uniform_s_q(mode, meta)
     if name == "pallas":
@@ -201,10 +210,8 @@ def mla_attention(
             fallback = (f"mode {mode!r} has ragged or long queries; the "
                         f"Pallas kernel takes s_q <= {PALLAS_MAX_S_Q} queries per request")
     if name == "pallas" and fallback is None:
-        out, lse = _pallas_decode()(qj, kvj, kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices,
-                                    sm_scale=float(sm_scale), s_q=s_q, max_kv_len=max_kv_len,
-                                    v_head_dim=v_head_dim)
-        out = out.astype(qj.dtype)
+        out, lse = _pallas(qj, kvj, meta.kv_indptr, meta.kv_indices, sm_scale=float(sm_scale),
+                           s_q=s_q, max_kv_len=max_kv_len, v_head_dim=v_head_dim)
         ran = "pallas"
     else:
         out, lse = _reference(qj, kvj, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
