@@ -250,13 +250,17 @@ def extract_triton_calls(lowered) -> list[TritonCall]:
                     ptr_divisibility=p["ptr_divisibility"], ptx=p["ptx"]))
             elif target == "__gpu$xla.gpu.triton":
                 geti = lambda k: int(ir.IntegerAttr(_dict_get(config, k)).value)  # noqa: E731
+                ttir = _attr_bytes(_dict_get(config, "ir"))
+                divisibility = ttir_divisibility(ttir_text(ttir))
+                if len(divisibility) != len(operands) + len(results):
+                    raise ValueError(f"Triton IR takes {len(divisibility)} arguments; the custom "
+                                     f"call has {len(operands)} operands + {len(results)} results")
                 calls.append(TritonCall(
                     name=ir.StringAttr(_dict_get(config, "name")).value,
                     grid=(geti("grid_x"), geti("grid_y"), geti("grid_z")),
                     num_warps=geti("num_warps"), num_stages=geti("num_stages"), num_ctas=1,
                     shared_mem_bytes=None, operands=operands, results=results,
-                    ptr_divisibility=(16,) * (len(operands) + len(results)),
-                    ttir=_attr_bytes(_dict_get(config, "ir"))))
+                    ptr_divisibility=divisibility, ttir=ttir))
     return calls
 
 
@@ -352,16 +356,123 @@ def compile_ptx(ptx: str) -> tuple[bytes, str]:
     return ptx.encode() + b"\0", "driver-jit" + (f" (ptxas failed: {errors})" if errors else "")
 
 
-def ptx_from_ttir(call: TritonCall, arch_name: str) -> tuple[str, int]:
-    """Compile a `__gpu$xla.gpu.triton` call's Triton IR with jaxlib's registered handler."""
-    from jax._src.lib import triton as jl_triton
+def ttir_text(call_or_bytecode) -> str:
+    """Triton IR (a TritonCall's, or MLIR bytecode) as text, parsed with jaxlib's dialect."""
+    from jax._src.lib.mlir import ir
+    from jaxlib.triton import dialect as tt_dialect
 
-    if not jl_triton.has_compilation_handler("cuda"):
-        raise LauncherUnavailable("this jaxlib lowers Pallas to Triton IR and has no Triton "
-                                  "compilation handler (install jax[cuda13])")
-    res = jl_triton.compile("cuda", call.ttir, arch_name, num_warps=call.num_warps, num_ctas=1,
-                            num_stages=call.num_stages if call.num_stages is not None else 3)
-    return res.asm, int(res.smem_bytes)
+    raw = call_or_bytecode.ttir if isinstance(call_or_bytecode, TritonCall) else call_or_bytecode
+    ctx = ir.Context()
+    tt_dialect.register_dialect(ctx)
+    with ctx:
+        module = ir.Module.parse(raw)
+        return module.operation.get_asm(enable_debug_info=False)
+
+
+_FUNC_SIG = re.compile(r"tt\.func\s+public\s+@([\w$.]+)\((.*?)\)\s*(?:attributes|\{)", re.S)
+
+
+def ttir_divisibility(text: str) -> tuple[int, ...]:
+    """Pointer divisibility (bytes) the kernel assumes for each argument (1 where unstated)."""
+    m = _FUNC_SIG.search(text)
+    if not m:
+        raise ValueError("no public tt.func in the Triton IR")
+    args = re.split(r",\s*(?=%arg\d+:)", m.group(2).strip())
+    out = []
+    for arg in args:
+        d = re.search(r"tt\.divisibility\s*=\s*(\d+)", arg)
+        out.append(int(d.group(1)) if d else 1)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledImage:
+    """A loadable module image of one kernel, with what a launch needs to know."""
+
+    image: bytes            # cubin (or NUL-terminated PTX for the driver's JIT)
+    entry: str              # kernel symbol
+    num_params: int         # PTX parameters (buffers + Triton's trailing scratch pointers)
+    shared_mem_bytes: int   # dynamic shared memory per block
+    how: str                # which compiler produced `image`
+    ptx: str
+
+
+def _check_params(call: TritonCall, ptx: str) -> tuple[str, int]:
+    entry, params = ptx_entry_params(ptx, call.name if f".entry {call.name}(" in ptx else None)
+    n_buffers = len(call.operands) + len(call.results)
+    if len(params) - n_buffers not in (0, 1, 2) or not all(
+            ".u64" in p or ".b64" in p for p in params):
+        raise LauncherUnavailable(
+            f"{call.name}: PTX entry has {len(params)} parameters {params[:4]}..., expected "
+            f"{n_buffers} buffer pointers plus up to 2 scratch pointers")
+    return entry, len(params)
+
+
+def _compile_ttir_with_triton(call: TritonCall, cc: int) -> CompiledImage:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as err:
+        raise LauncherUnavailable(
+            "this jax lowers Pallas to Triton IR that XLA compiles internally; the launcher "
+            f"compiles it with the `triton` package, which is not importable ({err})") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{call.name}.ttir")
+        with open(path, "w") as f:
+            f.write(ttir_text(call))
+        kernel = triton.compile(path, target=GPUTarget("cuda", cc, 32),
+                                options=dict(num_warps=call.num_warps, num_ctas=1,
+                                             num_stages=3 if call.num_stages is None
+                                             else call.num_stages))
+    md = kernel.metadata
+    for field in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(md, field, 0):
+            raise LauncherUnavailable(f"{call.name} needs Triton {field}={getattr(md, field)}; "
+                                      "the launcher passes no scratch")
+    cluster = tuple(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1))
+    if any(c != 1 for c in cluster):
+        raise LauncherUnavailable(f"{call.name}: cluster dims {cluster} are not supported")
+    if md.num_warps != call.num_warps:
+        raise LauncherUnavailable(f"{call.name}: Triton compiled {md.num_warps} warps, the "
+                                  f"lowering asked for {call.num_warps}")
+    ptx = kernel.asm["ptx"]
+    entry, num_params = _check_params(call, ptx)
+    if entry != md.name:
+        raise LauncherUnavailable(f"{call.name}: PTX entry {entry} != Triton's name {md.name}")
+    return CompiledImage(kernel.asm["cubin"], entry, num_params, int(md.shared),
+                         f"triton {triton.__version__} (TTIR -> cubin)", ptx)
+
+
+def compile_call(call: TritonCall, arch_name: str) -> CompiledImage:
+    """Compile an extracted kernel for compute capability `arch_name` ("9.0"); no GPU needed.
+
+    PTX form: ptxas (else the driver's JIT at load time). Triton-IR form: jaxlib's Triton
+    compilation handler where this jaxlib registers one (the compiler XLA would use), else the
+    `triton` package.
+    """
+    if call.num_ctas != 1:
+        raise LauncherUnavailable(f"{call.name}: clusters (num_ctas={call.num_ctas}) are not "
+                                  "supported")
+    cc = int(arch_name.replace(".", ""))
+    if call.ptx is None:
+        from jax._src.lib import triton as jl_triton
+
+        compile_fn = getattr(jl_triton, "compile", None)
+        has = getattr(jl_triton, "has_compilation_handler", None)
+        if compile_fn is not None and has is not None and has("cuda"):
+            res = compile_fn("cuda", call.ttir, arch_name, num_warps=call.num_warps, num_ctas=1,
+                             num_stages=3 if call.num_stages is None else call.num_stages)
+            call = dataclasses.replace(call, ptx=res.asm, shared_mem_bytes=int(res.smem_bytes))
+        else:
+            return _compile_ttir_with_triton(call, cc)
+    entry, num_params = _check_params(call, call.ptx)
+    image, how = compile_ptx(call.ptx)
+    return CompiledImage(image, entry, num_params, int(call.shared_mem_bytes or 0), how, call.ptx)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_cached(call: TritonCall, arch_name: str) -> CompiledImage:
+    return compile_call(call, arch_name)
 
 
 # ============================================================================ loading / launch
@@ -377,31 +488,20 @@ class LoadedKernel:
 
         from funcmla.interop import _cuda_driver as cd
 
-        if call.num_ctas != 1:
-            raise LauncherUnavailable(f"{call.name}: clusters (num_ctas={call.num_ctas}) are not "
-                                      "supported")
-        ptx, smem = call.ptx, call.shared_mem_bytes
-        if ptx is None:
-            ptx, smem = ptx_from_ttir(call, arch_name)
-        entry, params = ptx_entry_params(ptx, call.name if f".entry {call.name}" in ptx else None)
-        n_buffers = len(call.operands) + len(call.results)
-        extra = len(params) - n_buffers
-        if extra not in (0, 1, 2) or not all(".u64" in p or ".b64" in p for p in params):
-            raise LauncherUnavailable(
-                f"{call.name}: PTX entry has {len(params)} parameters {params[:4]}..., expected "
-                f"{n_buffers} buffer pointers plus up to 2 scratch pointers")
-        self.call, self.entry, self.num_params, self.num_buffers = call, entry, len(params), n_buffers
-        self.ptx = ptx
-        self.image, self.how = compile_ptx(ptx)
+        compiled = _compile_cached(call, arch_name)
+        self.call, self.entry, self.num_params = call, compiled.entry, compiled.num_params
+        self.num_buffers = len(call.operands) + len(call.results)
+        self.ptx, self.image, self.how = compiled.ptx, compiled.image, compiled.how
         drv = cd.driver()
         try:
-            self.module, self.function = drv.load_function(self.image, entry, device_index)
+            self.module, self.function = drv.load_function(self.image, self.entry, device_index)
         except cd.CudaDriverError as err:
-            if not self.how.startswith("ptxas"):
+            if not self.how.startswith("ptxas") and not self.how.startswith("triton"):
                 raise
             # A cubin from a ptxas newer than the driver does not load: let the driver compile.
-            self.image, self.how = ptx.encode() + b"\0", f"driver-jit (cubin refused: {err})"
-            self.module, self.function = drv.load_function(self.image, entry, device_index)
+            self.image, self.how = self.ptx.encode() + b"\0", f"driver-jit (cubin refused: {err})"
+            self.module, self.function = drv.load_function(self.image, self.entry, device_index)
+        smem = compiled.shared_mem_bytes
         self.shared_mem_bytes = int(smem)
         if self.shared_mem_bytes > 48 * 1024:
             optin = drv.device_attribute(device_index,
@@ -448,12 +548,16 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": 
 
 class TensorSpec:
     """What one launcher argument must be: dtype, one of `shapes`, contiguous, on
-    `device_index` (torch's `get_device()`: -1 is the CPU), 16-byte aligned."""
+    `device_index` (torch's `get_device()`: -1 is the CPU), `align`-byte aligned."""
 
-    __slots__ = ("name", "dtype", "shapes", "device_index", "_shape_text")
+    __slots__ = ("name", "dtype", "shapes", "device_index", "align", "_mask", "_shape_text")
 
-    def __init__(self, name: str, dtype, shapes: Sequence[tuple[int, ...]], device_index: int):
+    def __init__(self, name: str, dtype, shapes: Sequence[tuple[int, ...]], device_index: int,
+                 align: int = 16):
         self.name, self.dtype, self.device_index = name, dtype, device_index
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"TensorSpec.align must be a power of two, got {align}")
+        self.align, self._mask = align, align - 1
         self.shapes = frozenset(tuple(s) for s in shapes)
         self._shape_text = " or ".join(str(list(s)) for s in sorted(self.shapes))
 
@@ -482,9 +586,10 @@ class TensorSpec:
             raise LauncherArgumentError(f"{self.name} is on {t.device}; the launcher was "
                                         f"built for {where}")
         ptr = t.data_ptr()
-        if ptr & 15:
-            raise LauncherArgumentError(f"{self.name} data pointer {ptr:#x} is not 16-byte "
-                                        "aligned (a sliced view?); the kernels require it")
+        if ptr & self._mask:
+            raise LauncherArgumentError(f"{self.name} data pointer {ptr:#x} is not {self.align}-"
+                                        "byte aligned (a sliced view?); the compiled kernels "
+                                        "assume it")
         return ptr
 
 
@@ -767,14 +872,17 @@ class DecodeLauncher:
         s, rp, r = plan.num_splits, c.rows_pad, c.rows
         self.padded = rp != r
         self._out_shape, self._lse_shape, self._dtype = (t, h, dv), (t, h), tdt
-        self.q_spec = TensorSpec("q", tdt, [(t, h, d)], device_index)
+        calls = [plan.prep, plan.decode] + ([plan.merge] if plan.merge is not None else [])
+        align = max(max(k.ptr_divisibility) for k in calls)  # what the kernels assume (bytes)
+        self.align = align
+        self.q_spec = TensorSpec("q", tdt, [(t, h, d)], device_index, align)
         self.kv_spec = TensorSpec("kv_pool", tdt, [(c.pool_rows, d), (c.pool_rows, 1, d),
-                                                   (c.pool_rows, 1, 1, d)], device_index)
-        self.indptr_spec = TensorSpec("kv_indptr", torch.int32, [(b + 1,)], device_index)
+                                                   (c.pool_rows, 1, 1, d)], device_index, align)
+        self.indptr_spec = TensorSpec("kv_indptr", torch.int32, [(b + 1,)], device_index, align)
         self.indices_spec = TensorSpec("kv_indices", torch.int32, [(c.kv_capacity,)],
-                                       device_index)
-        self.out_spec = TensorSpec("out", tdt, [(t, h, dv)], device_index)
-        self.lse_spec = TensorSpec("lse", torch.float32, [(t, h)], device_index)
+                                       device_index, align)
+        self.out_spec = TensorSpec("out", tdt, [(t, h, dv)], device_index, align)
+        self.lse_spec = TensorSpec("lse", torch.float32, [(t, h)], device_index, align)
         dev = self.device
         self._kv_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self._q_pad = torch.zeros(b, rp, d, dtype=tdt, device=dev) if self.padded else None

@@ -157,7 +157,44 @@ def test_decode_plan_matches_the_kernel_contract(b, h, s_q, max_kv, splits):
         assert plan.merge.grid == (b, nrb * block_m // L.MERGE_BLOCK_R, 1)
         assert plan.merge.results == (((b, nrb * block_m, 512), "bf16"),
                                       ((b, nrb * block_m), "f32"))
-    assert all(d == 16 for d in plan.decode.ptr_divisibility)
+    assert len(plan.decode.ptr_divisibility) == 7
+    assert all(d in (16, 32) for d in plan.decode.ptr_divisibility)
+
+
+def test_ttir_divisibility_reads_each_argument():
+    text = ("module {\n  tt.func public @k(%arg0: !tt.ptr<i32> {tt.divisibility = 32 : i32}, "
+            "%arg1: !tt.ptr<bf16>, %arg2: !tt.ptr<f32> {tt.divisibility = 16 : i32}) {\n"
+            "    tt.return\n  }\n}")
+    assert L.ttir_divisibility(text) == (32, 1, 16)
+    with pytest.raises(ValueError, match="no public tt.func"):
+        L.ttir_divisibility("module {}")
+
+
+def _triton_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as err:
+        return f"triton not importable ({err})"
+    return _lowering_available()
+
+
+@pytest.mark.skipif(_triton_reason() is not None, reason=str(_triton_reason()))
+def test_extracted_kernels_compile_to_cubin_without_a_gpu():
+    cfg = L.DecodeLaunchConfig(num_seqs=8, num_heads=16, pool_rows=4096, kv_capacity=2048,
+                               max_kv_len=256, sm_scale=SCALE)
+    plan = L.decode_plan(cfg)
+    assert plan.merge is not None
+    for call in (plan.prep, plan.decode, plan.merge):
+        img = L.compile_call(call, "9.0")
+        n = len(call.operands) + len(call.results)
+        assert img.entry == call.name and n <= img.num_params <= n + 2
+        assert img.image[:4] == b"\x7fELF"  # a cubin
+        assert L.ptx_target(img.ptx).startswith("sm_90")
+        entry, params = L.ptx_entry_params(img.ptx, img.entry)
+        assert len(params) == img.num_params
+    assert L.compile_call(plan.decode, "9.0").shared_mem_bytes > 48 * 1024
+    assert L.compile_call(plan.prep, "9.0").shared_mem_bytes == 0
 
 
 @needs_lowering
