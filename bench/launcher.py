@@ -10,6 +10,7 @@ the launch queue never fills and GPU time never leaks into host time):
   jax_jit_decode           jitted `mla_decode` on JAX arrays (same shapes as the launcher)
   dlpack_jit_decode        torch -> jax.dlpack.from_dlpack -> jitted mla_decode -> torch.from_dlpack
   launcher_decode[_alloc]  the launcher (out/lse given | allocated per call)
+  launcher_decode_kvlens   the launcher with kv_lens given too (no prep kernel: one launch less)
   launcher_checks_only     the argument checks alone (4 inputs + 2 outputs)
   launch_only              one raw cuLaunchKernel of the decode kernel (prepared parameters)
   graph_replay_1           torch CUDA graph replay of one launcher call
@@ -168,12 +169,14 @@ def main(argv=None):
         plan = L.decode_plan(cfgs["b8_h16_split"])
         for k in (plan.prep, plan.decode, plan.merge):
             log(k.summary())
-        if plan.decode.ptx:
-            with open(os.path.join(args.out, "decode.ptx"), "w") as f:
-                f.write(plan.decode.ptx)
-            entry, params = L.ptx_entry_params(plan.decode.ptx)
-            log("decode PTX entry", entry, len(params), "params; target",
-                L.ptx_target(plan.decode.ptx))
+        if plan.decode.ttir is not None:
+            with open(os.path.join(args.out, "decode.ttir"), "w") as f:
+                f.write(L.ttir_text(plan.decode))
+        img = L.compile_call(plan.decode, "9.0")
+        with open(os.path.join(args.out, "decode.ptx"), "w") as f:
+            f.write(img.ptx)
+        log("decode kernel compiled:", img.entry, img.num_params, "params,",
+            img.shared_mem_bytes, "B smem, target", L.ptx_target(img.ptx), "by", img.how)
 
     os.makedirs(args.out, exist_ok=True)
     probe()
@@ -372,6 +375,9 @@ def main(argv=None):
                 lambda: lau(q, kv, indptr, indices, out=out, lse=lse), n, sync)
             T[f"launcher_decode_alloc[{name}]"] = host_times_us(
                 lambda: lau(q, kv, indptr, indices), n, sync)
+            kv_lens = (indptr[1:] - indptr[:-1]).contiguous()
+            T[f"launcher_decode_kvlens[{name}]"] = host_times_us(
+                lambda: lau(q, kv, indptr, indices, kv_lens=kv_lens, out=out, lse=lse), n, sync)
 
             def checks_only():
                 lau.q_spec.pointer(q), lau.kv_spec.pointer(kv)

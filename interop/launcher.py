@@ -830,8 +830,11 @@ class DecodeLauncher:
 
     __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576] /
     [pool_rows, 1, 1, 576]), kv_indptr int32 [B+1] (tokens), kv_indices int32 [kv_capacity]
-    (token slots), out=None [T, H, 512], lse=None float32 [T, H]) -> (out, lse).
-    out/lse are allocated (torch.empty) unless given. Results equal `mla_decode` on the same
+    (token slots), kv_lens=None int32 [B], out=None [T, H, 512], lse=None float32 [T, H])
+    -> (out, lse).
+    kv_lens: KV tokens per request; must equal kv_indptr[1:] - kv_indptr[:-1] (not checked: a
+    device read); given (SGLang has it: seq_lens), the prep kernel is skipped (one launch less).
+    out/lse are allocated (torch.empty) unless given; give them for the fastest call. Results equal `mla_decode` on the same
     inputs: bit-identical for num_splits == 1; for num_splits > 1 the combine is the Pallas
     merge kernel (see docs/torch_launcher.md for its measured agreement with XLA's).
     """
@@ -883,6 +886,7 @@ class DecodeLauncher:
                                        device_index, align)
         self.out_spec = TensorSpec("out", tdt, [(t, h, dv)], device_index, align)
         self.lse_spec = TensorSpec("lse", torch.float32, [(t, h)], device_index, align)
+        self.lens_spec = TensorSpec("kv_lens", torch.int32, [(b,)], device_index, align)
         dev = self.device
         self._kv_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self._q_pad = torch.zeros(b, rp, d, dtype=tdt, device=dev) if self.padded else None
@@ -893,8 +897,8 @@ class DecodeLauncher:
             self._out_pad = torch.empty(b, rp, dv, dtype=tdt, device=dev)
             self._lse_pad = torch.empty(b, rp, dtype=torch.float32, device=dev)
         # Fixed pointers, written once.
-        self.prep.args[1] = self._kv_lens.data_ptr()
-        self.decode.args[1] = self._kv_lens.data_ptr()
+        self._kv_lens_ptr = self._kv_lens.data_ptr()
+        self.prep.args[1] = self._kv_lens_ptr
         if self.padded:
             self.decode.args[3] = self._q_pad.data_ptr()
         if s > 1:
@@ -913,11 +917,12 @@ class DecodeLauncher:
         self._empty = torch.empty
         self._stream = stream_fn or _current_raw_stream_fn(torch)
 
-    def __call__(self, q, kv_pool, kv_indptr, kv_indices, *, out=None, lse=None):
+    def __call__(self, q, kv_pool, kv_indptr, kv_indices, *, kv_lens=None, out=None, lse=None):
         q_ptr = self.q_spec.pointer(q)
         kv_ptr = self.kv_spec.pointer(kv_pool)
         indptr_ptr = self.indptr_spec.pointer(kv_indptr)
         indices_ptr = self.indices_spec.pointer(kv_indices)
+        lens_ptr = None if kv_lens is None else self.lens_spec.pointer(kv_lens)
         if out is None:
             out = self._empty(self._out_shape, dtype=self._dtype, device=self.device)
             out_ptr = out.data_ptr()
@@ -930,10 +935,14 @@ class DecodeLauncher:
             lse_ptr = self.lse_spec.pointer(lse)
         stream = self._stream(self.device_index)
         with self._lock:
-            prep, dec = self.prep, self.decode
-            prep.args[0] = indptr_ptr
-            prep.launch(stream)
+            dec = self.decode
             da = dec.args
+            if lens_ptr is None:
+                self.prep.args[0] = indptr_ptr
+                self.prep.launch(stream)
+                da[1] = self._kv_lens_ptr
+            else:
+                da[1] = lens_ptr
             da[0] = indptr_ptr
             da[2] = indices_ptr
             da[4] = kv_ptr

@@ -303,6 +303,14 @@ def test_launcher_wires_pointers_in_kernel_order(splits):
     dec = _FakeKernel.log[1][1]
     assert dec[:5] == (indptr.data_ptr(), kv_lens, indices.data_ptr(), q.data_ptr(),
                        kv.data_ptr())
+    _FakeKernel.log = []
+    lens = torch.zeros(2, dtype=torch.int32)
+    lau(q, kv, indptr, indices, kv_lens=lens, out=out, lse=lse)
+    names_lens = [name for name, _ in _FakeKernel.log]
+    assert names_lens == names[1:]  # no prep launch
+    assert _FakeKernel.log[0][1][1] == lens.data_ptr()
+    with pytest.raises(L.LauncherArgumentError, match="kv_lens has shape"):
+        lau(q, kv, indptr, indices, kv_lens=torch.zeros(3, dtype=torch.int32))
     final = _FakeKernel.log[-1][1]
     o_at = 5 if splits == 1 else 2
     assert final[o_at:o_at + 2] == (out.data_ptr(), lse.data_ptr())
@@ -451,6 +459,10 @@ def test_gpu_single_split_is_bit_identical_to_jax(b, h, s_q):
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
     assert torch.equal(lse.view(torch.int32), ref_lse.view(torch.int32))
+    out2, lse2 = lau(q, kv, indptr, indices, kv_lens=(indptr[1:] - indptr[:-1]).contiguous())
+    torch.cuda.synchronize()
+    assert torch.equal(out2.view(torch.int16), out.view(torch.int16))
+    assert torch.equal(lse2.view(torch.int32), lse.view(torch.int32))
 
 
 @gpu
