@@ -83,6 +83,11 @@ __all__ = [
     "merge_splits_pallas",
     "kv_lens_pallas",
     "MERGE_CONTRACT",
+    "compile_call",
+    "ttir_text",
+    "ttir_divisibility",
+    "torch_decode",
+    "torch_decode_unsupported_reason",
 ]
 
 
@@ -1013,3 +1018,62 @@ def decode_launcher(config: DecodeLaunchConfig, device=None) -> DecodeLauncher:
             launcher = DecodeLauncher(decode_plan(config), torch.device("cuda", index))
             _LAUNCHERS[key] = launcher
     return launcher
+
+
+# ============================================================================ torch entry point
+_TORCH_KEYED: dict[tuple, DecodeLauncher] = {}
+
+
+def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | None:
+    """None if `torch_decode` can run these inputs, else why not (the caller then falls back to
+    the DLPack + jit path). Checks kinds only (torch CUDA tensors, bf16/f16 q and pool, int32
+    metadata) and the launcher's availability; shapes and layout are checked by the call."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    for name, t in (("q", q), ("kv_pool", kv_pool), ("kv_indptr", kv_indptr),
+                    ("kv_indices", kv_indices)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a torch.Tensor ({type(t).__name__})"
+        if not t.is_cuda:
+            return f"{name} is on {t.device}, not a CUDA device"
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv_pool.dtype != q.dtype:
+        return f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must both be bf16 or f16"
+    if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
+        return "kv_indptr and kv_indices must be int32"
+    return launcher_unavailable_reason()
+
+
+def torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int = 1,
+                 max_kv_len: int | None = None, num_splits: int | None = None,
+                 v_head_dim: int = 512, kv_lens=None, out=None, lse=None,
+                 kernel: DecodeKernelConfig = DecodeKernelConfig()):
+    """`mla_decode` on torch CUDA tensors through the launcher of their static configuration
+    (derived from the shapes; built once per configuration and cached).
+
+    q [B*s_q, H, D], kv_pool [rows, D] / [rows, 1, D] / [rows, 1, 1, D], kv_indptr int32 [B+1],
+    kv_indices int32 [capacity] -> (out [B*s_q, H, v_head_dim], lse float32 [B*s_q, H]).
+    Raises LauncherUnavailable where the launcher cannot run (see
+    `torch_decode_unsupported_reason`), LauncherArgumentError for misuse.
+    """
+    key = (tuple(q.shape), kv_pool.shape[0], kv_pool.shape[-1], kv_indptr.shape[0],
+           kv_indices.shape[0], q.dtype, float(sm_scale), s_q, max_kv_len, num_splits,
+           v_head_dim, kernel, q.get_device())
+    launcher = _TORCH_KEYED.get(key)
+    if launcher is None:
+        reason = torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices)
+        if reason is not None:
+            raise LauncherUnavailable(reason)
+        if q.dim() != 3 or kv_indptr.dim() != 1 or q.shape[0] != (kv_indptr.shape[0] - 1) * s_q:
+            raise LauncherArgumentError(
+                f"q {list(q.shape)} must be [B * s_q, H, D] with B = kv_indptr.shape[0] - 1 = "
+                f"{kv_indptr.shape[0] - 1} and s_q = {s_q}")
+        config = DecodeLaunchConfig(
+            num_seqs=kv_indptr.shape[0] - 1, num_heads=q.shape[1], pool_rows=kv_pool.shape[0],
+            kv_capacity=kv_indices.shape[0], sm_scale=float(sm_scale), s_q=s_q,
+            max_kv_len=max_kv_len, num_splits=num_splits, head_dim=q.shape[2],
+            v_head_dim=v_head_dim, dtype=str(q.dtype).removeprefix("torch."), kernel=kernel)
+        launcher = decode_launcher(config, q.device)
+        _TORCH_KEYED[key] = launcher
+    return launcher(q, kv_pool, kv_indptr, kv_indices, kv_lens=kv_lens, out=out, lse=lse)

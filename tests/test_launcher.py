@@ -360,6 +360,15 @@ def test_padded_rows_copy_through_scratch():
     assert bool((out == 3).all()) and bool((lse == 5).all())
 
 
+def test_torch_decode_reports_why_it_cannot_run():
+    q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    ip, ix = torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    assert "not a torch.Tensor" in L.torch_decode_unsupported_reason(np.zeros(3), q, ip, ix)
+    assert "q is on cpu" in L.torch_decode_unsupported_reason(q, q, ip, ix)
+    with pytest.raises(L.LauncherUnavailable, match="q is on cpu"):
+        L.torch_decode(q, q, ip, ix, sm_scale=SCALE)
+
+
 # ----------------------------------------------------------------------------- own kernels
 def test_kv_lens_kernel_interpret():
     rng = np.random.default_rng(0)
@@ -459,6 +468,9 @@ def test_gpu_single_split_is_bit_identical_to_jax(b, h, s_q):
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
     assert torch.equal(lse.view(torch.int32), ref_lse.view(torch.int32))
+    out3, lse3 = L.torch_decode(q, kv, indptr, indices, sm_scale=SCALE, s_q=s_q, max_kv_len=512,
+                                num_splits=1)
+    assert torch.equal(out3.view(torch.int16), out.view(torch.int16))
     out2, lse2 = lau(q, kv, indptr, indices, kv_lens=(indptr[1:] - indptr[:-1]).contiguous())
     torch.cuda.synchronize()
     assert torch.equal(out2.view(torch.int16), out.view(torch.int16))
