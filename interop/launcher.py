@@ -3,43 +3,48 @@
 The mechanism (evidence and alternatives in docs/torch_launcher.md):
 
 1. **Extract.** A Pallas call on the Triton lowering becomes one XLA custom call when a jitted
-   function is lowered. `extract_triton_calls` walks the lowered StableHLO and reads it back:
-   with jaxlib > 0.10.2 it is `triton_kernel_call_ffi`, whose backend config is a zlib-compressed
-   `jax_triton.TritonAnyKernelCall` protobuf holding the PTX that jaxlib's own Triton compiled,
-   the kernel name, warps, shared memory and grid; with jaxlib <= 0.10.2 it is
-   `__gpu$xla.gpu.triton` holding Triton IR, which jaxlib's registered Triton compilation handler
-   turns into the same PTX. Lowering needs no data and, for the first form, no GPU.
-2. **Compile and load.** PTX -> cubin with `ptxas` (the CUDA 13 one JAX uses, else Triton's,
-   else the toolkit's), else by the driver's JIT; `cuModuleLoadDataEx` + `cuModuleGetFunction`
-   in the device's primary context (the one torch uses); the dynamic shared-memory limit is
-   raised when a kernel needs more than 48 KiB. The same PTX runs as under XLA, so the kernel's
-   results are bit-identical to the JAX path's.
-3. **Launch.** `cuLaunchKernel` through ctypes (`funcmla.interop._cuda_driver`) on
-   `torch.cuda.current_stream()`, with a kernel-parameter array built once per kernel: a call
-   writes the new device pointers into it and launches. Triton's ABI takes two trailing pointer
-   parameters (global and profile scratch) that Pallas kernels do not use; they are passed as
-   null, as jaxlib does. Launches on a capturing stream are captured by CUDA graphs; replays run
-   the kernels on whatever the captured buffers then hold.
+   function is lowered; lowering needs no data and no GPU. `extract_triton_calls` walks the
+   lowered StableHLO and reads each call back: grid, warps, stages, operand/result types, and
+   the kernel itself. jax 0.10.2 and 0.11.2 (seen on the H200 image) emit
+   `__gpu$xla.gpu.triton`, holding the kernel's Triton IR (MLIR bytecode) that XLA compiles
+   internally; some jaxlib versions emit `triton_kernel_call_ffi`, whose backend config is a
+   zlib-compressed `jax_triton.TritonAnyKernelCall` protobuf holding PTX (both are read).
+2. **Compile** (`compile_call`, no GPU needed). Triton IR -> PTX with jaxlib's Triton
+   compilation handler where one is registered, else -> cubin with the `triton` package (3.6 on
+   the H200 image; jaxlib's IR is printed as text with jaxlib's Triton dialect and compiled as a
+   .ttir source). PTX -> cubin with ptxas (the driver's JIT as a last resort).
+3. **Load** the image with `cuModuleLoadDataEx` in the device's primary context (torch's), and
+   raise the dynamic shared-memory limit when a kernel needs more than 48 KiB.
+4. **Launch.** `cuLaunchKernel` through ctypes (`funcmla.interop._cuda_driver`) on
+   `torch.cuda.current_stream()` (read with `torch._C._cuda_getCurrentRawStream`), with a
+   kernel-parameter array built once per kernel: a call writes the new device pointers into it
+   and launches. Triton's ABI appends two pointer parameters (global and profile scratch) that
+   these kernels do not use (checked: zero scratch sizes); they are passed as null, as jaxlib
+   does. Launches on a capturing stream are captured by CUDA graphs; replays run the kernels
+   on whatever the captured buffers then hold.
 
 Each launcher checks every tensor before any launch: dtype, shape (against the compiled static
-configuration), contiguity, device and 16-byte alignment (the kernels assume it). A failed check
-raises `LauncherArgumentError` (a ValueError) naming the argument, and nothing is launched.
-Index *values* are not checked (that would need a device sync); `validate_decode_inputs` does
-that eagerly.
+configuration), contiguity, device and alignment (the kernels' Triton IR declares
+`tt.divisibility = 32` on every pointer, so 32 bytes). A failed check raises
+`LauncherArgumentError` (a ValueError) naming the argument, and nothing is launched. Index
+*values* are not checked (that would need a device sync); `validate_decode_inputs` does that
+eagerly.
 
-The decode launcher (`decode_launcher`) runs, per call:
-  prep kernel  (Pallas, here):   kv_lens[b] = kv_indptr[b+1] - kv_indptr[b]
+The decode launcher (`decode_launcher`, or `torch_decode` keyed by shapes) runs, per call:
+  prep kernel  (Pallas, here; skipped when the caller passes kv_lens):
+               kv_lens[b] = kv_indptr[b+1] - kv_indptr[b]
   decode kernel (Pallas, funcmla.attention.pallas.decode_triton): its pallas_call, extracted
                from `mla_decode_rows`, with table_start = kv_indptr (its first B entries);
   merge kernel (Pallas, here; only when num_splits > 1): the log-sum-exp combine of
-               `decode_common.merge_splits`, with IEEE division and natural-log LSE.
+               `decode_common.merge_splits`, with IEEE (.rn) multiply, add and divide.
 q and out alias the kernels' [B, rows, D] blocks directly when rows (= s_q * heads) is a
 multiple of the kernel's row block; otherwise q is copied into a zero-padded buffer and the
 result copied out (two extra torch copies, still capturable).
 
 Limits: one launcher's scratch (kv_lens, split partials) is shared by its calls, so calls of one
 launcher must not run concurrently on different streams; a launcher instance is guarded by a
-lock against concurrent host threads. NVIDIA GPUs only; no ROCm.
+lock against concurrent host threads. NVIDIA GPUs only; no ROCm. fp8 pools are not taken (the
+decode kernel reads bf16/f16).
 """
 
 from __future__ import annotations
@@ -463,13 +468,17 @@ def compile_call(call: TritonCall, arch_name: str) -> CompiledImage:
         from jax._src.lib import triton as jl_triton
 
         compile_fn = getattr(jl_triton, "compile", None)
-        has = getattr(jl_triton, "has_compilation_handler", None)
-        if compile_fn is not None and has is not None and has("cuda"):
-            res = compile_fn("cuda", call.ttir, arch_name, num_warps=call.num_warps, num_ctas=1,
-                             num_stages=3 if call.num_stages is None else call.num_stages)
-            call = dataclasses.replace(call, ptx=res.asm, shared_mem_bytes=int(res.smem_bytes))
-        else:
+        res = None
+        if compile_fn is not None:
+            try:  # raises RuntimeError where no handler is registered (no CUDA plugin)
+                res = compile_fn("cuda", call.ttir, arch_name, num_warps=call.num_warps,
+                                 num_ctas=1,
+                                 num_stages=3 if call.num_stages is None else call.num_stages)
+            except RuntimeError:
+                res = None
+        if res is None or not getattr(res, "asm", None):
             return _compile_ttir_with_triton(call, cc)
+        call = dataclasses.replace(call, ptx=res.asm, shared_mem_bytes=int(res.smem_bytes))
     entry, num_params = _check_params(call, call.ptx)
     image, how = compile_ptx(call.ptx)
     return CompiledImage(image, entry, num_params, int(call.shared_mem_bytes or 0), how, call.ptx)
