@@ -546,3 +546,128 @@ def test_gpu_misuse_leaves_outputs_untouched():
     torch.cuda.synchronize()
     assert bool((out == 7).all()) and bool((lse == 7).all())
     assert math.isfinite(float(out.float().sum()))
+
+
+# ----------------------------------------------------------------------------- driver layer
+class _FakeLibcuda:
+    """libcuda stand-in: the driver functions as ctypes callbacks, so the real ctypes
+    marshaling (argument order, pointer arrays, out-parameters) is exercised without a GPU."""
+
+    def __init__(self):
+        import ctypes as C
+
+        vp, ui, i, P = C.c_void_p, C.c_uint, C.c_int, C.POINTER
+        self.calls, self.launches, self.launch_codes = [], [], []
+        self.current = 0
+        proto = lambda *a: C.CFUNCTYPE(i, *a)  # noqa: E731
+
+        def out(ptr, ctype, value):
+            C.cast(ptr, P(ctype))[0] = value
+
+        def device_get(dev, ordinal):
+            out(dev, i, ordinal)
+            return 0
+
+        def attribute(value, attr, dev):
+            out(value, i, 232448 if attr == 97 else -1)
+            return 0
+
+        def retain(ctx, dev):
+            out(ctx, vp, 0x1000 + dev)
+            return 0
+
+        def get_current(ctx):
+            out(ctx, vp, self.current)
+            return 0
+
+        def set_current(ctx):
+            self.current = ctx or 0
+            self.calls.append(("set_current", ctx))
+            return 0
+
+        def load(module, image, n, opts, vals):
+            self.calls.append(("load", C.string_at(image)[:16], n))
+            out(module, vp, 0x2000)
+            return 0
+
+        def get_function(fn, module, name):
+            self.calls.append(("get_function", module, C.string_at(name).decode()))
+            out(fn, vp, 0x3000)
+            return 0
+
+        def func_get(value, attr, fn):
+            out(value, i, 42)
+            return 0
+
+        def func_set(fn, attr, value):
+            self.calls.append(("func_set", fn, attr, value))
+            return 0
+
+        names = {0: b"CUDA_SUCCESS", 201: b"CUDA_ERROR_INVALID_CONTEXT",
+                 700: b"CUDA_ERROR_ILLEGAL_ADDRESS"}
+        self._names = {k: C.c_char_p(v) for k, v in names.items()}
+
+        def err_name(code, s):
+            out(s, C.c_char_p, self._names.get(code, self._names[700]).value)
+            return 0
+
+        def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            slots = C.cast(params, P(vp))
+            n = self.expect_params
+            values = tuple(C.cast(slots[k], P(vp))[0] for k in range(n))
+            self.launches.append(((f, gx, gy, gz, bx, by, bz, smem, stream), values, extra))
+            return self.launch_codes.pop(0) if self.launch_codes else 0
+
+        self.expect_params = 0
+        table = {
+            "cuInit": (proto(ui), lambda flags: 0),
+            "cuDeviceGet": (proto(P(i), i), device_get),
+            "cuDeviceGetAttribute": (proto(P(i), i, i), attribute),
+            "cuDevicePrimaryCtxRetain": (proto(P(vp), i), retain),
+            "cuCtxGetCurrent": (proto(P(vp)), get_current),
+            "cuCtxSetCurrent": (proto(vp), set_current),
+            "cuModuleLoadDataEx": (proto(P(vp), C.c_char_p, ui, P(i), P(vp)), load),
+            "cuModuleGetFunction": (proto(P(vp), vp, C.c_char_p), get_function),
+            "cuFuncGetAttribute": (proto(P(i), i, vp), func_get),
+            "cuFuncSetAttribute": (proto(vp, i, i), func_set),
+            "cuGetErrorName": (proto(i, P(C.c_char_p)), err_name),
+            "cuGetErrorString": (proto(i, P(C.c_char_p)), err_name),
+            "cuLaunchKernel": (proto(vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp), launch),
+        }
+        self._keep = []
+        for name, (factory, impl) in table.items():
+            cfn = factory(impl)
+            self._keep.append(cfn)
+            setattr(self, name, cfn)
+
+
+def test_loaded_kernel_launch_marshals_pointers_grid_and_stream(monkeypatch):
+    from funcmla.interop import _cuda_driver
+
+    fake = _FakeLibcuda()
+    drv = _cuda_driver.Driver(fake)
+    monkeypatch.setattr(_cuda_driver, "driver", lambda: drv)
+    monkeypatch.setattr(L, "_ptxas_candidates", lambda: [])  # image = PTX for the driver's JIT
+    call = L.TritonCall(name="mla_decode_ps1_m16_kv64", grid=(1, 8, 4), num_warps=4,
+                        num_stages=2, num_ctas=1, shared_mem_bytes=70000,
+                        operands=(((4,), "i32"),), results=(((4,), "i32"), ((4,), "f32")),
+                        ptr_divisibility=(16, 16, 16), ptx=PTX)
+    k = L.LoadedKernel(call, 0, "9.0")
+    assert k.num_params == 3 and k.how.startswith("driver-jit") and k.num_regs == 42
+    assert ("get_function", 0x2000, "mla_decode_ps1_m16_kv64") in fake.calls
+    assert ("func_set", 0x3000, 8, 70000) in fake.calls  # dynamic smem above 48 KiB
+    assert fake.calls[0][0] == "set_current"  # primary context made current before loading
+    for j, ptr in enumerate((0xA00, 0xB00, 0xC00)):
+        k.args[j] = ptr
+    fake.expect_params = 3
+    k.launch(0x5EED)
+    (cfg, values, extra), = fake.launches
+    assert cfg == (0x3000, 1, 8, 4, 128, 1, 1, 70000, 0x5EED)
+    assert values == (0xA00, 0xB00, 0xC00) and extra is None
+    fake.launch_codes = [201, 0]  # no context on this thread: made current, retried once
+    fake.current = 0
+    k.launch(7)
+    assert len(fake.launches) == 3 and fake.calls[-1] == ("set_current", 0x1000)
+    fake.launch_codes = [700]
+    with pytest.raises(_cuda_driver.CudaDriverError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        k.launch(7)
