@@ -534,19 +534,25 @@ class LoadedKernel:
             *[base + i * size for i in range(self.num_params)])
         self._params_ptr = ctypes.addressof(self._params)
         gx, gy, gz = call.grid
-        self._launch_args = (self.function, gx, gy, gz, 32 * call.num_warps, 1, 1,
-                             self.shared_mem_bytes)
+        u = ctypes.c_uint
+        # Pre-converted launch arguments: only the stream changes per call (ctypes converts a
+        # ready c_uint/c_void_p much faster than a Python int).
+        self._pre = (ctypes.c_void_p(self.function), u(gx), u(gy), u(gz),
+                     u(32 * call.num_warps), u(1), u(1), u(self.shared_mem_bytes))
+        self._stream_arg = ctypes.c_void_p(0)
+        self._params_arg = ctypes.c_void_p(self._params_ptr)
         self._raw = drv.launch_raw
         self._drv = drv
         self._device_index = device_index
 
     def launch(self, stream: int) -> None:
-        f, gx, gy, gz, bx, by, bz, smem = self._launch_args
-        code = self._raw(f, gx, gy, gz, bx, by, bz, smem, stream, self._params_ptr, None)
+        s = self._stream_arg
+        s.value = stream
+        code = self._raw(*self._pre, s, self._params_arg, None)
         if code:
             if code == 201:  # no current context on this thread: use the primary one, retry
                 self._drv.make_current(self._device_index)
-                code = self._raw(f, gx, gy, gz, bx, by, bz, smem, stream, self._params_ptr, None)
+                code = self._raw(*self._pre, s, self._params_arg, None)
             if code:
                 self._drv.check_launch(code, self.call.name)
 
@@ -564,7 +570,8 @@ class TensorSpec:
     """What one launcher argument must be: dtype, one of `shapes`, contiguous, on
     `device_index` (torch's `get_device()`: -1 is the CPU), `align`-byte aligned."""
 
-    __slots__ = ("name", "dtype", "shapes", "device_index", "align", "_mask", "_shape_text")
+    __slots__ = ("name", "dtype", "shapes", "device_index", "align", "_mask", "_shape_text",
+                 "_one")
 
     def __init__(self, name: str, dtype, shapes: Sequence[tuple[int, ...]], device_index: int,
                  align: int = 16):
@@ -573,6 +580,7 @@ class TensorSpec:
             raise ValueError(f"TensorSpec.align must be a power of two, got {align}")
         self.align, self._mask = align, align - 1
         self.shapes = frozenset(tuple(s) for s in shapes)
+        self._one = next(iter(self.shapes)) if len(self.shapes) == 1 else None
         self._shape_text = " or ".join(str(list(s)) for s in sorted(self.shapes))
 
     def pointer(self, t) -> int:
@@ -589,7 +597,7 @@ class TensorSpec:
                 raise LauncherArgumentError(f"{self.name} must be a torch.Tensor, got "
                                             f"{type(t).__name__}")
             raise LauncherArgumentError(f"{self.name} must be {self.dtype}, got {dtype}")
-        if shape not in self.shapes:
+        if (shape != self._one) if self._one is not None else (shape not in self.shapes):
             raise LauncherArgumentError(f"{self.name} has shape {list(shape)}; the compiled "
                                         f"configuration takes {self._shape_text}")
         if not t.is_contiguous():
