@@ -1,0 +1,140 @@
+"""The serving-trace simulation: page-size invariance of every output, against a direct oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from funcmla import simulate as sim
+from funcmla.simulate import SimulationConfig, run_simulation
+
+PAGE_SIZES = (1, 16, 64)
+CONFIG = SimulationConfig()  # the small default: prefix hits and out-of-memory at ps 16 and 64
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_simulation(CONFIG, PAGE_SIZES)
+
+
+def direct_outputs(config: SimulationConfig, req: sim.RequestSpec) -> np.ndarray:
+    """Float64 attention of each recorded query of `req`, straight from (token id, position):
+    no allocator, no pool, no metadata. [output_len + 1, H, v_head_dim]."""
+    dims = config.dims
+    total = req.total_len
+    keys = sim.hashed_uniform(config.seed, 1, req.token_ids, np.arange(total), dims.head_dim_qk)
+    positions = np.arange(req.prompt_len - 1, total)
+    qs = sim.hashed_uniform(config.seed, 2, np.full(len(positions), req.rid), positions,
+                            dims.num_heads * dims.head_dim_qk)
+    out = np.zeros((len(positions), dims.num_heads, dims.v_head_dim))
+    for i, p in enumerate(positions):
+        q = qs[i].reshape(dims.num_heads, dims.head_dim_qk).astype(np.float64)
+        k = keys[: p + 1].astype(np.float64)
+        s = q @ k.T * dims.sm_scale
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[i] = (w / w.sum(-1, keepdims=True)) @ k[:, : dims.v_head_dim]
+    return out
+
+
+def test_outputs_identical_across_page_sizes(result):
+    assert set(result.runs) == set(PAGE_SIZES)
+    assert result.outputs_identical(), result.max_output_diff()
+    assert result.max_output_diff() == 0.0
+
+
+def test_outputs_match_direct_oracle(result):
+    outputs = result.runs[1].outputs
+    workload = sim.make_workload(CONFIG)
+    assert sorted(outputs) == [r.rid for r in workload]
+    for req in workload:
+        got = outputs[req.rid]
+        assert got.shape == (req.output_len + 1, CONFIG.num_heads, CONFIG.v_head_dim)
+        np.testing.assert_allclose(got, direct_outputs(CONFIG, req), rtol=0, atol=2e-5,
+                                   err_msg=f"request {req.rid}")
+
+
+def test_trace_statistics(result):
+    summaries = {s["page_size"]: s for s in result.summary()}
+    for ps, run in result.runs.items():
+        s = summaries[ps]
+        assert s["steps"] == len(run.steps) > 0 and s["extend_steps"] > 0
+        assert {x.mode for x in run.steps} == {"extend", "decode"}
+        assert s["max_rel_err"] < 1e-5  # float32 pipeline vs float64 oracle, per step
+        assert s["prefix_hit_tokens"] > 0
+        for x in run.steps:
+            assert 0 <= x.pages_in_use <= run.num_pages
+            assert x.pages_in_use + x.num_free_pages == run.num_pages
+            assert x.num_kv_tokens <= x.kv_indices_capacity
+            assert 0 < x.batch_size <= CONFIG.max_running
+            if x.mode == "extend":
+                assert x.prefix_hit_tokens % ps == 0
+    # larger pages waste more of the same pool: the OOM paths (deferral, retraction) ran there
+    assert summaries[64]["oom_events"] > 0
+    assert summaries[1]["num_pages"] == CONFIG.pool_tokens
+    # page-aligned prefix sharing: a 72-token system prompt is shared as 72, 64, 64 tokens
+    assert summaries[1]["prefix_hit_tokens"] > summaries[64]["prefix_hit_tokens"]
+
+
+def test_verify_keeps_only_true_tokens(result):
+    """Target-verify steps (3 drafts, seeded acceptance) produce the decode outputs exactly
+    where they keep tokens, at every page size."""
+    cfg = dataclasses.replace(CONFIG, num_draft_tokens=3, check=False)
+    verify = run_simulation(cfg, PAGE_SIZES)
+    assert verify.outputs_identical()
+    modes = {x.mode for x in verify.runs[16].steps}
+    assert modes == {"extend", "target_verify"}
+    base = result.runs[1].outputs
+    for rid, out in verify.runs[1].outputs.items():
+        np.testing.assert_allclose(out, base[rid], rtol=0, atol=2e-6, err_msg=f"request {rid}")
+
+
+def test_work_plans_and_executor(result):
+    """With use_plans the planners + plan executor give the reference outputs."""
+    cfg = dataclasses.replace(CONFIG, use_plans=True, check=False, num_requests=6)
+    planned = run_simulation(cfg, (1, 64))
+    assert planned.outputs_identical()
+    for run in planned.runs.values():
+        assert all(x.plan_works > 0 for x in run.steps)
+        assert max(x.max_rel_err for x in run.steps) < 1e-5
+    for rid, out in planned.runs[64].outputs.items():
+        np.testing.assert_allclose(out, result.runs[1].outputs[rid], rtol=0, atol=2e-6)
+
+
+def test_progress_callback():
+    calls = []
+    cfg = dataclasses.replace(CONFIG, num_requests=2)
+    run_simulation(cfg, (16,), progress=lambda ps, done, total: calls.append((ps, done, total)))
+    assert calls and calls[-1] == (16, 2, 2)
+    assert all(c[0] == 16 and c[2] == 2 for c in calls)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_requests=0), "num_requests must be a positive int, got 0"),
+        (dict(seed=-1), "seed must be an int >= 0, got -1"),
+        (dict(prompt_len=(5, 4)), r"prompt_len must be a \(lo, hi\) tuple"),
+        (dict(shared_prefix_prob=1.5), r"shared_prefix_prob must be in \[0, 1\], got 1.5"),
+        (dict(arrival_every=-1.0), "arrival_every must be >= 0"),
+        (dict(shared_prefix_len=112), "shared_prefix_len=112 must be shorter"),
+        (dict(max_prefill_tokens=100), "prompt_len.1.=112 exceeds max_prefill_tokens=100"),
+        (dict(num_draft_tokens=200), "exceeds max_context_len=256"),
+        (dict(num_heads=4, use_plans=True), "num_heads=4: must be a multiple of 8"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SimulationConfig(**kwargs)
+
+
+def test_page_size_validation():
+    with pytest.raises(ValueError, match="pool_tokens=384 is not a multiple of page_size=256"):
+        run_simulation(CONFIG, (1, 256))
+    with pytest.raises(ValueError, match="fewer than the 2 the longest request needs"):
+        run_simulation(dataclasses.replace(CONFIG, pool_tokens=64), (64,))
+    with pytest.raises(ValueError, match="page_size must be a power of two, got 24"):
+        run_simulation(CONFIG, (24,))
+    with pytest.raises(ValueError, match="page_sizes is empty"):
+        run_simulation(CONFIG, ())
