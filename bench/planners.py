@@ -43,8 +43,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.timing import environment, median_time_s, write_json  # noqa: E402
 from funcmla.config import H200, MI300X, MI355X, custom_device  # noqa: E402
 from funcmla.planners.decode import (  # noqa: E402
+    NEVER,
     DecodePlanConfig,
     FillParams,
+    fill_inputs,
     fill_tiles_scan,
     plan_mla_decode,
     plan_mla_decode_jit,
@@ -214,10 +216,9 @@ def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
     n = np.repeat(n, cfg.qk_batch_ratio * cfg.tile_slots_per_batch)
     payload = -(-(n + cfg.overhead).sum() // cfg.num_splits(batch)) + cfg.overhead
     bpc = payload - cfg.overhead
-    never = np.full_like(n, 2**30)
-    tiles = jnp.asarray(np.stack([n, n // bpc, n % bpc, never, never // bpc, never % bpc], 1),
-                        jnp.int32)
     params = FillParams(overhead=cfg.overhead, parallel=cfg.planner(batch) == "parallel")
+    tiles = fill_inputs(jnp.asarray(n, jnp.int32), jnp.full(n.shape, NEVER, jnp.int32),
+                        jnp.int32(payload), jnp.int32(bpc), params=params)
     rows = []
     for variant in variants:
         def one(t, variant=variant):
@@ -230,7 +231,7 @@ def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
             out = None
             for _ in range(kk):
                 out = one(t)
-                t = t + jnp.minimum(out[0:1, 2:3], 0)  # 0, but sequences the calls
+                t = t + jnp.minimum(out[0:1, 0:1], 0)  # 0, but sequences the calls
             return out
 
         def measure(chained=chained):

@@ -15,8 +15,12 @@ from hypothesis import strategies as st
 
 from funcmla.config import MI300X, MI355X, custom_device
 from funcmla.planners.decode import (
+    NEVER,
     DecodePlanConfig,
     FillParams,
+    fill_advance,
+    fill_inputs,
+    fill_step,
     fill_tiles_scan,
     plan_mla_decode_jit,
 )
@@ -343,13 +347,28 @@ def test_batch_size_capacity_and_shapes():
 # Pallas fill (interpret mode off-GPU) == scan fill.
 
 
+def random_tiles(rng, s, ov, params):
+    """Random fill inputs: block counts (some 0, some empty slots), tail points, a payload."""
+    n = rng.integers(0, 60, s)
+    n[rng.random(s) < 0.25] = 0
+    n[rng.random(s) < 0.1] = -1  # empty slots
+    payload = int(-(-np.maximum(n, 0).sum() // rng.integers(2, 9))) + ov + int(rng.integers(1, 9))
+    bpc = payload - ov
+    e_min = np.where(rng.random(s) < 0.5, np.maximum(n - rng.integers(1, 4, s), 0), NEVER)
+    tiles = fill_inputs(jnp.asarray(n, jnp.int32), jnp.asarray(e_min, jnp.int32),
+                        jnp.int32(payload), jnp.int32(bpc), params=params)
+    return tiles, jnp.int32(payload), jnp.int32(bpc)
+
+
 @functools.lru_cache(maxsize=None)
 def _fills(ov, parallel, chunk):
     params = FillParams(overhead=ov, parallel=parallel)
     scan = jax.jit(lambda t, p, b: fill_tiles_scan(t, p, b, params=params))
     pallas = jax.jit(lambda t, p, b: fill_tiles_pallas(t, p, b, params=params, chunk=chunk,
                                                        interpret=True))
-    return scan, pallas
+    advance = jax.jit(lambda cu, r, t, p, b: fill_advance(params, p, b, cu, r, tuple(t.T)))
+    step = jax.jit(lambda cu, r, t, p, b: fill_step(params, p, b, cu, r, tuple(t.T))[:2])
+    return scan, pallas, advance, step
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -357,20 +376,29 @@ def _fills(ov, parallel, chunk):
 @given(seed=st.integers(0, 2**31))
 def test_pallas_fill_matches_scan(parallel, seed):
     rng = np.random.default_rng(seed)
-    s = 22  # not a multiple of the chunk: exercises the padding
     ov = 16
-    n = rng.integers(0, 60, s)
-    n[rng.random(s) < 0.25] = 0
-    n[rng.random(s) < 0.1] = -1  # empty slots
-    payload = int(-(-np.maximum(n, 0).sum() // rng.integers(2, 9))) + ov + int(rng.integers(1, 9))
-    bpc = payload - ov
-    e_min = np.where(rng.random(s) < 0.5, np.maximum(n - 1, 0), 2**30)  # tail-merge points
-    tiles = np.stack([n, n // bpc, n % bpc, e_min, e_min // bpc, e_min % bpc], 1)
-    scan, pallas = _fills(ov, parallel, 4)
-    args = (jnp.asarray(tiles, jnp.int32), jnp.int32(payload), jnp.int32(bpc))
-    want, got = np.asarray(scan(*args)), np.asarray(pallas(*args))
+    tiles, payload, bpc = random_tiles(rng, 22, ov, FillParams(ov, parallel))  # 22 % 4 != 0
+    scan, pallas, _, _ = _fills(ov, parallel, 4)
+    want, got = np.asarray(scan(tiles, payload, bpc)), np.asarray(pallas(tiles, payload, bpc))
     np.testing.assert_array_equal(got, want)
-    assert want[:, 2].sum() >= (n >= 0).sum() - (parallel * (n == 0)).sum()
+    assert want[0].tolist() == [0, int(payload)]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@settings(max_examples=8)
+@given(seed=st.integers(0, 2**31), ov=st.sampled_from([1, 16]))
+def test_fill_advance_is_the_carry_of_fill_step(parallel, seed, ov):
+    # The short-chain step the walk runs must agree with the full step on every reachable
+    # state: remain in [-bpc, payload] (negative after a tail merge), any cluster.
+    rng = np.random.default_rng(seed)
+    tiles, payload, bpc = random_tiles(rng, 256, ov, FillParams(ov, parallel))
+    remain = jnp.asarray(rng.integers(-int(bpc), int(payload) + 1, 256), jnp.int32)
+    remain = remain.at[:8].set(payload).at[8:16].set(ov)  # edge states
+    cu = jnp.asarray(rng.integers(0, 50, 256), jnp.int32)
+    _, _, advance, step = _fills(ov, parallel, 4)
+    got, want = advance(cu, remain, tiles, payload, bpc), step(cu, remain, tiles, payload, bpc)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm"), reason="needs a GPU")

@@ -12,12 +12,13 @@ How. The planner is a greedy bin-packer over qo tiles (one per folded request, o
 the query is split). Each tile costs `ceil(kv_len / kv_granularity) + overhead` blocks; every CU
 ("cluster") gets a payload `P = ceil(sum / num_splits) + overhead`; clusters are filled in order
 and a tile that does not fit is cut into split-KV fragments. Only the walk over tiles is
-sequential; it carries `(cu, R)` = (current cluster, payload left) and emits, per tile, its start
-cluster, the end of its first fragment, its number of fragments and whether the causal tail rule
-merged its last fragment (`fill_tiles`, a `lax.scan` or one Pallas program,
-`decode_fill_pallas.py`). The per-tile algebra is branch-free and division-free (divisions by
-the runtime block-per-cluster count are done vectorised beforehand). Everything else (costs,
-prefix sums, fragment expansion, reduce maps) is vectorised `jnp`.
+sequential; it carries only `(cu, R)` = (current cluster, payload left) with a short,
+branch-free and division-free step (`fill_advance`; divisions by the runtime blocks-per-cluster
+count are done vectorised beforehand, `fill_inputs`) and records the state before each tile
+(`fill_tiles`: a `lax.scan`, or one Pallas program, `decode_fill_pallas.py`). From those states
+`fill_step` derives, for all tiles at once, the start cluster, the end of the first fragment,
+the number of fragments and whether the causal tail rule merged the last fragment. Everything
+else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`.
 
 Parallel vs serial. AITER runs a "parallel" planner when `max_seqlen_qo == 1`, no qo split, no
 head folding, `page_size == 1` and the batch fits in LDS, and a "serial" one otherwise. They
@@ -32,8 +33,6 @@ mixed V40 dtypes, `num_heads_k > 1`.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import Literal
 
 import jax
@@ -55,7 +54,10 @@ __all__ = [
     "TILE_FIELDS",
     "FILL_OUT_FIELDS",
     "NEVER",
+    "FILL_STATE_FIELDS",
     "fill_step",
+    "fill_advance",
+    "fill_inputs",
     "fill_tiles_scan",
     "fill_tiles",
     "decode_tiles",
@@ -343,9 +345,15 @@ class DecodePlanConfig:
 # ---------------------------------------------------------------------------------------------
 # The sequential fill: per-tile algebra shared by the scan and the Pallas kernel.
 
-# Per-tile inputs of the fill, columns of an int32 [S, 6] array. n = -1 marks an empty slot.
-TILE_FIELDS = ("n", "n_div", "n_mod", "e_min", "e_min_div", "e_min_mod")
-# Per-tile outputs: start cluster, end of the first fragment (blocks), fragments, tail merged.
+# Per-tile inputs of the fill, columns of an int32 [S, 8] array (`fill_inputs`). n = -1 marks
+# an empty slot. fresh_remain / fresh_dcu: the state change when the tile starts on a fresh
+# cluster (it does not depend on the incoming state, so it is precomputed).
+TILE_FIELDS = ("n", "n_div", "n_mod", "e_min", "e_min_div", "e_min_mod", "fresh_remain",
+               "fresh_dcu")
+# What the sequential walk emits per tile: the state (cluster, payload left) BEFORE the tile.
+FILL_STATE_FIELDS = ("cu", "remain")
+# Per-tile placement derived from that state: start cluster, end of the first fragment (blocks),
+# number of fragments, tail merged.
 FILL_OUT_FIELDS = ("c0", "f", "m", "merged")
 
 
@@ -364,10 +372,10 @@ def _ceil_div_shifted(qx, rx, f, bpc):
 
 
 def fill_step(params: FillParams, payload, bpc, cu, remain, tile):
-    """One tile of the greedy fill. Scalars in, scalars out (no division, no branch).
+    """One tile of the greedy fill, in full: (cu', remain', (c0, f, m, merged)).
 
-    `cu`, `remain`: current cluster and its payload left (blocks). `tile`: the TILE_FIELDS.
-    Returns (cu', remain', (c0, f, m, merged)).
+    `cu`, `remain`: current cluster and its payload left (blocks). `tile`: the first six
+    TILE_FIELDS. Scalars or arrays (elementwise); no division, no branch.
 
     Cases (docs/aiter-planners.md §4.3/4.4): the tile fits (one fragment on `cu`); it is cut now
     (`remain > overhead`: first fragment of `remain - overhead` blocks on `cu`, then `bpc`
@@ -375,7 +383,7 @@ def fill_step(params: FillParams, payload, bpc, cu, remain, tile):
     Tail rule: the first cut point `e` with `kv_len - e * gran < max_seqlen_qo` (precomputed as
     `e >= e_min`) ends the tile there; its fragment takes the rest and over-fills its cluster.
     """
-    n, n_div, n_mod, e_min, e_div, e_mod = tile
+    n, n_div, n_mod, e_min, e_div, e_mod = tile[:6]
     ov = params.overhead
     valid = n >= 0
     fits = n + ov <= remain
@@ -403,14 +411,63 @@ def fill_step(params: FillParams, payload, bpc, cu, remain, tile):
     return new_cu, new_remain, (c0, f, m, (live & merged).astype(jnp.int32))
 
 
+def fill_advance(params: FillParams, payload, bpc, cu, remain, tile):
+    """Only the carry of `fill_step`: (cu', remain'), with a short dependency chain.
+
+    The walk over tiles runs this; `fill_step` is then applied to all tiles at once, from the
+    states the walk recorded. The fresh-cluster case is precomputed (`fill_inputs`); the
+    cut-now case is closed form: with n = q * bpc + r and f = remain - overhead blocks taken now,
+    the last fragment leaves `f - r + bpc * ([r > f] - [r == 0 and f == bpc])` and the tile
+    ends `q + [r > f] - [r == 0 and f == bpc]` clusters further on.
+    """
+    n, q, r, e_min, e_div, e_mod, fresh_remain, fresh_dcu = tile
+    ov = params.overhead
+    i32 = jnp.int32
+    fits = n + ov <= remain
+    cut_now = remain > ov
+    f = remain - ov
+    gt = (r > f).astype(i32)
+    z = ((r == 0) & (remain == payload)).astype(i32)
+    cut_remain = f - r + bpc * (gt - z)
+    cut_dcu = q + gt - z
+    new_remain = jnp.where(fits, remain - n - ov, jnp.where(cut_now, cut_remain, fresh_remain))
+    new_cu = cu + jnp.where(fits, 0, jnp.where(cut_now, cut_dcu, fresh_dcu))
+    # Tail merge (computed alongside, selected at the end).
+    f_eff = jnp.where(cut_now, f, bpc)
+    m = 1 + _ceil_div_shifted(q, r, f_eff, bpc)
+    js = jnp.where(e_min <= f_eff, 0, _ceil_div_shifted(e_div, e_mod, f_eff, bpc))
+    merged = jnp.logical_not(fits) & (m >= 2) & (js <= m - 2)
+    last_begin = jnp.where(js == 0, 0, f_eff + (js - 1) * bpc)
+    merge_remain = jnp.where((js == 0) & cut_now, remain, payload) - (n - last_begin) - ov
+    merge_cu = cu + (1 - cut_now.astype(i32)) + js
+    new_remain = jnp.where(merged, merge_remain, new_remain)
+    new_cu = jnp.where(merged, merge_cu, new_cu)
+    valid = n >= 0
+    return jnp.where(valid, new_cu, cu), jnp.where(valid, new_remain, remain)
+
+
+def fill_inputs(n, e_min, payload, bpc, *, params: FillParams) -> jax.Array:
+    """The fill's per-tile inputs (TILE_FIELDS) from block counts n (-1: empty slot) and tail
+    points e_min (blocks; >= NEVER: none). int32 [S] -> int32 [S, 8]."""
+    q, r = n // bpc, n % bpc
+    nf = q + (r > 0).astype(jnp.int32)  # fragments when starting fresh (n >= 1)
+    fresh_remain = bpc - (n - (nf - 1) * bpc)
+    fresh_dcu = nf
+    zero_remain, zero_dcu = (0, 0) if params.parallel else (bpc, 1)
+    fresh_remain = jnp.where(n == 0, zero_remain, fresh_remain)
+    fresh_dcu = jnp.where(n == 0, zero_dcu, fresh_dcu)
+    return jnp.stack([n, q, r, e_min, e_min // bpc, e_min % bpc, fresh_remain, fresh_dcu],
+                     axis=1).astype(jnp.int32)
+
+
 def fill_tiles_scan(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                     params: FillParams, unroll: int = 1) -> jax.Array:
-    """Greedy fill as a `lax.scan` over tiles. tiles: int32 [S, 6] -> int32 [S, 4]."""
+    """The walk as a `lax.scan`. tiles: int32 [S, 8] -> states before each tile int32 [S, 2]."""
 
     def body(carry, tile):
         cu, remain = carry
-        cu, remain, out = fill_step(params, payload, bpc, cu, remain, tuple(tile))
-        return (cu, remain), jnp.stack([jnp.asarray(o, jnp.int32) for o in out])
+        new = fill_advance(params, payload, bpc, cu, remain, tuple(tile))
+        return new, jnp.stack([cu, remain])
 
     init = (jnp.int32(0), jnp.asarray(payload, jnp.int32))
     _, out = lax.scan(body, init, tiles, unroll=max(1, min(unroll, tiles.shape[0])))
@@ -422,7 +479,8 @@ def default_fill_impl() -> str:
 
 
 def fill_tiles(tiles, payload, bpc, *, params: FillParams, fill_impl: str = "auto"):
-    """Dispatch the fill: "scan", "pallas" (interpret mode off-GPU) or "auto" (pallas on GPU)."""
+    """The walk: "scan", "pallas" (interpret mode off-GPU) or "auto" (pallas on GPU).
+    tiles: int32 [S, 8] (TILE_FIELDS) -> int32 [S, 2] (FILL_STATE_FIELDS, before each tile)."""
     if fill_impl == "auto":
         fill_impl = default_fill_impl()
     if fill_impl == "scan":
@@ -541,7 +599,8 @@ def plan_mla_decode(
     if batch_size is None:
         batch_size = b_req
     if batch_size < b_req:
-        raise ValueError(f"batch_size={batch_size} is smaller than the batch in kv_indptr ({b_req})")
+        raise ValueError(
+            f"batch_size={batch_size} is smaller than the batch in kv_indptr ({b_req})")
     sizes = mla_decode_plan_sizes(batch_size, cfg)
     num_cu, max_work = sizes.num_cu, sizes.max_work
     tile_cnt, max_split_tiles = sizes.tile_cnt, sizes.max_split_tiles
@@ -565,12 +624,11 @@ def plan_mla_decode(
     gran_log2 = gran.bit_length() - 1
     e_min = jnp.where(kv_len >= thr, ((kv_len - thr) >> gran_log2) + 1, 0)
     e_min = jnp.where((bt < thr) & page1, e_min, NEVER)
-    tiles = jnp.stack([jnp.where(valid, n, -1), n // bpc, n % bpc, e_min, e_min // bpc,
-                       e_min % bpc], axis=1).astype(i32)
-
     params = FillParams(overhead=ov, parallel=cfg.planner(b_req) == "parallel")
-    fill = fill_tiles(tiles, payload, bpc, params=params, fill_impl=fill_impl)
-    c0, f, m = fill[:, 0], fill[:, 1], fill[:, 2]
+    tiles = fill_inputs(jnp.where(valid, n, -1), e_min, payload, bpc, params=params)
+    states = fill_tiles(tiles, payload, bpc, params=params, fill_impl=fill_impl)
+    _, _, (c0, f, m, _) = fill_step(params, payload, bpc, states[:, 0], states[:, 1],
+                                    tuple(tiles.T))
 
     # Fragments -> works (work order = tile order, then fragment order).
     split = m > 1
@@ -648,6 +706,6 @@ def plan_mla_decode(
     )
 
 
+# `plan_mla_decode` under `jax.jit` (config, batch_size and fill_impl static).
 plan_mla_decode_jit = jax.jit(plan_mla_decode,
                               static_argnames=("config", "batch_size", "fill_impl"))
-plan_mla_decode_jit.__doc__ = "`plan_mla_decode` under `jax.jit` (config, batch_size, fill_impl static)."

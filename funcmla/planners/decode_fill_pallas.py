@@ -1,8 +1,8 @@
 """The decode planner's sequential fill as ONE Pallas program (Triton backend on GPU).
 
 A single program walks the qo tiles in order, carrying `(cu, remain)` in registers, and writes
-per tile `(c0, f, m, merged)` (see `funcmla.planners.decode.fill_step`, which it shares with the
-`lax.scan` fallback, so both run the same arithmetic). Tiles are visited in chunks of `chunk`:
+the state before each tile (see `funcmla.planners.decode.fill_advance`, which it shares with
+the `lax.scan` fallback, so both run the same arithmetic). Tiles are visited in chunks of `chunk`:
 the chunk's inputs are loaded up front as independent scalar loads (so their latencies
 overlap), then the chunk's steps run unrolled; only the carry is sequential.
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from funcmla.planners.decode import FILL_OUT_FIELDS, TILE_FIELDS, FillParams, fill_step
+from funcmla.planners.decode import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
 
 __all__ = ["fill_tiles_pallas", "DEFAULT_CHUNK"]
 
@@ -39,9 +39,9 @@ def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: 
         rows = [tuple(tiles_ref[base + k, c] for c in range(len(TILE_FIELDS)))
                 for k in range(chunk)]
         for k in range(chunk):
-            cu, remain, out = fill_step(params, payload, bpc, cu, remain, rows[k])
-            for c in range(len(FILL_OUT_FIELDS)):
-                out_ref[base + k, c] = jnp.asarray(out[c], jnp.int32)
+            out_ref[base + k, 0] = cu
+            out_ref[base + k, 1] = remain
+            cu, remain = fill_advance(params, payload, bpc, cu, remain, rows[k])
         return cu, remain
 
     lax.fori_loop(0, num_chunks, body, (jnp.int32(0), payload))
@@ -54,8 +54,9 @@ def _on_gpu() -> bool:
 def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                       params: FillParams, chunk: int = DEFAULT_CHUNK,
                       interpret: bool | None = None) -> jax.Array:
-    """Greedy fill in one Pallas program. tiles: int32 [S, 6] (TILE_FIELDS) -> int32 [S, 4]
-    (FILL_OUT_FIELDS). `interpret=None`: compiled (Triton) on GPU, interpreted elsewhere."""
+    """The walk in one Pallas program. tiles: int32 [S, 8] (TILE_FIELDS) -> int32 [S, 2]
+    (FILL_STATE_FIELDS, before each tile). `interpret=None`: compiled (Triton) on GPU,
+    interpreted elsewhere."""
     if interpret is None:
         interpret = not _on_gpu()
     num_slots = tiles.shape[0]
@@ -72,7 +73,7 @@ def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=1, num_stages=1)
     call = pl.pallas_call(
         functools.partial(_fill_kernel, params=params, chunk=chunk),
-        out_shape=jax.ShapeDtypeStruct((padded, len(FILL_OUT_FIELDS)), jnp.int32),
+        out_shape=jax.ShapeDtypeStruct((padded, len(FILL_STATE_FIELDS)), jnp.int32),
         grid=(1,),
         interpret=interpret,
         name="mla_decode_plan_fill",
