@@ -55,6 +55,8 @@ class AttentionResult:
     lse: Any
     backend: str
     fallback_reason: str | None = None
+    via: str = "jax"  # "jax" (DLPack + jit), "launcher" (torch launch, no DLPack), "torch" (aiter)
+    launcher_reason: str | None = None  # why the launcher was asked for but not used
 
 
 def _pallas_unavailable_reason() -> str | None:
@@ -173,6 +175,8 @@ def mla_attention(
     mode: str | None = None,
     kv_fp8_dtype=None,
     return_lse: bool = True,
+    use_launcher: bool = False,
+    launcher_inputs: tuple | None = None,
 ) -> AttentionResult:
     """Absorbed MLA attention over token-granular metadata on the selected backend.
 
@@ -188,6 +192,12 @@ def mla_attention(
                 `kv_scale` (a float) if given. The Pallas kernel takes bf16 pools only, so an
                 fp8 pool falls back to the reference.
     return_lse: False skips exporting lse (one DLPack crossing less per call); lse is None.
+    use_launcher, launcher_inputs: pallas with a torch q: launch the kernel straight on torch
+                tensors through `funcmla.interop.launcher` (no DLPack; capturable in a torch
+                CUDA graph), with launcher_inputs = (kv_pool, kv_indptr, kv_indices) torch
+                tensors (kv_indices of a static capacity: a launcher is built per shape). Where
+                the launcher cannot run, the DLPack + jit path runs on `kv_pool` / `meta` and
+                `launcher_reason` says why.
     The output dtype is q's dtype; lse is float32.
     """
     name = select_backend(backend)
@@ -197,9 +207,7 @@ def mla_attention(
                           causal=causal, plan=plan, num_kv_splits=num_kv_splits,
                           q_scale=q_scale, kv_scale=kv_scale)
     from_torch = isinstance(q, torch.Tensor)
-    qj = to_jax(q) if from_torch else q
-    kvj = to_jax(kv_pool) if isinstance(kv_pool, torch.Tensor) else kv_pool
-    fallback = None
+    fallback = launcher_reason = None
     s_q = _uniform_s_q(mode, meta)
     if name == "pallas":
         if kv_fp8_dtype is not None:
@@ -209,6 +217,17 @@ def mla_attention(
         elif s_q is None or s_q > PALLAS_MAX_S_Q:
             fallback = (f"mode {mode!r} has ragged or long queries; the "
                         f"Pallas kernel takes s_q <= {PALLAS_MAX_S_Q} queries per request")
+    if name == "pallas" and fallback is None and use_launcher:
+        launcher_reason = _launcher_reason(q, launcher_inputs)
+        if launcher_reason is None:
+            from funcmla.interop import launcher
+
+            out, lse = launcher.torch_decode(q, *launcher_inputs, sm_scale=float(sm_scale),
+                                             s_q=s_q, max_kv_len=max_kv_len,
+                                             v_head_dim=v_head_dim)
+            return AttentionResult(out, lse if return_lse else None, "pallas", via="launcher")
+    qj = to_jax(q) if from_torch else q
+    kvj = to_jax(kv_pool) if isinstance(kv_pool, torch.Tensor) else kv_pool
     if name == "pallas" and fallback is None:
         out, lse = _pallas(qj, kvj, meta.kv_indptr, meta.kv_indices, sm_scale=float(sm_scale),
                            s_q=s_q, max_kv_len=max_kv_len, v_head_dim=v_head_dim)
@@ -226,7 +245,18 @@ def mla_attention(
     if from_torch:
         out = to_torch(out)
         lse = None if lse is None else to_torch(lse)
-    return AttentionResult(out, lse, ran, fallback)
+    return AttentionResult(out, lse, ran, fallback, launcher_reason=launcher_reason)
+
+
+def _launcher_reason(q, launcher_inputs) -> str | None:
+    """None if the torch launcher can run q with (kv_pool, kv_indptr, kv_indices), else why not."""
+    if launcher_inputs is None or len(launcher_inputs) != 3:
+        return "the launcher needs launcher_inputs=(kv_pool, kv_indptr, kv_indices)"
+    try:
+        from funcmla.interop import launcher
+    except ImportError as err:
+        return f"funcmla.interop.launcher is not importable ({err})"
+    return launcher.torch_decode_unsupported_reason(q, *launcher_inputs)
 
 
 def _run_aiter(q, kv_pool, meta, *, mode, sm_scale, v_head_dim, causal, plan, num_kv_splits, q_scale,
@@ -242,8 +272,8 @@ def _run_aiter(q, kv_pool, meta, *, mode, sm_scale, v_head_dim, causal, plan, nu
     if mode == "extend":
         out = aiter_dispatch.mla_prefill(q, kv_pool, meta, sm_scale=sm_scale,
                                          num_kv_splits=num_kv_splits, v_head_dim=v_head_dim)
-        return AttentionResult(out, None, "aiter")
+        return AttentionResult(out, None, "aiter", via="torch")
     out, lse = aiter_dispatch.mla_decode(q, kv_pool, meta, plan, sm_scale=sm_scale,
                                          num_kv_splits=num_kv_splits, v_head_dim=v_head_dim,
                                          q_scale=q_scale, kv_scale=kv_scale)
-    return AttentionResult(out, lse, "aiter")
+    return AttentionResult(out, lse, "aiter", via="torch")

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from funcmla.interop.backend_select import mla_attention, select_backend
+from funcmla.interop.backend_select import _launcher_reason, mla_attention, select_backend
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.packed import PackedLayout
 from funcmla.metadata import (
@@ -302,12 +302,16 @@ class FuncMLAAttnBackend:
     num_kv_splits:     passed to AITER (required there).
     legacy_block_granular_kv_indices: size the CUDA-graph kv_indices buffer in blocks, as the
                        seed did, to reproduce its overflow (replay then raises).
+    torch_launcher:    pallas only: launch the kernel on the torch tensors through
+                       `funcmla.interop.launcher` (no DLPack per layer; capturable in a torch
+                       CUDA graph) where it can run; off by default until verified on a GPU.
     """
 
     def __init__(self, req_to_token: torch.Tensor, token_to_kv_pool: MLATokenToKVPool, *,
                  page_size: int = 1, num_draft_tokens: int = 0,
                  attention_backend: str = "auto", num_kv_splits: int | None = None,
-                 legacy_block_granular_kv_indices: bool = False, min_kv_bucket: int = 256):
+                 legacy_block_granular_kv_indices: bool = False, min_kv_bucket: int = 256,
+                 torch_launcher: bool = False):
         if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:
             raise TypeError(
                 f"req_to_token must be int32 [pool, max_context_len], got {req_to_token.dtype} "
@@ -324,6 +328,9 @@ class FuncMLAAttnBackend:
         self.min_kv_bucket = min_kv_bucket
         self.attention_backend = select_backend(attention_backend)
         self.last_backend: str | None = None
+        self.last_via: str | None = None
+        self.torch_launcher = torch_launcher
+        self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
         self._req_to_token_jax = to_jax(req_to_token)  # long-lived: imported once
         self._kv_jax: dict[int, tuple[int, jax.Array]] = {}
         self.forward_metadata: ForwardMetadata | None = None
@@ -409,9 +416,13 @@ class FuncMLAAttnBackend:
                                    fb.extend_seq_lens if mode == "extend" else None)
         meta, packed = _build_step(self._req_to_token_jax, inputs, mode=mode, batch=batch,
                                    capacity=capacity, n=n, pad_to=batch)
-        self.forward_metadata = _eager_forward_metadata(
-            to_torch(packed), _layout(batch, capacity), batch, total, max_q, max_kv,
-            self.num_kv_splits)  # the step's one export, then 4 views
+        layout = _layout(batch, capacity)
+        buf = to_torch(packed)  # the step's one export, then 4 views
+        self.forward_metadata = _eager_forward_metadata(buf, layout, batch, total, max_q, max_kv,
+                                                        self.num_kv_splits)
+        if self.torch_launcher:
+            self._kv_indices_full = buf.as_strided((capacity,), (1,),
+                                                   layout.offsets["kv_indices"])
 
         self._jax_meta, self._mode = meta, mode
         self._max_kv_bound = self._kv_bound(mode, max_kv, fb.seq_lens_cpu, n)
@@ -493,6 +504,7 @@ class FuncMLAAttnBackend:
                              num_kv_splits=self.num_kv_splits)
         self._graph_meta[(mode, bs)] = fm
         self.forward_metadata = fm
+        self._kv_indices_full = v["kv_indices"]
         self._jax_meta, self._mode = meta, mode
         self._max_kv_bound = self._kv_bound(mode, max_kv, seq_cpu, n)
 
@@ -515,6 +527,7 @@ class FuncMLAAttnBackend:
         _, max_kv, _ = self._host_scalars(mode, seq_lens_cpu[:bs], n)
         fm.max_kv_len = max_kv
         self.forward_metadata, self._mode = fm, mode
+        self._kv_indices_full = fm.kv_indices
         self._max_kv_bound = self._kv_bound(mode, max_kv, seq_lens_cpu[:bs], n)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -534,18 +547,27 @@ class FuncMLAAttnBackend:
                                 q_scale=layer.k_scale if q.dtype in FP8_DTYPES else None,
                                 kv_scale=layer.k_scale)
         else:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"the {self.attention_backend!r} backend runs in JAX, which a torch CUDA "
-                    "graph cannot capture; capture with the aiter backend, or run eagerly")
-            kv, kv_fp8 = self._kv_pool_jax(layer.layer_id)
-            res = mla_attention(q3, kv, self._jax_meta, sm_scale=layer.scaling,
-                                v_head_dim=layer.v_head_dim, causal=causal,
-                                backend=self.attention_backend, max_kv_len=self._max_kv_bound,
-                                kv_fp8_dtype=kv_fp8,
+            launch = self.torch_launcher and self.attention_backend == "pallas"
+            inputs = ((self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                       self.forward_metadata.kv_indptr, self._kv_indices_full) if launch else None)
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if capturing:
+                reason = _launcher_reason(q3, inputs) if launch else "torch_launcher is off"
+                if reason is not None:
+                    raise RuntimeError(
+                        f"the {self.attention_backend!r} backend runs in JAX here ({reason}), "
+                        "which a torch CUDA graph cannot capture; capture with the aiter backend "
+                        "or the pallas torch launcher, or run eagerly")
+            # under capture the launcher runs (checked above): no DLPack import of the pool
+            kv, kv_fp8 = (None, None) if capturing else self._kv_pool_jax(layer.layer_id)
+            res = mla_attention(q3, kv, self._jax_meta,
+                                sm_scale=layer.scaling, v_head_dim=layer.v_head_dim,
+                                causal=causal, backend=self.attention_backend,
+                                max_kv_len=self._max_kv_bound, kv_fp8_dtype=kv_fp8,
                                 kv_scale=layer.k_scale if kv_fp8 is not None else None,
-                                return_lse=False)
-        self.last_backend = res.backend
+                                return_lse=False, use_launcher=launch,
+                                launcher_inputs=inputs)
+        self.last_backend, self.last_via = res.backend, res.via
         return res.out.reshape(-1, heads * layer.v_head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
