@@ -71,7 +71,7 @@ class PrefillPlanConfig:
     block_size:        tokens per kv_indptr entry (default 1: the kernel reads per-token K/V).
     is_causal:         bottom-right causal trim of each tile's KV length.
     max_qlen:          static bound on any request's query length (tokens); sizes the buffers.
-    legacy_page_granular: set only by `legacy_page_granular()`; allows block_size > 1.
+    legacy:            the pre-#25556 pairing, set by `legacy_page_granular()`; allows block_size > 1.
     """
 
     device: DeviceProfile
@@ -83,7 +83,7 @@ class PrefillPlanConfig:
     block_size: int = 1
     is_causal: bool = True
     max_qlen: int = TILE_Q
-    legacy_page_granular: bool = False
+    legacy: bool = False
 
     def __post_init__(self):
         if not isinstance(self.device, DeviceProfile):
@@ -112,7 +112,7 @@ class PrefillPlanConfig:
             raise ValueError(
                 f"PrefillPlanConfig.kvlen_granularity={self.kvlen_granularity} must be a multiple "
                 f"of block_size={self.block_size}")
-        if self.block_size != 1 and not self.legacy_page_granular:
+        if self.block_size != 1 and not self.legacy:
             raise ValueError(
                 f"PrefillPlanConfig.block_size={self.block_size}: the prefill kernel reads "
                 "per-token K/V, so the plan must count tokens (block_size=1). The pre-#25556 "
@@ -132,7 +132,7 @@ class PrefillPlanConfig:
         if not is_power_of_two(page_size):
             raise ValueError(f"page_size must be a power of two, got {page_size!r}")
         return cls(device=device, block_size=page_size, kvlen_granularity=max(128, page_size),
-                   legacy_page_granular=True, **kwargs)
+                   legacy=True, **kwargs)
 
     @property
     def num_clusters(self) -> int:
@@ -233,7 +233,7 @@ def plan_ps_prefill(
             reduce_final_map=jnp.zeros((0, 2), jnp.int32),
             reduce_partial_map=jnp.zeros((sizes.max_partials,), jnp.int32),
             num_works=z, num_partials=z, kind="prefill", block_size=cfg.block_size,
-            legacy=cfg.legacy_page_granular)
+            legacy=cfg.legacy)
 
     # ---- Step 1: the tile grid [B, mq] in visiting (ping-pong) order, flattened to [T].
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
@@ -345,7 +345,7 @@ def plan_ps_prefill(
         num_partials=num_partials.astype(jnp.int32),
         kind="prefill",
         block_size=cfg.block_size,
-        legacy=cfg.legacy_page_granular,
+        legacy=cfg.legacy,
     )
 
 
