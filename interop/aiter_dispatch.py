@@ -107,7 +107,8 @@ def _check(name: str, t, *, dtype=None, ndim=None, shape=None, device=None) -> N
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
         if t.dtype not in allowed:
-            raise TypeError(f"{name} must have dtype {' or '.join(map(str, allowed))}, got {t.dtype}")
+            want = " or ".join(map(str, allowed))
+            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if shape is not None:

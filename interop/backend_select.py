@@ -102,10 +102,12 @@ def select_backend(requested: str | None = None) -> str:
     if requested in (None, "auto"):
         return next(name for name in BACKENDS if _REASONS[name]() is None)
     if requested not in BACKENDS:
-        raise ValueError(f"unknown attention backend {requested!r}; choose from {BACKENDS} or 'auto'")
+        raise ValueError(
+            f"unknown attention backend {requested!r}; choose from {BACKENDS} or 'auto'")
     reason = _REASONS[requested]()
     if reason is not None:
-        raise RuntimeError(f"attention backend {requested!r} was requested but cannot run: {reason}")
+        raise RuntimeError(
+            f"attention backend {requested!r} was requested but cannot run: {reason}")
     return requested
 
 
@@ -259,8 +261,8 @@ def _launcher_reason(q, launcher_inputs) -> str | None:
     return launcher.torch_decode_unsupported_reason(q, *launcher_inputs)
 
 
-def _run_aiter(q, kv_pool, meta, *, mode, sm_scale, v_head_dim, causal, plan, num_kv_splits, q_scale,
-               kv_scale) -> AttentionResult:
+def _run_aiter(q, kv_pool, meta, *, mode, sm_scale, v_head_dim, causal, plan, num_kv_splits,
+               q_scale, kv_scale) -> AttentionResult:
     if not isinstance(q, torch.Tensor) or not isinstance(kv_pool, torch.Tensor):
         raise TypeError("the aiter backend takes torch tensors (q, kv_pool)")
     if not causal:

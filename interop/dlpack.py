@@ -98,7 +98,8 @@ def data_ptr(x: jax.Array | torch.Tensor) -> int:
 
 
 def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)}, strides {tuple(t.stride())}, dtype {t.dtype}, device {t.device}"
+    return (f"shape {tuple(t.shape)}, strides {tuple(t.stride())}, dtype {t.dtype}, "
+            f"device {t.device}")
 
 
 def to_jax(t: torch.Tensor, *, copy: bool = False, fp8: str = "bitcast") -> jax.Array:

@@ -127,7 +127,8 @@ def test_speculative_modes_equal_torch_native_extend(mode):
     fm = backend.forward_metadata
     assert fm.max_q_len == n and fm.qo_indptr.tolist() == [0, n, 2 * n, 3 * n]
     assert fm.kv_indptr.tolist() == [0] + np.cumsum(b.seq_lens.tolist()).tolist()
-    assert fm.max_kv_len == (None if mode == ForwardMode.TARGET_VERIFY else max(b.seq_lens.tolist()))
+    verify = mode == ForwardMode.TARGET_VERIFY
+    assert fm.max_kv_len == (None if verify else max(b.seq_lens.tolist()))
     out = backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
     want = torch_native_mla_extend(q, pool.kv_buffer[0], b.req_to_token, b.req_pool_indices,
                                    b.seq_lens, b.extend_prefix_lens, b.extend_seq_lens,
