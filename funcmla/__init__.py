@@ -1,5 +1,14 @@
 """funcmla: paged MLA metadata as pure, shape-checked JAX functions."""
 
+import os as _os
+
+# The torch shim lives in the top-level folder `interop/` and is installed as `funcmla.interop`
+# (pyproject's package-dir). In a plain source checkout (PYTHONPATH=., no install) that mapping
+# does not exist, so let `funcmla.interop` resolve to `<checkout>/interop` there too.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_checkout, "interop", "__init__.py")) and _checkout not in __path__:
+    __path__.append(_checkout)
+
 from funcmla.config import (  # noqa: F401
     DEVICE_PROFILES,
     H200,

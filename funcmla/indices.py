@@ -101,8 +101,10 @@ def gather_token_indices(
     seg = segment_ids(indptr, capacity)
     live = seg < batch
     seg_c = jnp.minimum(seg, batch - 1)
-    pos = kv_start[seg_c] + t - indptr[seg_c]
-    rows = req_pool_indices[seg_c]
+    # dead positions gather row 0, column 0 (never an out-of-bounds read, so checkify's index
+    # checks stay meaningful: they fire only for live positions past the request table)
+    pos = jnp.where(live, kv_start[seg_c] + t - indptr[seg_c], 0)
+    rows = jnp.where(live, req_pool_indices[seg_c], 0)
     slots = req_to_token.at[rows, pos].get(mode="fill", fill_value=FILL_SLOT)
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
 
@@ -129,9 +131,10 @@ def page_table_from_token_slots(
     batch = kv_lens.shape[0]
     kv_start = jnp.zeros((batch,), jnp.int32) if kv_start is None else jnp.asarray(kv_start)
     p = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
-    pos = kv_start[:, None] + p * page_size
-    slots = req_to_token.at[req_pool_indices[:, None], pos].get(mode="fill", fill_value=0)
     n_pages = (kv_lens + page_size - 1) // page_size
+    live = p < n_pages[:, None]
+    pos = jnp.where(live, kv_start[:, None] + p * page_size, 0)
+    slots = req_to_token.at[req_pool_indices[:, None], pos].get(mode="fill", fill_value=0)
     table = jnp.where(p < n_pages[:, None], slots // page_size, FILL_PAGE).astype(jnp.int32)
     return PageTable(table=table, lengths=kv_lens, page_size=page_size)
 
@@ -149,7 +152,7 @@ def token_slots_from_page_table(page_table: PageTable, *, capacity: int) -> Toke
     seg = segment_ids(indptr, capacity)
     live = seg < batch
     seg_c = jnp.minimum(seg, batch - 1)
-    off = t - indptr[seg_c]
+    off = jnp.where(live, t - indptr[seg_c], 0)
     page = page_table.table.at[seg_c, off // ps].get(mode="fill", fill_value=FILL_PAGE)
     slots = page * ps + off % ps
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
@@ -165,9 +168,9 @@ def page_table_from_csr(kv: TokenCSR, *, page_size: int, max_pages: int) -> Page
     _check_page_size(page_size)
     lens = kv.lengths
     p = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
-    pos = kv.indptr[:-1, None] + p * page_size
-    slots = kv.indices.at[pos].get(mode="fill", fill_value=FILL_SLOT)
     n_pages = (lens + page_size - 1) // page_size
+    pos = jnp.where(p < n_pages[:, None], kv.indptr[:-1, None] + p * page_size, 0)
+    slots = kv.indices.at[pos].get(mode="fill", fill_value=FILL_SLOT)
     table = jnp.where(p < n_pages[:, None], slots // page_size, FILL_PAGE).astype(jnp.int32)
     return PageTable(table=table, lengths=lens, page_size=page_size)
 

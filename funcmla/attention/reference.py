@@ -85,8 +85,8 @@ def mla_attention_reference(
     def one_query(args):
         q_t, start_t, vis_t = args
         valid = pos < vis_t
-        slots = kv_indices.at[start_t + pos].get(mode="fill", fill_value=FILL_SLOT)
-        slots = jnp.where(valid, slots, FILL_SLOT)
+        idx = jnp.where(valid, start_t + pos, 0)  # dead keys read entry 0, never out of bounds
+        slots = jnp.where(valid, kv_indices[idx], FILL_SLOT)
         k = kv_pool.at[slots].get(mode="fill", fill_value=0).astype(jnp.float32)  # [S, D]
         s = jnp.einsum("hd,sd->hs", q_t.astype(jnp.float32), k, precision=hi) * sm_scale
         s = jnp.where(valid[None, :], s, -jnp.inf)
