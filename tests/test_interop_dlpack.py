@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from funcmla.interop.dlpack import check_not_shared, data_ptr, is_shared, to_jax, to_torch
 
@@ -78,6 +80,25 @@ def test_fp8_travels_as_uint8_zero_copy_and_round_trips_exactly(fp8, device):
     # the bitcast inside jit reads the zero-copy bytes directly
     f = jax.jit(lambda b: jax.lax.bitcast_convert_type(b, x.dtype).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(f(bits)), t.float().cpu().numpy())
+
+
+@settings(max_examples=40)
+@given(shape=st.lists(st.integers(0, 7), max_size=4).map(tuple),
+       dtype=st.sampled_from(DTYPES + [torch.uint8, torch.float8_e4m3fn, torch.int8]),
+       seed=st.integers(0, 2**16))
+def test_round_trip_any_shape_is_zero_copy_and_bit_exact(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, shape + (4,), generator=g, dtype=torch.int32).to(torch.uint8)
+    t = raw.view(torch.int32).view(dtype) if dtype.itemsize == 4 else (
+        raw.view(torch.int16).view(dtype) if dtype.itemsize == 2 else raw[..., 0].view(dtype))
+    t = t.contiguous()
+    fp8 = dtype == torch.float8_e4m3fn
+    x = to_jax(t, fp8="bits")
+    back = to_torch(x, fp8_dtype=dtype if fp8 else None)
+    assert back.dtype == dtype and back.shape == t.shape
+    if t.numel():
+        assert data_ptr(x) == t.data_ptr() == back.data_ptr()
+    np.testing.assert_array_equal(_bits(back), _bits(t))  # NaN payloads included
 
 
 def test_non_contiguous_slice_is_refused_unless_copy_requested():
