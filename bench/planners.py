@@ -216,7 +216,8 @@ def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
     n = np.repeat(n, cfg.qk_batch_ratio * cfg.tile_slots_per_batch)
     payload = -(-(n + cfg.overhead).sum() // cfg.num_splits(batch)) + cfg.overhead
     bpc = payload - cfg.overhead
-    params = FillParams(overhead=cfg.overhead, parallel=cfg.planner(batch) == "parallel")
+    params = FillParams(overhead=cfg.overhead, parallel=cfg.planner(batch) == "parallel",
+                        tail_rule=False, empty_slots=False)
     tiles = fill_inputs(jnp.asarray(n, jnp.int32), jnp.full(n.shape, NEVER, jnp.int32),
                         jnp.int32(payload), jnp.int32(bpc), params=params)
     rows = []

@@ -167,7 +167,7 @@ def batches(draw, cfg, batch_sizes=BATCHES):
     return make_inputs(kv_lens, qo_lens, cfg.page_size, rng)
 
 
-@settings(max_examples=10)
+@settings(max_examples=8)
 @given(data=st.data())
 def test_matches_oracle_random_configs(data):
     cfg = data.draw(configs())
@@ -351,18 +351,20 @@ def random_tiles(rng, s, ov, params):
     """Random fill inputs: block counts (some 0, some empty slots), tail points, a payload."""
     n = rng.integers(0, 60, s)
     n[rng.random(s) < 0.25] = 0
-    n[rng.random(s) < 0.1] = -1  # empty slots
+    if params.empty_slots:
+        n[rng.random(s) < 0.1] = -1
     payload = int(-(-np.maximum(n, 0).sum() // rng.integers(2, 9))) + ov + int(rng.integers(1, 9))
     bpc = payload - ov
     e_min = np.where(rng.random(s) < 0.5, np.maximum(n - rng.integers(1, 4, s), 0), NEVER)
+    if not params.tail_rule:
+        e_min[:] = NEVER
     tiles = fill_inputs(jnp.asarray(n, jnp.int32), jnp.asarray(e_min, jnp.int32),
                         jnp.int32(payload), jnp.int32(bpc), params=params)
     return tiles, jnp.int32(payload), jnp.int32(bpc)
 
 
 @functools.lru_cache(maxsize=None)
-def _fills(ov, parallel, chunk):
-    params = FillParams(overhead=ov, parallel=parallel)
+def _fills(params, chunk):
     scan = jax.jit(lambda t, p, b: fill_tiles_scan(t, p, b, params=params))
     pallas = jax.jit(lambda t, p, b: fill_tiles_pallas(t, p, b, params=params, chunk=chunk,
                                                        interpret=True))
@@ -371,31 +373,35 @@ def _fills(ov, parallel, chunk):
     return scan, pallas, advance, step
 
 
-@pytest.mark.parametrize("parallel", [False, True])
+FILL_PARAMS = [FillParams(16, False), FillParams(16, True),
+               FillParams(16, True, tail_rule=False, empty_slots=False)]
+
+
+@pytest.mark.parametrize("params", FILL_PARAMS[:2])
 @settings(max_examples=8)
 @given(seed=st.integers(0, 2**31))
-def test_pallas_fill_matches_scan(parallel, seed):
+def test_pallas_fill_matches_scan(params, seed):
     rng = np.random.default_rng(seed)
-    ov = 16
-    tiles, payload, bpc = random_tiles(rng, 22, ov, FillParams(ov, parallel))  # 22 % 4 != 0
-    scan, pallas, _, _ = _fills(ov, parallel, 4)
+    tiles, payload, bpc = random_tiles(rng, 22, 16, params)  # 22 % 4 != 0: padding
+    scan, pallas, _, _ = _fills(params, 4)
     want, got = np.asarray(scan(tiles, payload, bpc)), np.asarray(pallas(tiles, payload, bpc))
     np.testing.assert_array_equal(got, want)
     assert want[0].tolist() == [0, int(payload)]
 
 
-@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("params", FILL_PARAMS)
 @settings(max_examples=8)
 @given(seed=st.integers(0, 2**31), ov=st.sampled_from([1, 16]))
-def test_fill_advance_is_the_carry_of_fill_step(parallel, seed, ov):
+def test_fill_advance_is_the_carry_of_fill_step(params, seed, ov):
     # The short-chain step the walk runs must agree with the full step on every reachable
     # state: remain in [-bpc, payload] (negative after a tail merge), any cluster.
     rng = np.random.default_rng(seed)
-    tiles, payload, bpc = random_tiles(rng, 256, ov, FillParams(ov, parallel))
+    params = dataclasses.replace(params, overhead=ov)
+    tiles, payload, bpc = random_tiles(rng, 256, ov, params)
     remain = jnp.asarray(rng.integers(-int(bpc), int(payload) + 1, 256), jnp.int32)
     remain = remain.at[:8].set(payload).at[8:16].set(ov)  # edge states
     cu = jnp.asarray(rng.integers(0, 50, 256), jnp.int32)
-    _, _, advance, step = _fills(ov, parallel, 4)
+    _, _, advance, step = _fills(params, 4)
     got, want = advance(cu, remain, tiles, payload, bpc), step(cu, remain, tiles, payload, bpc)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

@@ -359,11 +359,20 @@ FILL_OUT_FIELDS = ("c0", "f", "m", "merged")
 
 @dataclasses.dataclass(frozen=True)
 class FillParams:
-    """Static part of the fill: overhead (blocks) and whether the parallel planner's
-    zero-length-KV rule applies."""
+    """Static part of the fill.
+
+    overhead:    fixed cost of a work (blocks).
+    parallel:    the parallel planner's zero-length-KV rule applies.
+    tail_rule:   a tail merge can happen (page_size 1 and max_seqlen_qo > 1); when False the
+                 walk skips its arithmetic (with max_seqlen_qo 1 a cut always leaves >= 1 token).
+    empty_slots: some slots before the last are empty (n = -1); when False the walk does not
+                 test for them (trailing padding only affects discarded states).
+    """
 
     overhead: int
     parallel: bool
+    tail_rule: bool = True
+    empty_slots: bool = True
 
 
 def _ceil_div_shifted(qx, rx, f, bpc):
@@ -432,18 +441,27 @@ def fill_advance(params: FillParams, payload, bpc, cu, remain, tile):
     cut_dcu = q + gt - z
     new_remain = jnp.where(fits, remain - n - ov, jnp.where(cut_now, cut_remain, fresh_remain))
     new_cu = cu + jnp.where(fits, 0, jnp.where(cut_now, cut_dcu, fresh_dcu))
-    # Tail merge (computed alongside, selected at the end).
+    if params.tail_rule:  # tail merge, computed alongside and selected at the end
+        new_cu, new_remain = _tail_merge(params, payload, bpc, cu, remain, tile, fits, cut_now,
+                                         new_cu, new_remain)
+    if not params.empty_slots:
+        return new_cu, new_remain
+    valid = n >= 0
+    return jnp.where(valid, new_cu, cu), jnp.where(valid, new_remain, remain)
+
+
+def _tail_merge(params, payload, bpc, cu, remain, tile, fits, cut_now, new_cu, new_remain):
+    n, q, r, e_min, e_div, e_mod = tile[:6]
+    ov = params.overhead
+    f = remain - ov
     f_eff = jnp.where(cut_now, f, bpc)
     m = 1 + _ceil_div_shifted(q, r, f_eff, bpc)
     js = jnp.where(e_min <= f_eff, 0, _ceil_div_shifted(e_div, e_mod, f_eff, bpc))
     merged = jnp.logical_not(fits) & (m >= 2) & (js <= m - 2)
     last_begin = jnp.where(js == 0, 0, f_eff + (js - 1) * bpc)
     merge_remain = jnp.where((js == 0) & cut_now, remain, payload) - (n - last_begin) - ov
-    merge_cu = cu + (1 - cut_now.astype(i32)) + js
-    new_remain = jnp.where(merged, merge_remain, new_remain)
-    new_cu = jnp.where(merged, merge_cu, new_cu)
-    valid = n >= 0
-    return jnp.where(valid, new_cu, cu), jnp.where(valid, new_remain, remain)
+    merge_cu = cu + (1 - cut_now.astype(jnp.int32)) + js
+    return jnp.where(merged, merge_cu, new_cu), jnp.where(merged, merge_remain, new_remain)
 
 
 def fill_inputs(n, e_min, payload, bpc, *, params: FillParams) -> jax.Array:
@@ -624,7 +642,8 @@ def plan_mla_decode(
     gran_log2 = gran.bit_length() - 1
     e_min = jnp.where(kv_len >= thr, ((kv_len - thr) >> gran_log2) + 1, 0)
     e_min = jnp.where((bt < thr) & page1, e_min, NEVER)
-    params = FillParams(overhead=ov, parallel=cfg.planner(b_req) == "parallel")
+    params = FillParams(overhead=ov, parallel=cfg.planner(b_req) == "parallel",
+                        tail_rule=page1 and thr > 1, empty_slots=not cfg.all_slots_valid)
     tiles = fill_inputs(jnp.where(valid, n, -1), e_min, payload, bpc, params=params)
     states = fill_tiles(tiles, payload, bpc, params=params, fill_impl=fill_impl)
     _, _, (c0, f, m, _) = fill_step(params, payload, bpc, states[:, 0], states[:, 1],
