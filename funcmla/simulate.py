@@ -21,8 +21,8 @@ batch is padded to `max_running` rows (prefill rows with zero tokens; decode/ver
 the first request and their queries are ignored: SGLang's CUDA-graph padding points at row 0
 with seq_len 1, which would read the reserved page and fail the metadata checks), prefill
 queries to `max_prefill_tokens`, KV gathers to `max_context_len`. The pool array has
-`pool_tokens + max(page_sizes)` rows at every page size, so one compiled forward per mode
-serves all page sizes.
+`pool_tokens + max(64, *page_sizes)` rows at every page size, so one compiled forward per
+mode serves all page sizes.
 """
 
 from __future__ import annotations
@@ -657,12 +657,13 @@ class _Trace:
         everyone = lives + [lives[0]] * (cfg.max_running - len(lives))  # padding replays row 0
         per = max(n, 1)
         cap = cfg.max_running * per
+        i32 = functools.partial(np.array, dtype=np.int32)
+        batch_rows = i32([x.row for x in everyone])
         if n == 0:
             mode, drafts, accepted = "decode", [None] * len(lives), []
             w_tok = [int(x.spec.token_ids[x.cur_len]) for x in lives]
             w_pos = [x.cur_len for x in lives]
-            batch = (self._pad([x.row for x in everyone], 0),
-                     self._pad([x.cur_len + 1 for x in everyone], 0), self._pad([1] * len(everyone), 0))
+            batch = (batch_rows, i32([x.cur_len + 1 for x in everyone]), i32([1] * len(everyone)))
         else:
             mode, drafts, accepted = "target_verify", [], []
             for x in lives:
@@ -673,8 +674,7 @@ class _Trace:
                 accepted.append(a)
             w_tok = np.concatenate(drafts)
             w_pos = np.concatenate([np.arange(x.cur_len, x.cur_len + n) for x in lives])
-            batch = (self._pad([x.row for x in everyone], 0),
-                     self._pad([x.cur_len for x in everyone], 0), self._pad([n] * len(everyone), 0))
+            batch = (batch_rows, i32([x.cur_len for x in everyone]), i32([n] * len(everyone)))
         q_rid = np.repeat([x.spec.rid for x in lives], per)
         out, rel, kv_tokens, works, partials = self._step(
             mode, np.asarray(res.out_cache_loc), self._pad(w_tok, 0, cap), self._pad(w_pos, 0, cap),
@@ -760,6 +760,8 @@ def run_simulation(
     for ps in page_sizes:
         config.allocator_spec(ps)  # validate every page size before running any
     workload = make_workload(config)
-    pool_rows = config.pool_tokens + max(page_sizes)  # (num_pages + 1) * ps <= this for all
+    # (num_pages + 1) * ps <= pool_rows at every page size; the same rows for any page sizes
+    # up to 64, so the compiled forwards are shared between calls too.
+    pool_rows = config.pool_tokens + max(64, *page_sizes)
     runs = {ps: _run_one(config, ps, pool_rows, workload, progress) for ps in page_sizes}
     return SimulationResult(config, runs)

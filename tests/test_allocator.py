@@ -501,7 +501,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 def _machine_test(page_size, min_ops=500):
     machine = type(f"Machine{page_size}", (AllocatorMachine,), {"spec": SPECS[page_size], "ops": 0})
-    case = settings(max_examples=40, stateful_step_count=50, deadline=None)(machine).TestCase
+    case = settings(max_examples=30, stateful_step_count=50, deadline=None)(machine).TestCase
 
     class Case(case):
         @classmethod
