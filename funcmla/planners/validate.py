@@ -448,7 +448,8 @@ def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bo
         ws = sorted(ws, key=lambda w: wi[w, KV_START])
         r = b // ratio
         kb, n = int(kv_indptr[r]), int(kv_len[r])
-        tile = f"tile (batch {b}, qo [{qs}, {qe}))"
+        heads = f", heads [{qhr & 0xFFFF}, {qhr >> 16})" if plan.kind == "prefill" else ""
+        tile = f"tile (batch {b}, qo [{qs}, {qe}){heads})"
         if wi[ws[0], KV_START] != kb:
             report("first", f"{tile}: its first work work_info[{ws[0]}] starts at kv entry "
                             f"{wi[ws[0], KV_START]}, not at the request's first entry kv_indptr[{r}] = "
