@@ -260,7 +260,77 @@ def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
     return rows
 
 
-BENCHES = {"decode": bench_decode}
+PREFILL_CONFIGS = {
+    # SGLang's fp8 MHA prefill at TP8 on MI355X: 16 KV heads (gqa 1), 16 clusters of 16 CUs
+    "mi355x-hk16": dict(device=MI355X, num_heads_k=16),
+    # one KV head, 16 q heads per work: qlen_granularity 16, 304 TGs in one cluster
+    "mi300x-hk1-gqa16": dict(device=MI300X, gqa_ratio=16),
+    # the pre-#25556 pairing at page size 64 (block_size 64, kvlen_granularity 128)
+    "mi355x-hk16-legacy64": dict(device=MI355X, num_heads_k=16, legacy_page_size=64),
+}
+PREFILL_MAX_QLEN = 2048
+
+
+def prefill_inputs(batch: int, seed: int = 0, block_size: int = 1):
+    """Random extend batch: 1..2048 new tokens on a 0..4096-token prefix per request."""
+    rng = np.random.default_rng(seed)
+    qo = rng.integers(1, PREFILL_MAX_QLEN + 1, batch)
+    ctx = qo + rng.integers(0, 4097, batch)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(-(-ctx // block_size))]).astype(np.int32)
+    return qo_indptr, kv_indptr, ctx.astype(np.int32)
+
+
+def bench_prefill(batches=(1, 16, 64, 256, 1024), configs=None, reps=20):
+    """Time plan_ps_prefill (jit, after compile) against the NumPy serial oracle
+    (ps_prefill_plan_oracle, the restatement of AITER's host C++ planner). Returns rows."""
+    from funcmla.planners.oracle_prefill import ps_prefill_plan_oracle
+    from funcmla.planners.prefill import PrefillPlanConfig, plan_ps_prefill, ps_prefill_plan_sizes
+
+    rows = []
+    for name, spec in (configs or PREFILL_CONFIGS).items():
+        spec = dict(spec)
+        legacy_ps = spec.pop("legacy_page_size", None)
+        if legacy_ps:
+            cfg = PrefillPlanConfig.legacy_page_granular(legacy_ps, max_qlen=PREFILL_MAX_QLEN, **spec)
+        else:
+            cfg = PrefillPlanConfig(max_qlen=PREFILL_MAX_QLEN, **spec)
+        for batch in batches:
+            qo, kv, ctx = prefill_inputs(batch, seed=batch, block_size=cfg.block_size)
+
+            def oracle():
+                return ps_prefill_plan_oracle(
+                    qo, kv, ctx, num_cu=cfg.device.num_cu, num_heads_k=cfg.num_heads_k,
+                    gqa_ratio=cfg.gqa_ratio, qhead_granularity=cfg.qhead_granularity,
+                    qlen_granularity=cfg.qlen_granularity, kvlen_granularity=cfg.kvlen_granularity,
+                    block_size=cfg.block_size, is_causal=cfg.is_causal, max_qlen=cfg.max_qlen)
+
+            ref = oracle()
+            oracle_s = median_time_s(oracle, reps=3 if batch >= 256 else 7)
+            args = tuple(jnp.asarray(x) for x in (qo, kv, ctx))
+
+            def fn():
+                return jax.block_until_ready(plan_ps_prefill(*args, config=cfg))
+
+            t0 = time.perf_counter()
+            got = _try(f"prefill {name} B={batch}", fn)
+            if got is None:
+                continue
+            compile_s = time.perf_counter() - t0
+            host_s = median_time_s(fn, reps=reps, min_time_s=0.05)
+            match = all(np.array_equal(np.asarray(getattr(got, f)), ref[f]) for f in PLAN_FIELDS)
+            row = dict(planner="prefill", config=name, batch=batch, fill="jit",
+                       tiles=ps_prefill_plan_sizes(batch, cfg.max_qlen, config=cfg).num_tiles,
+                       num_works=int(got.num_works), num_partials=int(got.num_partials),
+                       host_us=host_s * 1e6, device_us=None, oracle_us=oracle_s * 1e6,
+                       speedup_vs_oracle=oracle_s / host_s, compile_s=compile_s, match=match)
+            rows.append(row)
+            log(f"prefill {name:22s} B={batch:5d} host {row['host_us']:9.1f} us  oracle "
+                f"{row['oracle_us']:10.1f} us  x{row['speedup_vs_oracle']:.1f}  match={match}")
+    return rows
+
+
+BENCHES = {"decode": bench_decode, "prefill": bench_prefill}
 
 
 def _print_table(title, columns, rows):
@@ -350,7 +420,7 @@ def main(argv=None):
                                          device_time_batches=dt_batches)
                 save()
         else:
-            payload["rows"] += bench()
+            payload["rows"] += bench(batches=batches)
             save()
 
     table = [[r["planner"], r["config"], r["batch"], r["fill"], r.get("tiles", ""),
