@@ -133,6 +133,13 @@ class AllocatorSpec:
                 "overflows int32 slot ids"
             )
 
+    @classmethod
+    def for_pool(cls, pool: PoolSpec, *, num_req_slots: int, max_context_len: int):
+        """The allocator handing out the pages of `pool`."""
+        if not isinstance(pool, PoolSpec):
+            raise TypeError(f"AllocatorSpec.for_pool: pool must be a PoolSpec, got {pool!r}")
+        return cls(pool.num_pages, pool.page_size, num_req_slots, max_context_len)
+
     @property
     def pool(self) -> PoolSpec:
         """The KV pool this allocator hands slots of: `(num_pages + 1) * page_size` rows."""

@@ -18,9 +18,9 @@ checks that the outputs agree bit for bit across page sizes.
 
 The host loop is plain Python over steps calling jitted pure functions with static shapes: the
 batch is padded to `max_running` rows (prefill rows with zero tokens; decode/verify rows replay
-the first request and their queries are ignored: SGLang's CUDA-graph padding points at row 0
-with seq_len 1, which would read the reserved page and fail the metadata checks), prefill
-queries to `max_prefill_tokens`, KV gathers to `max_context_len`. The pool array has
+the first request, with ignored queries, so that every kv_indices entry is a live slot and the
+metadata value checks hold), prefill queries to `max_prefill_tokens`, KV gathers to
+`max_context_len`. The pool array has
 `pool_tokens + max(64, *page_sizes)` rows at every page size, so one compiled forward per
 mode serves all page sizes.
 """

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from funcmla import allocator as A
 from funcmla.allocator import AllocatorSpec
+from funcmla.layout import PoolSpec
 
 BATCH = 4  # static batch of every op in the state machine (padded rows are masked)
 
@@ -338,6 +339,14 @@ def _spec(**kw):
 def test_spec_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AllocatorSpec(**kwargs)
+
+
+def test_spec_from_pool():
+    spec = AllocatorSpec.for_pool(PoolSpec(num_pages=6, page_size=16), num_req_slots=2,
+                                  max_context_len=64)
+    assert spec == AllocatorSpec(6, 16, 2, 64) and spec.pool.num_slots == 7 * 16
+    with pytest.raises(TypeError, match="pool must be a PoolSpec"):
+        AllocatorSpec.for_pool((6, 16), num_req_slots=2, max_context_len=64)
 
 
 def test_argument_validation():
