@@ -91,6 +91,11 @@ class SimulationConfig:
     check: bool = True  # funcmla.checks value checks (checkify) on every step's metadata
     use_plans: bool = False  # run attention through the work planners + plan executor
     plan_num_cu: int = 16  # compute units of the (gfx950) device the plans are made for
+    # The seed's two bugs, reproducible on purpose (seed.md): a prefill plan counting pages
+    # (block_size = page_size) against token-granular metadata (needs use_plans), and a
+    # kv_indices buffer sized in pages while it is written per token. Garbage at page size > 1.
+    legacy_prefill_plan: bool = False
+    legacy_kv_indices_buffer: bool = False
     max_steps: int = 10_000
 
     def __post_init__(self):
@@ -138,8 +143,10 @@ class SimulationConfig:
                 f"{self.max_request_len} exceeds max_context_len={self.max_context_len}"
             )
         self.dims  # validates the MLA dimensions
+        if self.legacy_prefill_plan and not self.use_plans:
+            raise ValueError("SimulationConfig.legacy_prefill_plan=True needs use_plans=True")
         if self.use_plans:
-            self.plan_configs()  # validates them (e.g. AITER's head counts) before any run
+            self.plan_configs(1)  # validates them (e.g. AITER's head counts) before any run
 
     @property
     def max_request_len(self) -> int:
@@ -151,16 +158,22 @@ class SimulationConfig:
         return MLADims(num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
                        qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
 
-    def plan_configs(self):
-        """(prefill, decode) planner configs for a `plan_num_cu`-CU gfx950 device; the decode
-        one has `max_seqlen_qo = num_draft_tokens` (verify) or 1."""
+    def plan_configs(self, page_size: int):
+        """(prefill, decode) planner configs for a `plan_num_cu`-CU gfx950 device at
+        `page_size`. The decode one has `max_seqlen_qo = num_draft_tokens` (verify) or 1; the
+        prefill one counts tokens, or pages with `legacy_prefill_plan` (the seed's bug)."""
         from funcmla.planners.decode import DecodePlanConfig
         from funcmla.planners.prefill import PrefillPlanConfig
 
         device = custom_device(self.plan_num_cu, "gfx950", name="sim")
         msq = max(1, self.num_draft_tokens)
+        prefill = dict(device=device, gqa_ratio=self.num_heads, max_qlen=self.prompt_len[1])
+        if self.legacy_prefill_plan:
+            prefill_cfg = PrefillPlanConfig.legacy_page_granular(page_size, **prefill)
+        else:
+            prefill_cfg = PrefillPlanConfig(**prefill)
         return (
-            PrefillPlanConfig(device=device, gqa_ratio=self.num_heads, max_qlen=self.prompt_len[1]),
+            prefill_cfg,
             DecodePlanConfig(device=device, num_heads=self.num_heads, max_seqlen_qo=msq,
                              is_causal=msq > 1),
         )
@@ -364,7 +377,7 @@ class _Forward:
     kv_capacity: int
     max_context_len: int
     dims: MLADims
-    plan_configs: tuple | None  # (PrefillPlanConfig, DecodePlanConfig), None: no plans
+    plan_config: object | None  # PrefillPlanConfig (extend) / DecodePlanConfig; None: no plans
 
 
 def _build_metadata(f: _Forward, req_to_token, rpi, seq_lens, extend_lens) -> md.ForwardMetadata:
@@ -383,18 +396,19 @@ def _attend_with_plan(f: _Forward, q, kv_pool, meta):
     from funcmla.planners.decode import plan_mla_decode
     from funcmla.planners.prefill import plan_ps_prefill
 
-    dims = f.dims
-    prefill_cfg, decode_cfg = f.plan_configs
+    dims, cfg = f.dims, f.plan_config
     if f.mode == "extend":
-        plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, meta.kv_lens, config=prefill_cfg)
-        max_qo_span = prefill_cfg.qlen_granularity
+        plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, meta.kv_lens, config=cfg)
+        max_qo_span, legacy = cfg.qlen_granularity, cfg.legacy_page_granular
     else:
         plan = plan_mla_decode(meta.qo_indptr, meta.kv_indptr, meta.kv_last_page_len,
-                               config=decode_cfg, fill_impl="scan")
-        max_qo_span = decode_cfg.max_seqlen_qo
+                               config=cfg, fill_impl="scan")
+        max_qo_span, legacy = cfg.max_seqlen_qo, False
+    # A legacy (page-counting) plan runs literally against the token-granular metadata.
     out, _ = run_work_plan(q, kv_pool, meta, plan, sm_scale=dims.sm_scale,
                            max_qo_span=max_qo_span, max_kv_span=f.max_context_len,
-                           v_head_dim=dims.v_head_dim, causal=True)
+                           v_head_dim=dims.v_head_dim, causal=True,
+                           allow_legacy_mismatch=legacy)
     return out, plan.num_works, plan.num_partials
 
 
@@ -408,7 +422,7 @@ def _forward(f: _Forward, req_to_token, kv_pool, write_loc, write_rows, batch, q
     """
     kv_pool = kv_pool.at[write_loc].set(write_rows)
     meta = _build_metadata(f, req_to_token, *batch)
-    if f.plan_configs is not None:
+    if f.plan_config is not None:
         out, works, partials = _attend_with_plan(f, q, kv_pool, meta)
     else:
         out, _ = mla_attention_reference(q, kv_pool, meta.qo_indptr, meta.kv_indptr,
@@ -462,10 +476,12 @@ class _Trace:
         }
         self.finished = 0
         self.steps: list[StepStats] = []
-        # Token-granular kv_indices capacity (with draft slack): the seed's fix.
+        # Token-granular kv_indices capacity with draft slack (the seed's fix), or, with
+        # legacy_kv_indices_buffer, the page-granular size the seed's bug had.
         self.kv_capacity = md.BufferPlan(
             max_bs=config.max_running, max_context_len=config.max_context_len,
             page_size=page_size, num_draft_tokens=config.num_draft_tokens,
+            legacy_block_granular_kv_indices=config.legacy_kv_indices_buffer,
         ).kv_indices_capacity
 
     # -- small helpers
@@ -533,9 +549,12 @@ class _Trace:
         rows[write_loc == 0] = 0.0  # padding writes zeros into the reserved slot 0
         q = self._queries(q_rid, q_pos)
         q[~q_valid] = 0.0
+        plan_config = None
+        if cfg.use_plans:
+            prefill_cfg, decode_cfg = cfg.plan_configs(self.ps)
+            plan_config = prefill_cfg if mode == "extend" else decode_cfg
         f = _Forward(mode, cfg.num_draft_tokens if mode == "target_verify" else 0,
-                     self.kv_capacity, cfg.max_context_len, cfg.dims,
-                     cfg.plan_configs() if cfg.use_plans else None)
+                     self.kv_capacity, cfg.max_context_len, cfg.dims, plan_config)
         kv_pool, meta, out, works, partials = _forward(
             f, self.state.req_to_token, self.kv_pool, write_loc, rows, batch, q)
         if cfg.check:  # the value checks ignore the mode: one compiled checker per pool

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from jax.experimental.checkify import JaxRuntimeError
 
 from funcmla import simulate as sim
 from funcmla.simulate import SimulationConfig, run_simulation
@@ -101,6 +102,22 @@ def test_work_plans_and_executor(result):
         np.testing.assert_allclose(out, result.runs[1].outputs[rid], rtol=0, atol=2e-6)
 
 
+def test_seed_bugs_reproduced_on_purpose():
+    """The seed's two bugs, at page size 64: a page-counting prefill plan corrupts exactly the
+    prefill outputs (the KV it wrote is fine, so decode steps stay exact), and a page-sized
+    kv_indices buffer is reported by the metadata checks."""
+    cfg = dataclasses.replace(CONFIG, num_requests=3, use_plans=True, legacy_prefill_plan=True,
+                              check=False)
+    run = run_simulation(cfg, (64,)).runs[64]
+    extend = [x.max_rel_err for x in run.steps if x.mode == "extend"]
+    decode = [x.max_rel_err for x in run.steps if x.mode == "decode"]
+    assert extend and min(extend) > 0.1, extend
+    assert decode and max(decode) < 1e-5, decode
+    cfg = dataclasses.replace(CONFIG, num_requests=2, legacy_kv_indices_buffer=True)
+    with pytest.raises(JaxRuntimeError, match="exceed the buffer capacity 16"):
+        run_simulation(cfg, (64,))
+
+
 def test_progress_callback():
     calls = []
     cfg = dataclasses.replace(CONFIG, num_requests=2)
@@ -121,6 +138,7 @@ def test_progress_callback():
         (dict(max_prefill_tokens=100), "prompt_len.1.=112 exceeds max_prefill_tokens=100"),
         (dict(num_draft_tokens=200), "exceeds max_context_len=256"),
         (dict(num_heads=4, use_plans=True), "num_heads=4: must be a multiple of 8"),
+        (dict(legacy_prefill_plan=True), "legacy_prefill_plan=True needs use_plans=True"),
     ],
 )
 def test_config_validation(kwargs, match):
