@@ -65,6 +65,7 @@ def plot_work_plan(plan: WorkPlan, path: str, *, title: str | None = None,
     fig_w = min(max(8.0, num_cu * 0.06 + 4), 24.0)
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(fig_w, 7.5), height_ratios=[3, 1], sharex=True)
     loads = np.zeros(num_cu)
+    seen: set[int] = set()
     for cu in range(num_cu):
         bottom = 0.0
         for w in range(work_indptr[cu], min(work_indptr[cu + 1], num_works)):
@@ -73,7 +74,8 @@ def plot_work_plan(plan: WorkPlan, path: str, *, title: str | None = None,
             split = info[w, PARTIAL_QO_LOC] >= 0
             ax.bar(cu, h, bottom=bottom, width=0.85, color=cmap(b % 20),
                    hatch="///" if split else None, edgecolor="black" if split else "none",
-                   linewidth=0.3)
+                   linewidth=0.3, label=f"request {b}" if b not in seen and b < 20 else None)
+            seen.add(b)
             bottom += h
         loads[cu] = bottom
     if num_cu:
@@ -85,7 +87,7 @@ def plot_work_plan(plan: WorkPlan, path: str, *, title: str | None = None,
         f"{plan.kind} work plan: {summary['num_works']} works on {summary['busy_cus']}/{num_cu} units, "
         f"{summary['num_split_tiles']} split tiles, block_size {plan.block_size}"
         + (" (LEGACY)" if plan.legacy else "")))
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax2.bar(range(num_cu), np.diff(work_indptr), width=0.85, color="grey")
     ax2.set_ylabel("works")
     ax2.set_xlabel("compute unit")
