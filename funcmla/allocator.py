@@ -7,11 +7,19 @@ contiguity invariant holds: `req_to_token[r, t] = page(r, t // ps) * ps + t % ps
 
 Everything is a pure function over an explicit `AllocatorState` pytree with static shapes:
 
-    state = init_allocator(AllocatorSpec(num_pages=64, page_size=16,
-                                         num_req_slots=8, max_context_len=256))
-    res = alloc_extend(state, req_pool_indices, prefix_lens, seq_lens, capacity=512)
-    if not res.ok: ...               # out of pages / bad input: res.state is the old state
-    state = res.state                # res.out_cache_loc[:res.num_tokens] are the new slots
+>>> import jax.numpy as jnp
+>>> state = init_allocator(AllocatorSpec(num_pages=4, page_size=4, num_req_slots=2,
+...                                      max_context_len=16))
+>>> res = alloc_extend(state, jnp.array([1]), jnp.array([0]), jnp.array([6]), capacity=8)
+>>> bool(res.ok), int(res.num_tokens), res.out_cache_loc.tolist()  # pages 1 and 2
+(True, 6, [4, 5, 6, 7, 8, 9, 0, 0])
+>>> state = res.state
+>>> res = alloc_decode(state, jnp.array([1]), jnp.array([7]))  # continues page 2
+>>> res.out_cache_loc.tolist(), res.state.req_to_token[1, :8].tolist()
+([10], [4, 5, 6, 7, 8, 9, 10, 0])
+>>> res = alloc_extend(state, jnp.array([0]), jnp.array([0]), jnp.array([9]), capacity=16)
+>>> status_names(res.status), bool(res.oom)  # 3 pages needed, 2 free: state unchanged
+(['OUT_OF_PAGES'], True)
 
 Semantics, as in SGLang (`sglang/srt/mem_cache/allocator/paged.py`):
 
@@ -23,7 +31,8 @@ Semantics, as in SGLang (`sglang/srt/mem_cache/allocator/paged.py`):
 * freeing releases whole pages, `unique(slot // ps)`. Pages carry a reference count so a prefix
   shared by several rows (`share_prefix`) is released once, when its last holder lets go. Freed
   pages are pushed on the stack in ascending order, smallest on top, which is SGLang's order
-  without `need_sort` (`free_pages = cat(unique(freed), free_pages)`).
+  without `need_sort` (`free_pages = cat(unique(freed), free_pages)`); with `need_sort` SGLang
+  parks freed pages and sorts them in when it runs low, a different but equally valid choice.
 
 Failures are values, never silent reuse: every operation returns a `status` bit set (0 = ok; see
 `OUT_OF_PAGES` ...) and, when it is not 0, the state it returns is the input state, unchanged.
@@ -270,8 +279,11 @@ def _batch_args(name: str, *arrays, valid=None):
     """Cast per-request arrays to int32 [B] (checking equal rank-1 shapes) and the valid mask."""
     arrays = [_as_i32(a) for a in arrays]
     shape = arrays[0].shape
-    if len(shape) != 1:
-        raise ValueError(f"{name}: per-request arrays must be rank 1 [B], got shape {shape}")
+    if len(shape) != 1 or shape[0] == 0:
+        raise ValueError(
+            f"{name}: per-request arrays must be rank 1 [B] with B >= 1 (pad with "
+            f"valid=False), got shape {shape}"
+        )
     for a in arrays[1:]:
         if a.shape != shape:
             raise ValueError(f"{name}: per-request arrays disagree in shape: {shape} vs {a.shape}")

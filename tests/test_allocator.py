@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,6 +161,11 @@ def assert_matches_model(st_, model: ModelAllocator):
 
 def small(page_size=4, num_pages=8, rows=4, max_len=32):
     return A.init_allocator(AllocatorSpec(num_pages, page_size, rows, max_len))
+
+
+def test_module_docstring_example():
+    failed, tried = doctest.testmod(A, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert tried > 0 and failed == 0
 
 
 def test_init_state():
@@ -361,6 +368,8 @@ def test_argument_validation():
         A.alloc_decode(s, jnp.array([0]), jnp.array([1]), jnp.array([1]))
     with pytest.raises(ValueError, match="must be rank 1"):
         A.truncate_requests(s, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="B >= 1"):
+        A.alloc_decode(s, jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
     with pytest.raises(TypeError, match="integer array"):
         A.share_prefix(s, jnp.array([0.0]), jnp.array([1]), jnp.array([0]))
 
