@@ -37,12 +37,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from funcmla import allocator as alloc
 from funcmla import metadata as md
 from funcmla.attention.reference import mla_attention_reference
-from funcmla.checks import check_metadata, check_page_contiguity
+from funcmla.checks import check_metadata, check_page_contiguity, checked
 from funcmla.config import MLADims, custom_device
 from funcmla.layout import PoolSpec
 
@@ -441,7 +440,7 @@ def _metadata_checker(pool: PoolSpec, max_context_len: int):
         check_metadata(meta, pool=pool, max_context_len=max_context_len)
         check_page_contiguity(meta.kv, page_size=pool.page_size)
 
-    return jax.jit(checkify.checkify(check, errors=checkify.user_checks))
+    return jax.jit(checked(check))
 
 
 # --------------------------------------------------------------------------------------------
