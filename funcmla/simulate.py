@@ -364,6 +364,17 @@ class SimulationResult:
     def summary(self) -> list[dict]:
         return [run.summary() for run in self.runs.values()]
 
+    def to_dict(self) -> dict:
+        """JSON-ready: the config, and per page size the summary and every step's stats
+        (outputs are left out; compare them with `outputs_identical`)."""
+        return dict(
+            config=dataclasses.asdict(self.config),
+            outputs_identical=self.outputs_identical(),
+            max_output_diff=self.max_output_diff(),
+            runs=[dict(summary=run.summary(), steps=[dataclasses.asdict(x) for x in run.steps])
+                  for run in self.runs.values()],
+        )
+
 
 # --------------------------------------------------------------------------------------------
 # jitted step functions (static arguments are hashable dataclasses)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -76,6 +77,13 @@ def test_trace_statistics(result):
     assert summaries[1]["num_pages"] == CONFIG.pool_tokens
     # page-aligned prefix sharing: a 72-token system prompt is shared as 72, 64, 64 tokens
     assert summaries[1]["prefix_hit_tokens"] > summaries[64]["prefix_hit_tokens"]
+
+
+def test_to_dict_is_json(result):
+    d = json.loads(json.dumps(result.to_dict()))
+    assert d["outputs_identical"] is True and d["config"]["pool_tokens"] == CONFIG.pool_tokens
+    assert [r["summary"]["page_size"] for r in d["runs"]] == list(PAGE_SIZES)
+    assert len(d["runs"][2]["steps"]) == len(result.runs[64].steps)
 
 
 def test_verify_keeps_only_true_tokens(result):
