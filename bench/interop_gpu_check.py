@@ -203,6 +203,44 @@ def check_cuda_graph(dev):
     return dict(replays=replays, overflow=overflow), ok
 
 
+def _median_us(fn, n=60):
+    import statistics
+    import time
+
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+        if i % 10 == 9:
+            torch.cuda.synchronize()
+    return statistics.median(times[10:]) / 1e3
+
+
+def _jax_path_breakdown(backend, q, layer):
+    from funcmla.interop import backend_select as bsel
+
+    kv, _ = backend._kv_pool_jax(0)
+    meta = backend._jax_meta
+    qj = to_jax(q)
+    out, _ = bsel._pallas(qj, kv, meta.kv_indptr, meta.kv_indices, sm_scale=SCALE, s_q=1,
+                          max_kv_len=backend._max_kv_bound, v_head_dim=512)
+    parts = dict(
+        select_backend=lambda: bsel.select_backend("pallas"),
+        to_jax_q=lambda: to_jax(q),
+        pallas_jit_dispatch=lambda: bsel._pallas(qj, kv, meta.kv_indptr, meta.kv_indices,
+                                                 sm_scale=SCALE, s_q=1,
+                                                 max_kv_len=backend._max_kv_bound,
+                                                 v_head_dim=512),
+        to_torch_out=lambda: to_torch(out),
+        get_key_buffer=lambda: backend.token_to_kv_pool.get_key_buffer(0),
+    )
+    res = {k: _median_us(f) for k, f in parts.items()}
+    print("  dlpack+jit per-layer breakdown (host us): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in res.items()))
+    return res
+
+
 def check_launcher_path(dev):
     """Optional: the pallas torch-launcher path (interop.launcher, another engineer's module) vs
     the DLPack + jit path on one decode batch: result, which path ran, host time per layer."""
@@ -235,6 +273,8 @@ def check_launcher_path(dev):
         key = "launcher" if launch else "dlpack_jit"
         out[key] = dict(backend=backend.last_backend, via=backend.last_via, max_rel_err=err,
                         host_us_per_layer=statistics.median(times[10:]) / 1e3)
+        if not launch:  # where the DLPack + jit path spends its host time, per layer
+            out["dlpack_jit_breakdown_us"] = _jax_path_breakdown(backend, q, layer)
         ok &= err < 1e-2
         print(f"  {key}: ran {backend.last_backend} via {backend.last_via}, err {err:.2e}, "
               f"{out[key]['host_us_per_layer']:.1f} us/layer (host)")

@@ -43,6 +43,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from funcmla.interop.backend_select import _launcher_reason, mla_attention, select_backend
@@ -219,6 +220,30 @@ class CudaGraphBufferOverflow(ValueError):
     """A replayed batch does not fit the buffers captured by init_cuda_graph_state."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _HostLens:
+    """max / sum / count of a batch's host-side lengths, computed once per step in NumPy
+    (iterating a torch tensor element by element costs about 1 us per element)."""
+
+    max: int
+    sum: int
+    count: int
+
+    @classmethod
+    def of(cls, lens, batch: int) -> "_HostLens":
+        if isinstance(lens, torch.Tensor):
+            if lens.device.type != "cpu":
+                raise ValueError(f"seq_lens_cpu must be a host tensor, got one on {lens.device}")
+            arr = lens[:batch].numpy()
+        else:
+            arr = np.asarray(lens)[:batch]
+        if arr.shape[0] != batch:
+            raise ValueError(f"seq_lens_cpu has {arr.shape[0]} entries, the batch has {batch}")
+        if batch == 0:
+            return cls(0, 0, 0)
+        return cls(int(arr.max()), int(arr.sum(dtype=np.int64)), batch)
+
+
 def _next_pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
@@ -379,21 +404,21 @@ class FuncMLAAttnBackend:
             self._kv_jax[layer_id] = cached
         return cached[1], cached[2]
 
-    def _host_scalars(self, mode: str, seq_lens_cpu, n: int, extend_seq_lens_cpu=None):
-        seq = [int(s) for s in seq_lens_cpu]
+    def _host_scalars(self, mode: str, seq: "_HostLens", n: int, extend_seq_lens_cpu=None):
+        """(max_q_len, max_kv_len, kv tokens) from host lengths, as SGLang derives them."""
         if mode == "decode":
-            return 1, max(seq, default=0), sum(seq)
+            return 1, seq.max, seq.sum
         if mode == "extend":
             if extend_seq_lens_cpu is None:
                 raise ValueError("extend needs forward_batch.extend_seq_lens_cpu")
-            return max(extend_seq_lens_cpu, default=0), max(seq, default=0), sum(seq)
+            return max(extend_seq_lens_cpu, default=0), seq.max, seq.sum
         if mode == "target_verify":
-            return n, None, sum(seq) + n * len(seq)
-        return n, max(seq, default=0), sum(seq)
+            return n, None, seq.sum + n * seq.count
+        return n, seq.max, seq.sum
 
-    def _kv_bound(self, mode: str, max_kv_len: int | None, seq_lens_cpu, n: int) -> int:
-        longest = max_kv_len if max_kv_len is not None else max(
-            (int(s) + n for s in seq_lens_cpu), default=0)
+    def _kv_bound(self, mode: str, max_kv_len: int | None, seq: "_HostLens", n: int) -> int:
+        """Static bound on KV tokens per request for the JAX attention (a power of two)."""
+        longest = max_kv_len if max_kv_len is not None else seq.max + n
         return _next_pow2(longest, 16)
 
     # ---- eager metadata --------------------------------------------------------------------
@@ -407,8 +432,8 @@ class FuncMLAAttnBackend:
         if fb.seq_lens_cpu is None:
             raise ValueError("forward_batch.seq_lens_cpu is required (host sizes, no device sync)")
         n = self._draft_n(mode, fb.spec_info)
-        max_q, max_kv, total = self._host_scalars(mode, fb.seq_lens_cpu, n,
-                                                  fb.extend_seq_lens_cpu)
+        seq = _HostLens.of(fb.seq_lens_cpu, batch)
+        max_q, max_kv, total = self._host_scalars(mode, seq, n, fb.extend_seq_lens_cpu)
         if mode == "extend" and fb.extend_seq_lens is None:
             raise ValueError("extend needs forward_batch.extend_seq_lens")
         capacity = _next_pow2(total, self.min_kv_bucket)
@@ -425,7 +450,7 @@ class FuncMLAAttnBackend:
                                                    layout.offsets["kv_indices"])
 
         self._jax_meta, self._mode = meta, mode
-        self._max_kv_bound = self._kv_bound(mode, max_kv, fb.seq_lens_cpu, n)
+        self._max_kv_bound = self._kv_bound(mode, max_kv, seq, n)
 
     # ---- CUDA graphs -----------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int,
@@ -448,22 +473,23 @@ class FuncMLAAttnBackend:
         self._graph_views["kv_last_page_len"].fill_(1)
         self._graph_meta = {}
 
-    def _check_fits(self, mode: str, bs: int, seq_lens_cpu, n: int) -> int:
+    def _check_fits(self, mode: str, bs: int, seq_lens_cpu, n: int) -> "_HostLens":
+        """Host-side check that the batch fits the captured buffers; returns its lengths."""
         plan = self.buffer_plan
         if plan is None:
             raise RuntimeError("call init_cuda_graph_state before capturing or replaying")
         if bs > plan.max_bs:
             raise CudaGraphBufferOverflow(
                 f"batch size {bs} exceeds the captured max_bs={plan.max_bs}")
-        seq = [int(s) for s in seq_lens_cpu[:bs]]
+        seq = _HostLens.of(seq_lens_cpu, bs)
         extra = n if mode == "target_verify" else 0
-        longest = max(seq, default=0) + extra
+        longest = seq.max + extra
         if longest > self.max_context_len:
             raise CudaGraphBufferOverflow(
                 f"a request needs {longest} KV tokens (seq_len {longest - extra}"
                 f"{f' + {extra} drafts' if extra else ''}) but req_to_token rows hold "
                 f"max_context_len={self.max_context_len}")
-        need = sum(seq) + extra * bs
+        need = seq.sum + extra * bs
         cap = plan.kv_indices_capacity
         if need > cap:
             unit = ("blocks: the legacy block-granular sizing, the seed's overflow bug"
@@ -473,6 +499,7 @@ class FuncMLAAttnBackend:
                 f"captured buffer holds {cap} ({unit}; max_bs={plan.max_bs}, "
                 f"max_context_len={plan.max_context_len}, page_size={plan.page_size}, "
                 f"num_draft_tokens={plan.num_draft_tokens}); writing it would run out of bounds")
+        return seq
         return need
 
     def _fill_graph_buffers(self, mode: str, bs: int, req_pool_indices, seq_lens, n: int):
@@ -494,8 +521,8 @@ class FuncMLAAttnBackend:
         if mode == "extend":
             raise ValueError("CUDA-graph capture covers decode, target_verify and draft_extend")
         n = self._draft_n(mode, spec_info)
-        seq_cpu = seq_lens[:bs].cpu()  # capture time only (SGLang does the same)
-        self._check_fits(mode, bs, seq_cpu, n)
+        # seq_lens.cpu(): capture time only (as SGLang does)
+        seq_cpu = self._check_fits(mode, bs, seq_lens[:bs].cpu(), n)
         meta = self._fill_graph_buffers(mode, bs, req_pool_indices, seq_lens, n)
         v = self._graph_views
         max_q, max_kv, _ = self._host_scalars(mode, seq_cpu, n)
@@ -519,16 +546,16 @@ class FuncMLAAttnBackend:
         if seq_lens_cpu is None:
             raise ValueError("seq_lens_cpu is required for replay (host-side fit check)")
         n = self._draft_n(mode, spec_info)
-        self._check_fits(mode, bs, seq_lens_cpu, n)
+        seq = self._check_fits(mode, bs, seq_lens_cpu, n)
         fm = self._graph_meta.get((mode, bs))
         if fm is None:
             raise ValueError(f"no CUDA graph was captured for mode {mode!r} at batch size {bs}")
         self._jax_meta = self._fill_graph_buffers(mode, bs, req_pool_indices, seq_lens, n)
-        _, max_kv, _ = self._host_scalars(mode, seq_lens_cpu[:bs], n)
+        _, max_kv, _ = self._host_scalars(mode, seq, n)
         fm.max_kv_len = max_kv
         self.forward_metadata, self._mode = fm, mode
         self._kv_indices_full = fm.kv_indices
-        self._max_kv_bound = self._kv_bound(mode, max_kv, seq_lens_cpu[:bs], n)
+        self._max_kv_bound = self._kv_bound(mode, max_kv, seq, n)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
