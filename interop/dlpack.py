@@ -148,12 +148,17 @@ def to_jax(t: torch.Tensor, *, copy: bool = False, fp8: str = "bitcast") -> jax.
     return x
 
 
-def _cuda_stream_for(x: jax.Array) -> int | None:
-    """The DLPack stream argument for exporting `x` to torch: torch's current stream on x's GPU."""
-    device = next(iter(x.devices()))
+# torch's raw current-stream getter (what Triton uses; no Stream object per call), or the
+# public API where a torch build lacks it.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _cuda_stream_for(device) -> int | None:
+    """The DLPack stream argument for exporting to torch: torch's current stream on `device`."""
     if device.platform != "gpu":
         return None
-    stream = torch.cuda.current_stream(device.local_hardware_id).cuda_stream
+    idx = device.local_hardware_id
+    stream = _raw_stream(idx) if _raw_stream else torch.cuda.current_stream(idx).cuda_stream
     # DLPack: 0 is ambiguous and disallowed; 1 names the legacy default stream.
     return 1 if stream == 0 else stream
 
@@ -168,9 +173,10 @@ def to_torch(x: jax.Array, *, fp8_dtype: torch.dtype | None = None) -> torch.Ten
     """
     if not isinstance(x, jax.Array):
         raise TypeError(f"to_torch expects a jax.Array, got {type(x).__name__}")
-    if len(x.devices()) != 1:
+    devices = x.devices()
+    if len(devices) != 1:
         raise ValueError(f"to_torch: only single-device arrays can be exported, got {x.sharding}")
-    torch_fp8 = _JAX_FP8_TO_TORCH.get(jnp.dtype(x.dtype))
+    torch_fp8 = _JAX_FP8_TO_TORCH.get(x.dtype)
     if torch_fp8 is not None:
         x = jax.lax.bitcast_convert_type(x, jnp.uint8)
         fp8_dtype = torch_fp8 if fp8_dtype is None else fp8_dtype
@@ -179,7 +185,7 @@ def to_torch(x: jax.Array, *, fp8_dtype: torch.dtype | None = None) -> torch.Ten
             raise ValueError(f"fp8_dtype must be one of {list(FP8_DTYPES)}, got {fp8_dtype}")
         if x.dtype != jnp.uint8:
             raise TypeError(f"fp8_dtype={fp8_dtype} needs uint8 bytes, got an array of {x.dtype}")
-    stream = _cuda_stream_for(x)
+    stream = _cuda_stream_for(next(iter(devices)))
     capsule = x.__dlpack__() if stream is None else x.__dlpack__(stream=stream)
     t = torch.utils.dlpack.from_dlpack(capsule)
     _remember(x)
