@@ -273,7 +273,9 @@ def plan_ps_prefill(
     wmax1 = num_tiles + tpc - 1  # static bound on w1
     w = jnp.arange(wmax1, dtype=jnp.int32)
     w_live = w < w1
-    tile = jnp.minimum(_search(k_end, w, "right"), num_tiles - 1)
+    # tile of work slot w = #tiles with k_end <= w (a histogram + cumsum: O(T + wmax1))
+    ends_hist = jnp.zeros((wmax1 + 1,), jnp.int32).at[jnp.minimum(k_end, wmax1)].add(1)
+    tile = jnp.minimum(jnp.cumsum(ends_hist, dtype=jnp.int32)[:wmax1], num_tiles - 1)
     j = w - k_start[tile]
     tg = first_tg[tile] + j
     tg_c = jnp.clip(tg, 0, tpc - 1)
@@ -292,20 +294,21 @@ def plan_ps_prefill(
     tg_key = jnp.where(w_live, tg, tpc)
     tg_first = _search(tg_key, t, "left")  # [tpc + 1]
 
-    # ---- Step 3: duplicate per k head (head-major inside a TG) and per cluster.
+    # ---- Step 3: duplicate per k head (head-major inside a TG) and per cluster: scatter each
+    # (cluster, k head, work) to its row; O(num_heads_k * (T + tpc)), not O(max_works).
     per_cluster = khpc * w1
-    o = jnp.arange(sizes.max_works, dtype=jnp.int32)
-    o_live = o < nclusters * per_cluster
-    cluster = o // jnp.maximum(per_cluster, 1)
-    r = o - cluster * per_cluster
-    o_tg = jnp.clip(_search(khpc * tg_first, r, "right") - 1, 0, tpc - 1)
-    within = r - khpc * tg_first[o_tg]
-    cnt = jnp.maximum(tg_first[o_tg + 1] - tg_first[o_tg], 1)
-    kh = cluster * khpc + within // cnt
-    src = jnp.clip(tg_first[o_tg] + within % cnt, 0, wmax1 - 1)
+    w_tg = jnp.clip(tg, 0, tpc - 1)
+    cnt = tg_first[w_tg + 1] - tg_first[w_tg]
+    c_ids = jnp.arange(nclusters, dtype=jnp.int32)[:, None, None]
+    kh_off = jnp.arange(khpc, dtype=jnp.int32)[None, :, None]
+    dst = c_ids * per_cluster + khpc * tg_first[w_tg] + kh_off * cnt + (w - tg_first[w_tg])
+    dst = jnp.where(w_live, dst, sizes.max_works).reshape(-1)  # dead slots -> the spare row
+    kh = c_ids * khpc + kh_off  # [nclusters, khpc, 1]
     qhr = pack_q_head_range(kh * cfg.qhead_granularity, (kh + 1) * cfg.qhead_granularity)
-    work_info = jnp.concatenate([base[src], qhr[:, None]], axis=-1)
-    work_info = jnp.where(o_live[:, None], work_info, 0).astype(jnp.int32)
+    rows = jnp.concatenate(
+        [jnp.broadcast_to(base, (nclusters, khpc) + base.shape),
+         jnp.broadcast_to(qhr, (nclusters, khpc, wmax1))[..., None]], axis=-1).reshape(-1, 8)
+    work_info = jnp.zeros((sizes.max_works + 1, 8), jnp.int32).at[dst].set(rows)[:-1]
 
     cu = jnp.arange(1, cfg.device.num_cu + 1, dtype=jnp.int32)
     cu_cluster, cu_tg = (cu - 1) // tpc, (cu - 1) % tpc
@@ -323,17 +326,20 @@ def plan_ps_prefill(
     grp_id = jnp.cumsum(s_split.astype(jnp.int32)) - 1
     num_groups = grp_id[-1] + 1
     dest = jnp.where(s_split, grp_id, num_tiles)
-    group_tile = jnp.zeros((num_tiles,), jnp.int32).at[dest].set(sorted_tile, mode="drop")
-    group_count = jnp.zeros((num_tiles,), jnp.int32).at[dest].set(s_parts, mode="drop")
+    group_tile = jnp.zeros((num_tiles + 1,), jnp.int32).at[dest].set(sorted_tile)[:-1]
+    group_count = jnp.zeros((num_tiles + 1,), jnp.int32).at[dest].set(s_parts)[:-1]
     group_end = jnp.cumsum(group_count, dtype=jnp.int32)
     reduce_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), group_end])
     g_live = jnp.arange(num_tiles) < num_groups
     reduce_final_map = jnp.where(
         g_live[:, None], jnp.stack([tile_qs[group_tile], tile_qe[group_tile]], axis=-1), 0)
-    s = jnp.arange(sizes.max_partials, dtype=jnp.int32)
-    s_grp = jnp.clip(_search(group_end, s, "right"), 0, num_tiles - 1)
-    s_j = s - (group_end[s_grp] - group_count[s_grp])
-    reduce_partial_map = jnp.where(s < num_partials, g * (p_first[group_tile[s_grp]] + s_j), 0)
+    # partial entries: each split fragment of the single-head list, at its group's slot
+    tile_group = jnp.zeros((num_tiles + 1,), jnp.int32).at[jnp.where(s_split, sorted_tile, num_tiles)].set(
+        grp_id)[:-1]
+    grp_t = tile_group[tile]
+    e_dst = jnp.where(w_live & split[tile], group_end[grp_t] - group_count[grp_t] + j, sizes.max_partials)
+    reduce_partial_map = jnp.zeros((sizes.max_partials + 1,), jnp.int32).at[e_dst].set(
+        g * (p_first[tile] + j))[:-1]
 
     return WorkPlan(
         work_indptr=work_indptr,
