@@ -121,14 +121,14 @@ def reduce_partials(out, lse, part_out, part_lse, plan: WorkPlan, *, max_qo_span
     p_lse = part_lse[src]  # [E, L, H]
     p_out = part_out[src]  # [E, L, H, Dv]
     m = jnp.full((num_rows + 1, num_heads), -jnp.inf, jnp.float32).at[tgt].max(
-        jnp.where(ok[..., None], p_lse, -jnp.inf), mode="drop")
+        jnp.where(ok[..., None], p_lse, -jnp.inf))
     m_t = m[tgt]
     finite_m = jnp.isfinite(m_t)
     w = jnp.where(ok[..., None] & finite_m & jnp.isfinite(p_lse), jnp.exp(p_lse - jnp.where(finite_m, m_t, 0.0)), 0.0)
-    den = jnp.zeros((num_rows + 1, num_heads), jnp.float32).at[tgt].add(w, mode="drop")[:num_rows]
+    den = jnp.zeros((num_rows + 1, num_heads), jnp.float32).at[tgt].add(w)[:num_rows]
     num = jnp.zeros((num_rows + 1, num_heads, out.shape[-1]), jnp.float32).at[tgt].add(
-        w[..., None] * p_out, mode="drop")[:num_rows]
-    merged = jnp.zeros((num_rows + 1,), bool).at[tgt].set(True, mode="drop")[:num_rows]
+        w[..., None] * p_out)[:num_rows]
+    merged = jnp.zeros((num_rows + 1,), bool).at[tgt].set(True)[:num_rows]
     has = den > 0
     r_out = jnp.where(has[..., None], num / jnp.where(has, den, 1.0)[..., None], 0.0)
     r_lse = jnp.where(has, jnp.log(jnp.where(has, den, 1.0)) + m[:num_rows], jnp.inf)
@@ -228,12 +228,12 @@ def run_work_plan(
         u = ts + pos  # batch-local token positions
         kv_ok = (pos < te - ts) & (u >= 0)
         entry = kbase + u // ps
-        ent = kv_indices.at[entry].get(mode="fill", fill_value=0)
+        ent = kv_indices[jnp.clip(entry, 0, kv_indices.shape[0] - 1)]
         slot = ent * ps + u % ps if ps > 1 else ent
-        k = kv_pool.at[jnp.where(kv_ok, slot, 0)].get(mode="fill", fill_value=0).astype(jnp.float32)
+        k = kv_pool[jnp.clip(jnp.where(kv_ok, slot, 0), 0, kv_pool.shape[0] - 1)].astype(jnp.float32)
         rows = qs + lrow
         row_ok = rows < qe
-        qr = qf32.at[rows].get(mode="fill", fill_value=0)  # [L, Hf, D]
+        qr = qf32[jnp.clip(rows, 0, rows_f - 1)]  # [L, Hf, D]; rows past qe are masked
         vis = kv_ok[None, :] & row_ok[:, None]
         if causal:
             vis = vis & (u[None, :] <= kvl - ql + (rows - qb)[:, None])
@@ -261,19 +261,23 @@ def run_work_plan(
     final = (ploc < 0)[:, None, None] & ok
     partial = (ploc >= 0)[:, None, None] & ok
     # Final rows: out 0 and lse +inf where nothing is visible.
-    f_idx = jnp.where(final, rows[:, :, None] * heads_f + heads[None, None, :], rows_f * heads_f)
-    out = jnp.zeros((rows_f * heads_f, v_head_dim), jnp.float32).at[f_idx.reshape(-1)].set(
-        o_w.reshape(-1, v_head_dim), mode="drop")
+    # Scatters go to a spare last slot when masked (everything stays in bounds, so this also runs
+    # under checkify's index checks).
+    in_rows = ((rows >= 0) & (rows < rows_f))[:, :, None]
+    f_idx = jnp.where(final & in_rows, rows[:, :, None] * heads_f + heads[None, None, :],
+                      rows_f * heads_f)
+    out = jnp.zeros((rows_f * heads_f + 1, v_head_dim), jnp.float32).at[f_idx.reshape(-1)].set(
+        o_w.reshape(-1, v_head_dim))[:-1]
     lse_f = jnp.where(jnp.isneginf(lse_w), jnp.inf, lse_w)
-    lse = jnp.full((rows_f * heads_f,), jnp.inf, jnp.float32).at[f_idx.reshape(-1)].set(
-        lse_f.reshape(-1), mode="drop")
+    lse = jnp.full((rows_f * heads_f + 1,), jnp.inf, jnp.float32).at[f_idx.reshape(-1)].set(
+        lse_f.reshape(-1))[:-1]
     p_rows = ploc[:, None] + lrow[None, :]
     p_idx = jnp.where(partial & (p_rows < part_rows)[:, :, None],
                       p_rows[:, :, None] * heads_f + heads[None, None, :], part_rows * heads_f)
-    part_out = jnp.zeros((part_rows * heads_f, v_head_dim), jnp.float32).at[p_idx.reshape(-1)].set(
-        o_w.reshape(-1, v_head_dim), mode="drop")
-    part_lse = jnp.full((part_rows * heads_f,), -jnp.inf, jnp.float32).at[p_idx.reshape(-1)].set(
-        lse_w.reshape(-1), mode="drop")
+    part_out = jnp.zeros((part_rows * heads_f + 1, v_head_dim), jnp.float32).at[
+        p_idx.reshape(-1)].set(o_w.reshape(-1, v_head_dim))[:-1]
+    part_lse = jnp.full((part_rows * heads_f + 1,), -jnp.inf, jnp.float32).at[p_idx.reshape(-1)].set(
+        lse_w.reshape(-1))[:-1]
 
     out, lse = reduce_partials(
         out.reshape(rows_f, heads_f, v_head_dim), lse.reshape(rows_f, heads_f),
