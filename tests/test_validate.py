@@ -218,3 +218,21 @@ def test_checkify_checks_under_jit():
     unlabelled = dataclasses.replace(legacy, block_size=1, legacy=False)
     msg = run(unlabelled, meta).get()
     assert "needs 166 KV tokens but its works cover entries [0, 4) = 4 tokens" in msg
+
+
+def test_parallel_decode_planner_zero_kv_rows_are_flagged():
+    """aiter-planners.md §4.8: AITER's parallel decode planner emits no work for a zero-length KV
+    request that lands on a full cluster, so its output row is never written; the serial planner
+    emits an empty work. The row-coverage check tells them apart."""
+    lens = [100, 100, 0, 0]
+    kv_indptr = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    meta = PagedKVMetadata(jnp.arange(B + 1, dtype=jnp.int32), kv_indptr,
+                           jnp.zeros((256,), jnp.int32), jnp.ones((B,), jnp.int32))
+    problems = {}
+    for behaviour in ("parallel", "serial"):
+        cfg = DecodePlanConfig(device=custom_device(4), num_heads=16, zero_kv_behaviour=behaviour)
+        plan = plan_mla_decode_jit(meta.qo_indptr, kv_indptr, meta.kv_last_page_len, config=cfg)
+        problems[behaviour] = plan_problems(plan, meta, causal=False)
+    assert problems["parallel"] == ["row 2, head 0 is covered by 0 tiles (must be exactly 1)",
+                                    "row 3, head 0 is covered by 0 tiles (must be exactly 1)"]
+    assert problems["serial"] == []
