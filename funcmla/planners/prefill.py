@@ -104,6 +104,9 @@ class PrefillPlanConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"PrefillPlanConfig.{name} must be a positive int, got {v!r}")
+        for name in ("is_causal", "legacy"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PrefillPlanConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.max_qlen, int) or self.max_qlen < 0:
             raise ValueError(f"PrefillPlanConfig.max_qlen must be an int >= 0, got {self.max_qlen!r}")
         if not is_power_of_two(self.block_size):
