@@ -29,6 +29,11 @@ decode plans cover all heads. Decode plans with head folding (`qk_batch_ratio > 
 rows: q is viewed as `(bs, ratio, seqlen, H / ratio)` rows as AITER's `mla_decode_fwd` does
 (aiter-planners.md §4.1.4), and the output is unfolded back.
 
+Cost: works run in chunks of `work_chunk` and chunks past `num_works` are skipped, so time
+follows the live works. Memory does not: the fp32 partial buffer has AITER's static size
+(`len(reduce_partial_map) * max_qo_span` rows x H x v_head_dim, as the kernels' `logits`
+scratch), which for prefill plans on 256 CUs reaches gigabytes; plan small batches here.
+
 Static bounds: `max_qo_span` (query rows per work) and `max_kv_span` (tokens per work). A live
 work that exceeds them, or writes partial rows past `max_partials * max_qo_span`, makes the
 whole output NaN (loud, never a silent clamp); `plan_spans` computes them on the host.
@@ -249,35 +254,57 @@ def run_work_plan(
         lse = jnp.where(has, jnp.log(jnp.where(has, den, 1.0)) + jnp.where(fm, m, 0.0), -jnp.inf)
         return o, lse
 
-    o_w, lse_w = jax.lax.map(
-        one_work,
-        (wi[:, QO_START], wi[:, QO_END], tok_start, tok_end, kb, kv_len[req], q_base, q_len_w),
-        batch_size=max(1, min(work_chunk, plan.max_work)),
-    )  # [W, L, Hf, Dv], [W, L, Hf]
-
     rows = wi[:, QO_START][:, None] + lrow[None, :]  # [W, L]
     ok = (live[:, None] & (rows < wi[:, QO_END][:, None]))[:, :, None] & (
         (heads[None, None, :] >= h_lo[:, None, None]) & (heads[None, None, :] < h_hi[:, None, None]))
     final = (ploc < 0)[:, None, None] & ok
     partial = (ploc >= 0)[:, None, None] & ok
-    # Final rows: out 0 and lse +inf where nothing is visible.
-    # Scatters go to a spare last slot when masked (everything stays in bounds, so this also runs
-    # under checkify's index checks).
+    # Scatter targets; masked entries go to a spare last slot (everything stays in bounds, so
+    # this also runs under checkify's index checks).
     in_rows = ((rows >= 0) & (rows < rows_f))[:, :, None]
-    f_idx = jnp.where(final & in_rows, rows[:, :, None] * heads_f + heads[None, None, :],
-                      rows_f * heads_f)
-    out = jnp.zeros((rows_f * heads_f + 1, v_head_dim), jnp.float32).at[f_idx.reshape(-1)].set(
-        o_w.reshape(-1, v_head_dim))[:-1]
-    lse_f = jnp.where(jnp.isneginf(lse_w), jnp.inf, lse_w)
-    lse = jnp.full((rows_f * heads_f + 1,), jnp.inf, jnp.float32).at[f_idx.reshape(-1)].set(
-        lse_f.reshape(-1))[:-1]
+    f_spare, p_spare = rows_f * heads_f, part_rows * heads_f
+    f_idx = jnp.where(final & in_rows, rows[:, :, None] * heads_f + heads[None, None, :], f_spare)
     p_rows = ploc[:, None] + lrow[None, :]
     p_idx = jnp.where(partial & (p_rows < part_rows)[:, :, None],
-                      p_rows[:, :, None] * heads_f + heads[None, None, :], part_rows * heads_f)
-    part_out = jnp.zeros((part_rows * heads_f + 1, v_head_dim), jnp.float32).at[
-        p_idx.reshape(-1)].set(o_w.reshape(-1, v_head_dim))[:-1]
-    part_lse = jnp.full((part_rows * heads_f + 1,), -jnp.inf, jnp.float32).at[p_idx.reshape(-1)].set(
-        lse_w.reshape(-1))[:-1]
+                      p_rows[:, :, None] * heads_f + heads[None, None, :], p_spare)
+
+    # Works run in chunks of `work_chunk`: vectorised inside a chunk, sequential across chunks,
+    # each chunk scattering its rows straight into the output / partial buffers. Live works are
+    # the prefix [0, num_works), so chunks without a live work are skipped: time and memory
+    # follow the plan's live works, not its static capacity (max_work can be 10-100x larger).
+    chunk = max(1, min(work_chunk, plan.max_work))
+    n_chunks = -(-plan.max_work // chunk)
+    pad = n_chunks * chunk - plan.max_work
+
+    def chunked(a, fill=0):
+        widths = [(0, pad)] + [(0, 0)] * (a.ndim - 1)
+        return jnp.pad(a, widths, constant_values=fill).reshape((n_chunks, chunk) + a.shape[1:])
+
+    work_args = tuple(chunked(a) for a in (
+        wi[:, QO_START], wi[:, QO_END], tok_start, tok_end, kb, kv_len[req], q_base, q_len_w))
+    live_c = chunked(live, False)
+    f_idx_c, p_idx_c = chunked(f_idx, f_spare), chunked(p_idx, p_spare)
+
+    def run_chunk(c, bufs):
+        def compute(bufs):
+            out, lse, part_out, part_lse = bufs
+            o_w, lse_w = jax.vmap(one_work)(tuple(a[c] for a in work_args))  # [C, L, Hf, (Dv)]
+            fi, pi = f_idx_c[c].reshape(-1), p_idx_c[c].reshape(-1)
+            o_flat, l_flat = o_w.reshape(-1, v_head_dim), lse_w.reshape(-1)
+            # final rows: out 0 and lse +inf where nothing is visible
+            out = out.at[fi].set(o_flat)
+            lse = lse.at[fi].set(jnp.where(jnp.isneginf(l_flat), jnp.inf, l_flat))
+            part_out = part_out.at[pi].set(o_flat)
+            part_lse = part_lse.at[pi].set(l_flat)
+            return out, lse, part_out, part_lse
+
+        return jax.lax.cond(jnp.any(live_c[c]), compute, lambda b: b, bufs)
+
+    bufs = (jnp.zeros((f_spare + 1, v_head_dim), jnp.float32),
+            jnp.full((f_spare + 1,), jnp.inf, jnp.float32),
+            jnp.zeros((p_spare + 1, v_head_dim), jnp.float32),
+            jnp.full((p_spare + 1,), -jnp.inf, jnp.float32))
+    out, lse, part_out, part_lse = (b[:-1] for b in jax.lax.fori_loop(0, n_chunks, run_chunk, bufs))
 
     out, lse = reduce_partials(
         out.reshape(rows_f, heads_f, v_head_dim), lse.reshape(rows_f, heads_f),
