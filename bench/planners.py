@@ -389,7 +389,10 @@ def main(argv=None):
     ap.add_argument("--no-device-time", action="store_true")
     ap.add_argument("--check", action="store_true", help="also run the oracle checks")
     ap.add_argument("--fill-only", action="store_true", help="also time the fill alone")
+    ap.add_argument("--quick", action="store_true", help="batches 1,64 only (smoke run)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.batches = "1,64"
 
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     fills = tuple((args.fills or ("scan,pallas" if on_gpu else "scan")).split(","))

@@ -1,0 +1,94 @@
+"""The `funcmla` command as a user runs it (subprocess): demo, plan, bench, and bad arguments."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from funcmla.config import custom_device
+from funcmla.indices import indptr_from_lens
+from funcmla.planners.decode import DecodePlanConfig, plan_mla_decode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def funcmla(*args, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "funcmla", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_runs_the_whole_chain_and_passes():
+    r = funcmla("demo", "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["ok"] is True
+    assert all(report["verdicts"].values()), report["verdicts"]
+    assert report["trace"]["outputs_identical"] is True
+    legacy = [c for c in report["seed_prefill"] if c["pairing"] == "legacy"][0]
+    assert legacy["page_size"] == 64 and legacy["refused"] and legacy["rel_err"] > 0.1
+    fixed = [c for c in report["seed_prefill"] if c["pairing"] == "fixed"]
+    assert {c["page_size"] for c in fixed} == {1, 16, 64}
+    assert all(c["rel_err"] < 1e-5 and c["num_problems"] == 0 for c in fixed)
+    assert "exceed the buffer capacity" in report["seed_buffer"]["legacy_blocks"]["error"]
+
+
+def test_plan_decode_json_equals_the_planner(tmp_path):
+    kv = [4096, 17, 0, 9000, 300]
+    png = tmp_path / "plan.png"
+    r = funcmla("plan", "decode", "--kv-lens", ",".join(map(str, kv)), "--device", "custom:8",
+                "--heads", "16", "--json", "--plot", str(png))
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    cfg = DecodePlanConfig(device=custom_device(8), num_heads=16, uni_seqlen_qo=1)
+    plan = plan_mla_decode(indptr_from_lens(np.ones(5, np.int32)), indptr_from_lens(np.array(kv)),
+                           np.ones(5, np.int32), config=cfg)
+    n = int(plan.num_works)
+    assert got["num_works"] == n
+    assert got["work_indptr"] == np.asarray(plan.work_indptr).tolist()
+    assert got["work_info"] == np.asarray(plan.work_info)[:n].tolist()
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_prefill_from_a_json_batch_file(tmp_path):
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps({"kv_lens": [600, 300], "qo_lens": [600, 200]}))
+    r = funcmla("plan", "prefill", "--batch", str(batch), "--device", "custom:8:gfx950")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "prefill work plan" in r.stdout and "block_size 1" in r.stdout
+    legacy = funcmla("plan", "prefill", "--batch", str(batch), "--device", "custom:8:gfx950",
+                     "--legacy", "--page-size", "64", "--json")
+    assert legacy.returncode == 0, legacy.stderr[-2000:]
+    out = json.loads(legacy.stdout)
+    assert out["legacy"] is True and out["block_size"] == 64
+
+
+def test_bench_metadata_quick_writes_json(tmp_path):
+    r = funcmla("bench", "metadata", "--quick", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "metadata.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"decode", "extend"} and all(r["jax_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "decode", "--kv-lens", "12,x"], "--kv-lens must be a comma-separated list of integers"),
+    (["plan", "decode", "--kv-lens", "12,-3"], "--kv-lens must be >= 0"),
+    (["plan", "decode"], "give the batch with --kv-lens"),
+    (["plan", "decode", "--kv-lens", "5,6", "--qo-lens", "1"], "--qo-lens has 1 entries but --kv-lens has 2"),
+    (["plan", "decode", "--kv-lens", "5", "--device", "tpu9"], "unknown device profile 'tpu9'"),
+    (["plan", "decode", "--kv-lens", "5", "--device", "custom:abc"], "custom:N needs an integer CU count"),
+    (["plan", "decode", "--kv-lens", "5", "--page-size", "48"], "--page-size must be a power of two"),
+    (["plan", "decode", "--kv-lens", "5", "--heads", "20"], "DecodePlanConfig.num_heads"),
+    (["plan", "prefill", "--kv-lens", "5", "--qo-lens", "9"], "--qo-lens <= --kv-lens"),
+    (["plan", "prefill", "--batch", "/nonexistent.json"], "--batch '/nonexistent.json'"),
+    (["demo", "--page-sizes", "1,3"], "--page-sizes must be powers of two"),
+    (["plan", "sideways", "--kv-lens", "5"], "invalid choice: 'sideways'"),
+])
+def test_bad_arguments_exit_2_and_name_the_argument(args, message):
+    r = funcmla(*args, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    assert message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
