@@ -218,6 +218,17 @@ def extend_metadata(
                   mode="extend")
 
 
+def _n_per_request(req_to_token, req_pool_indices, seq_lens, kv_extra, *, n, capacity, mode):
+    """n queries per request (qo_indptr = arange(B + 1) * n) over `seq_lens + kv_extra` keys."""
+    _check_n(n)
+    req_pool_indices = _as_i32(req_pool_indices, "req_pool_indices")
+    seq_lens = _as_i32(seq_lens, "seq_lens")
+    _check_batch(req_pool_indices, seq_lens=seq_lens)
+    qo_indptr = jnp.arange(seq_lens.shape[0] + 1, dtype=jnp.int32) * n
+    return _build(req_to_token, req_pool_indices, seq_lens + kv_extra, qo_indptr,
+                  capacity=capacity, mode=mode, n=n)
+
+
 def target_verify_metadata(
     req_to_token: jax.Array,
     req_pool_indices: jax.Array,  # int32 [B]
@@ -227,16 +238,8 @@ def target_verify_metadata(
     capacity: int,
 ) -> ForwardMetadata:
     """Target verify: n draft queries per request over `seq_lens + n` keys."""
-    _check_n(num_draft_tokens)
-    req_pool_indices = _as_i32(req_pool_indices, "req_pool_indices")
-    seq_lens = _as_i32(seq_lens, "seq_lens")
-    _check_batch(req_pool_indices, seq_lens=seq_lens)
-    batch = seq_lens.shape[0]
-    n = num_draft_tokens
-    qo_indptr = jnp.arange(batch + 1, dtype=jnp.int32) * n
-    meta = _build(req_to_token, req_pool_indices, seq_lens + n, qo_indptr, capacity=capacity,
-                  mode="target_verify", n=n)
-    return meta
+    return _n_per_request(req_to_token, req_pool_indices, seq_lens, num_draft_tokens,
+                          n=num_draft_tokens, capacity=capacity, mode="target_verify")
 
 
 def draft_extend_metadata(
@@ -248,12 +251,5 @@ def draft_extend_metadata(
     capacity: int,
 ) -> ForwardMetadata:
     """Draft extend (EAGLE v2): n queries per request over `seq_lens` keys."""
-    _check_n(num_draft_tokens)
-    req_pool_indices = _as_i32(req_pool_indices, "req_pool_indices")
-    seq_lens = _as_i32(seq_lens, "seq_lens")
-    _check_batch(req_pool_indices, seq_lens=seq_lens)
-    batch = seq_lens.shape[0]
-    n = num_draft_tokens
-    qo_indptr = jnp.arange(batch + 1, dtype=jnp.int32) * n
-    return _build(req_to_token, req_pool_indices, seq_lens, qo_indptr, capacity=capacity,
-                  mode="draft_extend", n=n)
+    return _n_per_request(req_to_token, req_pool_indices, seq_lens, 0,
+                          n=num_draft_tokens, capacity=capacity, mode="draft_extend")
