@@ -15,6 +15,7 @@ import os
 
 import jax
 import numpy as np
+from rich.progress import track
 
 from bench.timing import environment, median_time_s, print_table, write_json
 from funcmla.metadata import decode_metadata, extend_metadata
@@ -52,27 +53,28 @@ def run(batches, contexts, reps):
     rng = np.random.default_rng(0)
     dec = jax.jit(decode_metadata, static_argnames="capacity")
     ext = jax.jit(extend_metadata, static_argnames="capacity")
+
     rows = []
-    for batch in batches:
-        for ctx in contexts:
-            r2t, rpi, seq, extl = make_batch(batch, ctx, rng)
-            cap = batch * ctx
-            d_r2t, d_rpi, d_seq, d_ext = map(jax.device_put, (r2t, rpi, seq, extl))
-            run_dec = lambda: jax.block_until_ready(dec(d_r2t, d_rpi, d_seq, capacity=cap))
-            run_ext = lambda: jax.block_until_ready(ext(d_r2t, d_rpi, d_seq, d_ext, capacity=cap))
-            # correctness of what is timed
-            m = run_dec()
-            ref = numpy_decode(r2t, rpi, seq)
-            assert np.array_equal(np.asarray(m.kv_indices[: ref[0][-1]]), ref[1])
-            for mode, jfn, nfn in (
-                ("decode", run_dec, lambda: numpy_decode(r2t, rpi, seq)),
-                ("extend", run_ext, lambda: numpy_extend(r2t, rpi, seq, extl)),
-            ):
-                t_jax = median_time_s(jfn, reps=reps)
-                t_np = median_time_s(nfn, reps=reps)
-                rows.append(dict(mode=mode, batch=batch, ctx=ctx, tokens=int(seq.sum()),
-                                 capacity=cap, jax_us=t_jax * 1e6, numpy_us=t_np * 1e6,
-                                 numpy_over_jax=t_np / t_jax))
+    cases = [(b, c) for b in batches for c in contexts]
+    for batch, ctx in track(cases, description="metadata bench", transient=True):
+        r2t, rpi, seq, extl = make_batch(batch, ctx, rng)
+        cap = batch * ctx
+        d_r2t, d_rpi, d_seq, d_ext = map(jax.device_put, (r2t, rpi, seq, extl))
+        run_dec = lambda: jax.block_until_ready(dec(d_r2t, d_rpi, d_seq, capacity=cap))
+        run_ext = lambda: jax.block_until_ready(ext(d_r2t, d_rpi, d_seq, d_ext, capacity=cap))
+        # correctness of what is timed
+        m = run_dec()
+        ref = numpy_decode(r2t, rpi, seq)
+        assert np.array_equal(np.asarray(m.kv_indices[: ref[0][-1]]), ref[1])
+        for mode, jfn, nfn in (
+            ("decode", run_dec, lambda: numpy_decode(r2t, rpi, seq)),
+            ("extend", run_ext, lambda: numpy_extend(r2t, rpi, seq, extl)),
+        ):
+            t_jax = median_time_s(jfn, reps=reps)
+            t_np = median_time_s(nfn, reps=reps)
+            rows.append(dict(mode=mode, batch=batch, ctx=ctx, tokens=int(seq.sum()),
+                             capacity=cap, jax_us=t_jax * 1e6, numpy_us=t_np * 1e6,
+                             numpy_over_jax=t_np / t_jax))
     return rows
 
 
