@@ -2,7 +2,6 @@
 
 import os
 
-import jax
 from hypothesis import HealthCheck, settings
 
 
@@ -21,9 +20,3 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-
-def on_gpu() -> bool:
-    try:
-        return jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        return False
