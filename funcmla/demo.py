@@ -187,12 +187,16 @@ def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
     identical = result.outputs_identical()
     worst = max(s["max_rel_err"] for s in summary)
     verdicts["trace outputs identical across page sizes"] = identical
-    verdicts["trace matches dense attention (rel err < 1e-5)"] = worst < 1e-5
+    # float32 reference / executor everywhere; on a GPU decode steps run the Pallas kernel on
+    # bf16 operands, which is accurate to ~1e-2, not 1e-5
+    tol = 2e-2 if config.uses_pallas_decode else 1e-5
+    verdicts[f"trace matches float64 attention (rel err < {tol:g})"] = worst < tol
     report["trace"] = dict(summary=summary, outputs_identical=identical,
                            max_output_diff=result.max_output_diff())
     con.print(_table(
         f"1. serving trace: {config.num_requests} requests, seed {seed}, plans for "
-        f"{config.plan_num_cu} CUs (gfx950), attention = plan executor",
+        f"{config.plan_num_cu} CUs (gfx950), attention = plan executor"
+        + (" (decode: Pallas kernel)" if config.uses_pallas_decode else ""),
         ["page size", "steps", "q tokens", "kv tokens", "max pages in use", "pool pages",
          "kv_indices capacity", "plan works", "prefix-hit tokens", "OOM events", "max rel err"],
         [[s["page_size"], s["steps"], s["q_tokens"], s["kv_tokens"], s["max_pages_in_use"],

@@ -7,6 +7,8 @@ and keep the accepted ones), and finish. Every step goes through the functional 
 `funcmla.checks`) and the reference attention over the paged latent pool
 (`funcmla.attention.reference`), or, with `use_plans`, the AITER work planners
 (`funcmla.planners.decode` / `prefill`) and the plan executor (`funcmla.attention.executor`).
+On a GPU, decode and verify steps run funcmla's Pallas decode kernel
+(`funcmla.attention.pallas`, bf16 operands; `pallas_decode`, interpret mode when forced on a CPU).
 Each step's output is compared with a float64 NumPy oracle computed on a dense, unpaged copy
 of the same keys (`StepStats.max_rel_err`).
 
@@ -89,6 +91,9 @@ class SimulationConfig:
     vocab_size: int = 512
     check: bool = True  # funcmla.checks value checks (checkify) on every step's metadata
     use_plans: bool = False  # run attention through the work planners + plan executor
+    # Decode / verify steps through funcmla's Pallas decode kernel (bf16 operands):
+    # "auto" = on a GPU backend, "on" = always (Pallas interpret mode off a GPU), "off" = never.
+    pallas_decode: str = "auto"
     plan_num_cu: int = 16  # compute units of the (gfx950) device the plans are made for
     # The seed's two bugs, reproducible on purpose (seed.md): a prefill plan counting pages
     # (block_size = page_size) against token-granular metadata (needs use_plans), and a
@@ -142,10 +147,22 @@ class SimulationConfig:
                 f"{self.max_request_len} exceeds max_context_len={self.max_context_len}"
             )
         self.dims  # validates the MLA dimensions
+        if self.pallas_decode not in ("auto", "on", "off"):
+            raise ValueError(
+                "SimulationConfig.pallas_decode must be 'auto', 'on' or 'off', "
+                f"got {self.pallas_decode!r}"
+            )
         if self.legacy_prefill_plan and not self.use_plans:
             raise ValueError("SimulationConfig.legacy_prefill_plan=True needs use_plans=True")
         if self.use_plans:
             self.plan_configs(1)  # validates them (e.g. AITER's head counts) before any run
+
+    @property
+    def uses_pallas_decode(self) -> bool:
+        """Whether decode / verify steps run the Pallas kernel (resolves "auto")."""
+        if self.pallas_decode == "auto":
+            return jax.default_backend() == "gpu"
+        return self.pallas_decode == "on"
 
     @property
     def max_request_len(self) -> int:
@@ -388,6 +405,7 @@ class _Forward:
     max_context_len: int
     dims: MLADims
     plan_config: object | None  # PrefillPlanConfig (extend) / DecodePlanConfig; None: no plans
+    pallas: bool = False  # decode / verify through the Pallas kernel (interpret off-GPU)
 
 
 def _build_metadata(f: _Forward, req_to_token, rpi, seq_lens, extend_lens) -> md.ForwardMetadata:
@@ -423,6 +441,20 @@ def _attend_with_plan(f: _Forward, q, kv_pool, meta):
 
 
 @functools.partial(jax.jit, static_argnames=("f",))
+def _attend_with_pallas(f: _Forward, q, kv_pool, meta):
+    """Decode / target-verify attention through the Pallas decode kernel: bf16 q and pool,
+    token-granular kv_indices, `s_q` queries per request (bottom-right causal). float32 out."""
+    from funcmla.attention.pallas import mla_decode
+
+    s_q = max(1, f.num_draft_tokens)
+    out, _ = mla_decode(q.astype(jnp.bfloat16), kv_pool.astype(jnp.bfloat16),
+                        kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices,
+                        sm_scale=f.dims.sm_scale, s_q=s_q, max_kv_len=f.max_context_len,
+                        v_head_dim=f.dims.v_head_dim,
+                        interpret=jax.default_backend() != "gpu")
+    return out.astype(jnp.float32)
+
+
 def _forward(f: _Forward, req_to_token, kv_pool, write_loc, write_rows, batch, q):
     """Write the step's latent rows at their slots, build metadata, attend.
 
@@ -432,7 +464,10 @@ def _forward(f: _Forward, req_to_token, kv_pool, write_loc, write_rows, batch, q
     """
     kv_pool = kv_pool.at[write_loc].set(write_rows)
     meta = _build_metadata(f, req_to_token, *batch)
-    if f.plan_config is not None:
+    if f.pallas and f.mode != "extend":
+        out = _attend_with_pallas(f, q, kv_pool, meta)
+        works = partials = jnp.int32(0)
+    elif f.plan_config is not None:
         out, works, partials = _attend_with_plan(f, q, kv_pool, meta)
     else:
         out, _ = mla_attention_reference(q, kv_pool, meta.qo_indptr, meta.kv_indptr,
@@ -564,7 +599,8 @@ class _Trace:
             prefill_cfg, decode_cfg = cfg.plan_configs(self.ps)
             plan_config = prefill_cfg if mode == "extend" else decode_cfg
         f = _Forward(mode, cfg.num_draft_tokens if mode == "target_verify" else 0,
-                     self.kv_capacity, cfg.max_context_len, cfg.dims, plan_config)
+                     self.kv_capacity, cfg.max_context_len, cfg.dims, plan_config,
+                     cfg.uses_pallas_decode)
         kv_pool, meta, out, works, partials = _forward(
             f, self.state.req_to_token, self.kv_pool, write_loc, rows, batch, q)
         if cfg.check:  # the value checks ignore the mode: one compiled checker per pool

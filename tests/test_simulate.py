@@ -163,3 +163,25 @@ def test_page_size_validation():
         run_simulation(CONFIG, (24,))
     with pytest.raises(ValueError, match="page_sizes is empty"):
         run_simulation(CONFIG, ())
+
+
+def test_pallas_decode_kernel_in_the_trace():
+    """Decode and verify steps through the Pallas kernel (interpret mode here): bf16-accurate
+    against the float64 oracle, and still bitwise identical across page sizes."""
+    for n_draft, sizes in ((0, (1, 16)), (2, (1, 64))):
+        cfg = SimulationConfig(num_requests=4, output_len=(3, 6), pallas_decode="on",
+                               num_draft_tokens=n_draft)
+        assert cfg.uses_pallas_decode
+        res = run_simulation(cfg, sizes)
+        assert res.outputs_identical()
+        errs = [s["max_rel_err"] for s in res.summary()]
+        assert all(1e-4 < e < 2e-2 for e in errs), errs  # bf16 operands: not float32-exact
+        ref = run_simulation(dataclasses.replace(cfg, pallas_decode="off"), sizes[:1])
+        for rid, out in ref.runs[sizes[0]].outputs.items():
+            np.testing.assert_allclose(res.runs[sizes[0]].outputs[rid], out, atol=3e-2)
+
+
+def test_pallas_decode_option_is_validated():
+    with pytest.raises(ValueError, match="pallas_decode must be 'auto', 'on' or 'off'"):
+        SimulationConfig(pallas_decode="yes")
+    assert SimulationConfig(pallas_decode="off").uses_pallas_decode is False
