@@ -329,14 +329,16 @@ class FuncMLAAttnBackend:
                        seed did, to reproduce its overflow (replay then raises).
     torch_launcher:    pallas only: launch the kernel on the torch tensors through
                        `funcmla.interop.launcher` (no DLPack per layer; capturable in a torch
-                       CUDA graph) where it can run; off by default until verified on a GPU.
+                       CUDA graph) where it can run (the default; checked on an H200: 58 us of
+                       host time per layer against 498 us for DLPack + jit); elsewhere, and with
+                       False, the DLPack + jit path runs and `last_via` says which ran.
     """
 
     def __init__(self, req_to_token: torch.Tensor, token_to_kv_pool: MLATokenToKVPool, *,
                  page_size: int = 1, num_draft_tokens: int = 0,
                  attention_backend: str = "auto", num_kv_splits: int | None = None,
                  legacy_block_granular_kv_indices: bool = False, min_kv_bucket: int = 256,
-                 torch_launcher: bool = False):
+                 torch_launcher: bool = True):
         if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:
             raise TypeError(
                 f"req_to_token must be int32 [pool, max_context_len], got {req_to_token.dtype} "
