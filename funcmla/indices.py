@@ -68,7 +68,6 @@ def segment_ids(indptr: jax.Array, size: int) -> jax.Array:
     Positions at or past indptr[-1] get `num_rows` (one past the last row). O(size + B): a
     scatter-add of row starts followed by a cumsum, so zero-length rows are handled.
     """
-    num_rows = indptr.shape[0] - 1
     starts = jnp.zeros((size + 1,), jnp.int32).at[indptr[1:]].add(1, mode="drop")
     return cumsum_i32(starts[:size])
 
