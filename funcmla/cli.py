@@ -186,13 +186,23 @@ def cmd_plan(args) -> int:
 
 
 BENCHES = ("metadata", "planners", "decode", "interop")
+GPU_ONLY_BENCHES = ("decode",)  # times the compiled Pallas kernel against the HBM ceiling
 
 
 def cmd_bench(args) -> int:
     import importlib
 
+    import jax
+
     names = BENCHES if args.which == "all" else (args.which,)
+    backend = jax.default_backend()
     for name in names:
+        if name in GPU_ONLY_BENCHES and backend != "gpu":
+            why = f"bench.{name} needs an NVIDIA GPU with JAX CUDA (the JAX backend here is {backend})"
+            if args.which != "all":
+                raise CLIError(why)
+            print(f"== skipped: {why}", flush=True)
+            continue
         try:
             mod = importlib.import_module(f"bench.{name}")
         except ModuleNotFoundError as e:

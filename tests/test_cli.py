@@ -92,3 +92,12 @@ def test_bad_arguments_exit_2_and_name_the_argument(args, message):
     assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
     assert message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def test_gpu_only_bench_is_refused_on_cpu():
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("has a GPU")
+    r = funcmla("bench", "decode", "--quick", timeout=120)
+    assert r.returncode == 2 and "bench.decode needs an NVIDIA GPU" in r.stderr
