@@ -24,6 +24,7 @@ from funcmla.attention.pallas import (
     validate_decode_inputs,
 )
 from funcmla.layout import PageTable
+from tests.pools import attention_oracle_f64
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -42,24 +43,13 @@ def on_gpu() -> bool:
 
 def reference(q, pool, slot_lists, s_q, sm_scale):
     """float64 dense decode; slot_lists[b] = token slots of sequence b (bottom-right causal)."""
-    q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
-    pool = np.asarray(jnp.asarray(pool, jnp.float32), np.float64)
-    t, h, _ = q.shape
-    out = np.zeros((t, h, DV))
-    lse = np.full((t, h), np.inf)
-    for b, slots in enumerate(slot_lists):
-        kv = pool[np.asarray(slots, np.int64)]
-        for i in range(s_q):
-            vis = min(max(len(slots) - s_q + 1 + i, 0), len(slots))
-            if vis == 0:
-                continue
-            s = q[b * s_q + i] @ kv[:vis].T * sm_scale
-            m = s.max(axis=1, keepdims=True)
-            p = np.exp(s - m)
-            den = p.sum(axis=1, keepdims=True)
-            out[b * s_q + i] = p @ kv[:vis, :DV] / den
-            lse[b * s_q + i] = (m + np.log(den))[:, 0]
-    return out, lse
+    lens = np.array([len(sl) for sl in slot_lists], np.int64)
+    kv_indptr = np.concatenate([[0], np.cumsum(lens)])
+    kv_indices = np.concatenate([np.asarray(sl, np.int64) for sl in slot_lists] + [np.zeros(0, np.int64)])
+    qo_indptr = np.arange(len(slot_lists) + 1) * s_q
+    return attention_oracle_f64(np.asarray(jnp.asarray(q, jnp.float32)),
+                                np.asarray(jnp.asarray(pool, jnp.float32)),
+                                qo_indptr, kv_indptr, kv_indices, sm_scale, DV)
 
 
 def make_problem(rng, *, batch, heads, s_q, page_size, lens, max_pages, capacity_pad=17):
