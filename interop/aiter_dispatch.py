@@ -208,6 +208,24 @@ class AiterWorkPlan:
                    reduce_indptr, reduce_final_map, reduce_partial_map, kind, block_size)
 
 
+def _check_absorbed_call(q, kv_pool, meta, out, num_kv_splits, v_head_dim, *, dtypes):
+    """Checks shared by the absorbed-MLA wrappers: q [T, H, 576] and the pool in `dtypes`, the
+    page-1 pool view, token metadata, out (allocated if None, bf16 [T, H, v_head_dim]) and
+    num_kv_splits. Returns (device, kv page-1 view, out)."""
+    device = _check_device(q)
+    _check("q", q, dtype=dtypes, ndim=3, device=device)
+    num_q, num_heads, width = q.shape
+    kv = _kv_page1_view(kv_pool, width)
+    _check("kv_pool", kv, dtype=dtypes, device=device)
+    _check_token_metadata(meta, num_q=num_q, device=device)
+    if out is None:
+        out = torch.empty((num_q, num_heads, v_head_dim), dtype=torch.bfloat16, device=device)
+    _check("out", out, dtype=torch.bfloat16, shape=(num_q, num_heads, v_head_dim), device=device)
+    if not isinstance(num_kv_splits, int) or isinstance(num_kv_splits, bool) or num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be a positive int, got {num_kv_splits!r}")
+    return device, kv, out
+
+
 def work_meta_data(work_indptr: torch.Tensor, work_info_set: torch.Tensor) -> torch.Tensor:
     """uint64 [2] on their device: the two device addresses the persistent kernel reads.
 
@@ -302,18 +320,8 @@ def mla_decode(
     Heads must already be padded to a count AITER supports (16..128; SGLang pads 4/8/12 to 16).
     Contract-tested only (module docstring).
     """
-    device = _check_device(q)
-    width = q.shape[-1]
-    _check("q", q, dtype=(torch.bfloat16,) + _FP8, ndim=3, device=device)
-    num_q, num_heads, _ = q.shape
-    kv = _kv_page1_view(kv_pool, width)
-    _check("kv_pool", kv, dtype=(torch.bfloat16,) + _FP8, device=device)
-    _check_token_metadata(meta, num_q=num_q, device=device)
-    if out is None:
-        out = torch.empty((num_q, num_heads, v_head_dim), dtype=torch.bfloat16, device=device)
-    _check("out", out, dtype=torch.bfloat16, shape=(num_q, num_heads, v_head_dim), device=device)
-    if not isinstance(num_kv_splits, int) or isinstance(num_kv_splits, bool) or num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be a positive int, got {num_kv_splits!r}")
+    device, kv, out = _check_absorbed_call(q, kv_pool, meta, out, num_kv_splits, v_head_dim,
+                                           dtypes=(torch.bfloat16,) + _FP8)
     if q.dtype in _FP8 and (q_scale is None or kv_scale is None):
         raise ValueError("fp8 q needs q_scale and kv_scale (float32 [1]); got "
                          f"q_scale={q_scale!r}, kv_scale={kv_scale!r}")
@@ -361,18 +369,8 @@ def mla_prefill(
 
     Bottom-right causal over each request's prefix + new tokens. Contract-tested only.
     """
-    device = _check_device(q)
-    width = q.shape[-1]
-    _check("q", q, dtype=torch.bfloat16, ndim=3, device=device)
-    num_q, num_heads, _ = q.shape
-    kv = _kv_page1_view(kv_pool, width)
-    _check("kv_pool", kv, dtype=torch.bfloat16, device=device)
-    _check_token_metadata(meta, num_q=num_q, device=device)
-    if out is None:
-        out = torch.empty((num_q, num_heads, v_head_dim), dtype=torch.bfloat16, device=device)
-    _check("out", out, dtype=torch.bfloat16, shape=(num_q, num_heads, v_head_dim), device=device)
-    if not isinstance(num_kv_splits, int) or isinstance(num_kv_splits, bool) or num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be a positive int, got {num_kv_splits!r}")
+    device, kv, out = _check_absorbed_call(q, kv_pool, meta, out, num_kv_splits, v_head_dim,
+                                           dtypes=torch.bfloat16)
     aiter = load_aiter()
     aiter.mla.mla_prefill_fwd(
         q, kv, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
