@@ -85,7 +85,7 @@ def build_plan(kind: str, kv_lens, qo_lens, *, device, heads: int, page_size: in
     """Build a decode or prefill WorkPlan for a host-given batch (lengths in tokens)."""
     import numpy as np
 
-    from funcmla.indices import indptr_from_lens
+    from funcmla.indices import indptr_from_lens, kv_last_page_len
 
     kv = np.asarray(kv_lens, np.int32)
     if kind == "decode":
@@ -97,7 +97,7 @@ def build_plan(kind: str, kv_lens, qo_lens, *, device, heads: int, page_size: in
         msq = int(qo.max())
         uniform = bool(np.all(qo == qo[0]))
         entries = -(-kv // page_size)
-        last = np.where(kv > 0, (kv - 1) % page_size + 1, 0).astype(np.int32)
+        last = kv_last_page_len(kv, page_size=page_size)
         try:
             cfg = DecodePlanConfig(device=device, num_heads=heads, q_dtype=dtype, kv_dtype=dtype,
                                    max_seqlen_qo=msq, uni_seqlen_qo=int(qo[0]) if uniform else -1,
