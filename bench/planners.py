@@ -12,6 +12,8 @@ measures:
   * device_us: device time per plan, estimated as (T(K) - T(1)) / (K - 1) where T(K) is the wall
     time of one jitted function running K plans back to back, each fed from the previous
     (so XLA can neither merge nor reorder them); dispatch cancels out;
+  * device_busy_us (--profile-batches, GPU): the sum of the plan's kernel durations from a
+    jax.profiler trace (CUPTI), with the kernels listed one by one in the log;
   * oracle_us: the NumPy serial oracle (plan_mla_decode_reference) on the host, the baseline;
   * match: the plan equals the oracle field by field.
 Fill implementations: "scan" (lax.scan) and "pallas" (one Pallas program; compiled with the
@@ -40,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import environment, median_time_s, write_json  # noqa: E402
+from bench.timing import device_kernel_times, environment, median_time_s, write_json  # noqa: E402
 from funcmla.config import H200, MI300X, MI355X, custom_device  # noqa: E402
 from funcmla.planners.decode import (  # noqa: E402
     NEVER,
@@ -143,7 +145,7 @@ def _device_time_us(cfg, fill_impl, args, k=4, reps=10):
 
 
 def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
-                 device_time=True, device_time_batches=None, reps=20):
+                 device_time=True, device_time_batches=None, reps=20, profile_batches=()):
     """Time plan_mla_decode (jit, after compile) against the NumPy oracle. Returns rows."""
     configs = configs or DECODE_CONFIGS
     rows = []
@@ -170,12 +172,23 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                 if device_time and (device_time_batches is None or batch in device_time_batches):
                     dev_us = _try(f"device time {name} B={batch} {fill}", _device_time_us,
                                   cfg, fill, args)
+                prof = None
+                if batch in profile_batches:
+                    prof = _try(f"profile {name} B={batch} {fill}", device_kernel_times, fn)
+                    if prof:
+                        log(f"profile {name} B={batch} {fill}: {prof['kernels_per_call']:.1f} "
+                            f"kernels/call, busy {prof['busy_us_per_call']:.1f} us/call")
+                        for kern in prof["kernels"][:12]:
+                            log(f"    {kern['total_us_per_call']:7.2f} us/call "
+                                f"x{kern['per_call']:.0f}  {kern['name'][:90]}")
                 row = dict(planner="decode", config=name, batch=batch, fill=fill,
                            tiles=int(cfg.folded_batch_size(batch) * cfg.tile_slots_per_batch),
                            num_works=int(got.num_works), num_partials=int(got.num_partials),
                            host_us=host_s * 1e6, device_us=dev_us, oracle_us=oracle_s * 1e6,
                            speedup_vs_oracle=oracle_s / host_s, compile_s=compile_s,
-                           match=_plans_equal(got, ref))
+                           match=_plans_equal(got, ref),
+                           device_busy_us=prof["busy_us_per_call"] if prof else None,
+                           profile=prof)
                 rows.append(row)
                 log(f"decode {name:22s} B={batch:5d} {fill:6s} host {row['host_us']:9.1f} us"
                     f"  device {dev_us if dev_us is None else round(dev_us, 1)} us"
@@ -205,11 +218,13 @@ def check_decode(fills=("scan", "pallas"), batches=(7, 300)):
 
 
 def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
-    """Device time of the fill alone (tiles precomputed): scan vs Pallas at several chunk sizes."""
+    """Device time of the fill alone (tiles precomputed): scan vs Pallas at several chunk sizes,
+    with and without prefetching the next chunk ('-nopf': without)."""
     from funcmla.planners.decode_fill_pallas import fill_tiles_pallas
 
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    variants = variants or (["scan"] + (["pallas8", "pallas16", "pallas32"] if on_gpu else []))
+    variants = variants or (["scan"] + (["pallas16-nopf", "pallas8", "pallas16", "pallas32"]
+                                        if on_gpu else []))
     cfg = DECODE_CONFIGS[config]
     qo, kv, last = decode_inputs(cfg, batch, seed=batch)
     n = -(-np.diff(kv) // cfg.kv_granularity)
@@ -225,8 +240,9 @@ def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
         def one(t, variant=variant):
             if variant == "scan":
                 return fill_tiles_scan(t, jnp.int32(payload), jnp.int32(bpc), params=params)
+            chunk, _, nopf = variant[len("pallas"):].partition("-")
             return fill_tiles_pallas(t, jnp.int32(payload), jnp.int32(bpc), params=params,
-                                     chunk=int(variant[len("pallas"):]))
+                                     chunk=int(chunk), prefetch=nopf != "nopf")
 
         def chained(t, kk, one=one):
             out = None
@@ -387,6 +403,8 @@ def main(argv=None):
     ap.add_argument("--device-time-batches", default=None,
                     help="batches to estimate device time for (default: all)")
     ap.add_argument("--no-device-time", action="store_true")
+    ap.add_argument("--profile-batches", default="",
+                    help="batches to profile kernel by kernel (jax.profiler trace; GPU only)")
     ap.add_argument("--check", action="store_true", help="also run the oracle checks")
     ap.add_argument("--fill-only", action="store_true", help="also time the fill alone")
     ap.add_argument("--quick", action="store_true", help="batches 1,64 only (smoke run)")
@@ -400,6 +418,7 @@ def main(argv=None):
     configs = {k: DECODE_CONFIGS[k] for k in args.configs.split(",")}
     dt_batches = (None if args.device_time_batches is None
                   else {int(b) for b in args.device_time_batches.split(",")})
+    prof_batches = {int(b) for b in args.profile_batches.split(",") if b}
     env = environment()
     log(f"environment: {env}")
     payload = {"environment": env, "rows": [], "checks": []}
@@ -420,7 +439,8 @@ def main(argv=None):
             for cname, cfg in configs.items():
                 payload["rows"] += bench(batches=batches, configs={cname: cfg}, fills=fills,
                                          device_time=not args.no_device_time,
-                                         device_time_batches=dt_batches)
+                                         device_time_batches=dt_batches,
+                                         profile_batches=prof_batches)
                 save()
         else:
             payload["rows"] += bench(batches=batches)
@@ -429,11 +449,12 @@ def main(argv=None):
     table = [[r["planner"], r["config"], r["batch"], r["fill"], r.get("tiles", ""),
               r.get("num_works", ""), r["host_us"],
               "" if r.get("device_us") is None else r["device_us"],
+              "" if r.get("device_busy_us") is None else r["device_busy_us"],
               r.get("oracle_us", ""), r.get("speedup_vs_oracle", ""), r.get("match", "")]
              for r in payload["rows"]]
     _print_table(f"work planners on {env['device']} (us; median)",
                  ["planner", "config", "batch", "fill", "tiles", "works", "host us",
-                  "device us", "oracle us", "oracle/host", "match"], table)
+                  "device us", "kernels us", "oracle us", "oracle/host", "match"], table)
     save()
     log("wrote", json_path)
     png = _plot(payload["rows"], os.path.join(args.out, "planners.png"))

@@ -57,3 +57,44 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     for r in rows:
         table.add_row(*[f"{x:.4g}" if isinstance(x, float) else str(x) for x in r])
     Console().print(table)
+
+
+def device_kernel_times(fn: Callable[[], object], *, reps: int = 20) -> dict | None:
+    """Per-kernel device time of `fn()` (which must block), from a JAX profiler trace.
+
+    Runs `fn` `reps` times under `jax.profiler.trace`, reads the Perfetto JSON it writes and
+    keeps the complete events of the GPU device's streams (CUPTI kernel and memcpy records).
+    Returns {"kernels_per_call", "busy_us_per_call" (sum of kernel durations / reps),
+    "kernels": [{"name", "per_call", "median_us"}...] sorted by time}, or None when the trace
+    holds no device events (CPU backend, or no CUPTI)."""
+    import gzip
+    import tempfile
+    from collections import defaultdict
+
+    fn()
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                fn()
+        paths = [os.path.join(root, f) for root, _, files in os.walk(d) for f in files
+                 if f.endswith("perfetto_trace.json.gz")]
+        if not paths:
+            return None
+        with gzip.open(paths[0]) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device_pids = {e["pid"] for e in events
+                   if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    durs: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
+            durs[e["name"]].append(float(e["dur"]))
+    if not durs:
+        return None
+    kernels = sorted(({"name": name, "per_call": len(v) / reps,
+                       "median_us": statistics.median(v), "total_us_per_call": sum(v) / reps}
+                      for name, v in durs.items()), key=lambda k: -k["total_us_per_call"])
+    return {"kernels_per_call": sum(len(v) for v in durs.values()) / reps,
+            "busy_us_per_call": sum(sum(v) for v in durs.values()) / reps,
+            "kernels": kernels}
