@@ -18,9 +18,12 @@ from hypothesis import strategies as st
 
 from funcmla.attention.pallas import (
     DecodeKernelConfig,
+    KVRows,
     choose_num_splits,
     merge_splits,
+    merge_splits_pallas,
     mla_decode,
+    mla_decode_rows,
     validate_decode_inputs,
 )
 from funcmla.layout import PageTable
@@ -203,13 +206,65 @@ def test_merge_splits_equals_softmax_over_union():
 
 
 def test_split_rule():
-    cfg = DecodeKernelConfig()  # 132 SMs, 2 waves, >= 2 blocks of 64 per split
-    assert choose_num_splits(32, 1, 4096, cfg) == 9  # ceil(264 / 32)
-    assert choose_num_splits(128, 2, 4096, cfg) == 2  # ceil(264 / 256)
-    assert choose_num_splits(1, 1, 4096, cfg) == 32  # capped: 64 blocks // 2
+    cfg = DecodeKernelConfig()  # 132 SMs, one 3-stage 64-token program per SM, overheads 2 / 1
+    # cost(s) = ceil(B*rb*s / 132) * (ceil(blocks / s) + 2) + (1 if s > 1)
+    assert choose_num_splits(32, 1, 4096, cfg) == 4  # 128 programs of 16 blocks: one wave
+    assert choose_num_splits(128, 1, 4096, cfg) == 1  # 128 programs already
+    assert choose_num_splits(128, 2, 4096, cfg, block_m=64) == 1  # 2 waves either way
+    assert choose_num_splits(32, 2, 4096, cfg, block_m=64) == 2  # 128 programs of 32 blocks
+    assert choose_num_splits(1, 1, 4096, cfg) == 64  # one block per program
+    assert choose_num_splits(1, 1, 16384, cfg) == 128  # 2 blocks each; 256 would be 2 waves
     assert choose_num_splits(1, 1, 10, cfg) == 1
     assert choose_num_splits(512, 2, 4096, cfg) == 1
-    assert choose_num_splits(1, 1, 4096, DecodeKernelConfig(min_blocks_per_split=1)) == 64
+    assert choose_num_splits(1, 1, 4096, DecodeKernelConfig(min_blocks_per_split=4)) == 16
+    # two programs per SM (smaller tiles) double the slots
+    kv32 = DecodeKernelConfig(block_kv=32, num_stages=3)
+    assert kv32.resolved_programs_per_sm(16) == 2 and kv32.resolved_programs_per_sm(64) == 1
+    assert choose_num_splits(32, 1, 4096, kv32, block_m=16) == 8
+    assert choose_num_splits(32, 1, 4096, DecodeKernelConfig(programs_per_sm=2)) == 8
+
+
+def test_kv_rows_forms_agree_bitwise():
+    """The launcher's "lens" form (table_start + kv_lens) and mla_decode's in-kernel forms."""
+    rng = np.random.default_rng(11)
+    lens = np.array([70, 0, 129])
+    p = make_problem(rng, batch=3, heads=16, s_q=1, page_size=1, lens=lens, max_pages=130)
+    indptr = p["kv_indptr"]
+    kv_lens = KVRows(p["kv_indices"], indptr[:-1], indptr[1:] - indptr[:-1], 1, 130)
+    kv_indptr = KVRows(p["kv_indices"], indptr, None, 1, 130)
+    assert (kv_lens.form, kv_indptr.form) == ("lens", "indptr")
+    for ns in (1, 3):
+        o_csr, l_csr = run_csr(p, s_q=1, num_splits=ns, capacity=130)
+        # mla_decode_rows is the decode kernel alone: [B, S, rows_pad, 512] + [B, S, rows_pad]
+        parts = [mla_decode_rows(p["q"], p["pool"], kv, sm_scale=SCALE, num_splits=ns,
+                                 interpret=True) for kv in (kv_lens, kv_indptr)]
+        for o_p, l_p in parts:
+            assert o_p.shape == (3, ns, 16, DV) and l_p.shape == (3, ns, 16)
+            np.testing.assert_array_equal(np.asarray(o_p, np.float32),
+                                          np.asarray(parts[0][0], np.float32))
+            np.testing.assert_array_equal(np.asarray(l_p), np.asarray(parts[0][1]))
+        o_p, l_p = parts[0]
+        if ns == 1:
+            assert o_p.dtype == jnp.bfloat16 and (np.asarray(l_p)[1] == np.inf).all()
+            np.testing.assert_array_equal(np.asarray(o_p[:, 0], np.float32),
+                                          np.asarray(o_csr, np.float32))
+        else:
+            assert o_p.dtype == jnp.float32 and (np.asarray(l_p)[1] == -np.inf).all()
+            o_m, l_m = merge_splits_pallas(o_p, l_p, jnp.bfloat16, interpret=True)
+            np.testing.assert_array_equal(np.asarray(o_m, np.float32),
+                                          np.asarray(o_csr, np.float32))
+            np.testing.assert_array_equal(np.asarray(l_m), np.asarray(l_csr))
+
+
+def test_kv_rows_checks():
+    t = jnp.zeros(8, jnp.int32)
+    with pytest.raises(ValueError, match="entries_per_seq"):
+        KVRows(t, None, jnp.zeros(2, jnp.int32), 1, 4).check()
+    with pytest.raises(ValueError, match="table_start"):
+        KVRows(t, jnp.zeros(1, jnp.int32), None, 1, 4).check()
+    with pytest.raises(TypeError, match="KVRows.kv_lens"):
+        KVRows(t, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.float32), 1, 4).check()
+    KVRows(t, None, jnp.zeros(2, jnp.int32), 16, 64, entries_per_seq=4).check()
 
 
 def test_bad_inputs_are_named():

@@ -2,11 +2,13 @@
 
 * `DecodeKernelConfig`: static tiling (hashable, a jit static argument).
 * `KVRows`: the one index form the kernel reads: token `t` of sequence `b` lives in pool row
-  `table[table_start[b] + t // page_size] * page_size + t % page_size`. A token CSR
-  (`kv_indptr`, `kv_indices`; page size 1, SGLang/AITER style) and a page table (page size 16/64,
-  FlashMLA style) both map onto it without copying the index array.
+  `table[start[b] + t // page_size] * page_size + t % page_size`. A token CSR (`kv_indptr`,
+  `kv_indices`; page size 1, SGLang/AITER style) and a page table (page size 16/64, FlashMLA
+  style) both map onto it without copying the index array; `start` and `kv_len` are read in the
+  kernel from kv_indptr (CSR) or the lengths (page table).
 * `choose_num_splits`: the documented split-KV rule.
-* `merge_splits`: the log-sum-exp combine of per-split partial results.
+* `merge_splits`: the log-sum-exp combine of per-split partial results as XLA ops (a reference
+  restatement; `mla_decode` merges with the one-launch Pallas kernel of `merge.py`).
 """
 
 from __future__ import annotations
@@ -42,12 +44,17 @@ class DecodeKernelConfig:
                 two >= 16. None: min(64, next power of two >= rows).
     block_kv:   KV tokens per inner-loop step; a power of two >= 16.
     num_warps:  warps per program. None: 4 when block_m <= 16, else 8.
-    num_stages: software-pipelining depth of the KV loads (3 was fastest on H200 for 16 and
-                128 heads; see docs/decode_kernel_notes.md).
+    num_stages: software-pipelining depth of the KV loads (see docs/decode_kernel_notes.md).
     num_sms:    multiprocessors the split rule fills (132 on H200).
-    waves:      programs per multiprocessor the split rule aims for.
+    waves:      the split rule never makes more than `waves` full waves of programs.
     min_blocks_per_split: the split rule never makes a split shorter than this many KV blocks.
     evict_first: load KV rows with the evict-first cache policy (they are read once).
+    programs_per_sm: programs resident per multiprocessor, for the split rule. None: estimated
+                from shared memory (num_stages KV tiles of block_kv x 576 bf16 in 227 KiB), and 1
+                when block_m >= 64 (the 64 x 512 fp32 accumulator takes half the registers).
+    program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
+                in units of one KV block, for the split rule.
+    merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
     """
 
     block_m: int | None = None
@@ -56,8 +63,11 @@ class DecodeKernelConfig:
     num_stages: int = 3
     num_sms: int = 132
     waves: int = 2
-    min_blocks_per_split: int = 2
+    min_blocks_per_split: int = 1
     evict_first: bool = True
+    programs_per_sm: int | None = None
+    program_overhead_blocks: int = 2
+    merge_overhead_blocks: int = 1
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -72,6 +82,14 @@ class DecodeKernelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DecodeKernelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("program_overhead_blocks", "merge_overhead_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"DecodeKernelConfig.{name} must be an int >= 0, got {value!r}")
+        if self.programs_per_sm is not None and (
+                not isinstance(self.programs_per_sm, int) or self.programs_per_sm <= 0):
+            raise ValueError("DecodeKernelConfig.programs_per_sm must be None or a positive int, "
+                             f"got {self.programs_per_sm!r}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(
                 f"DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
@@ -88,28 +106,87 @@ class DecodeKernelConfig:
             return self.num_warps
         return 4 if block_m <= 16 else 8
 
+    def resolved_programs_per_sm(self, block_m: int | None = None, head_dim: int = 576) -> int:
+        """Programs per multiprocessor the split rule assumes (see `programs_per_sm`); block_m
+        None: shared memory alone decides."""
+        if self.programs_per_sm is not None:
+            return self.programs_per_sm
+        if block_m is not None and block_m >= 64:
+            return 1
+        smem = self.num_stages * self.block_kv * head_dim * 2 + 1024
+        return max(1, min(8, (227 * 1024) // smem))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVRows:
     """Where each sequence's KV tokens live in the pool, in the kernel's one form.
 
-    table:       int32 [n]          entries (token slots when page_size == 1, else page ids).
-    table_start: int32 [num_seqs]   first entry of each sequence in `table`.
-    kv_lens:     int32 [num_seqs]   KV tokens per sequence.
-    page_size:   static int         tokens per entry.
-    max_kv_len:  static int         upper bound on kv_lens (tokens), used by the split rule.
+    Token t of sequence b lives in pool row table[start[b] + t // page_size] * page_size +
+    t % page_size, for t < kv_len[b]. Three ways to give start and kv_len (the kernel reads
+    them in-kernel; none needs an XLA op before the launch):
+
+      "lens"    table_start int32 [B] (entries), kv_lens int32 [B] (tokens).
+      "indptr"  table_start int32 [B+1], kv_lens None: a token CSR's kv_indptr (page size 1);
+                start[b] = indptr[b], kv_len[b] = indptr[b+1] - indptr[b].
+      "strided" table_start None, kv_lens int32 [B], entries_per_seq static: a page table
+                [B, entries_per_seq] flattened; start[b] = b * entries_per_seq.
+
+    table:       int32 [n]  entries (token slots when page_size == 1, else page ids).
+    page_size:   static int tokens per entry.
+    max_kv_len:  static int upper bound on kv_len (tokens), used by the split rule.
     """
 
     table: jax.Array
-    table_start: jax.Array
-    kv_lens: jax.Array
+    table_start: jax.Array | None
+    kv_lens: jax.Array | None
     page_size: int = dataclasses.field(metadata=dict(static=True))
     max_kv_len: int = dataclasses.field(metadata=dict(static=True))
+    entries_per_seq: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def form(self) -> str:
+        if self.kv_lens is None:
+            return "indptr"
+        if self.table_start is None:
+            return "strided"
+        return "lens"
 
     @property
     def num_seqs(self) -> int:
+        if self.kv_lens is None:
+            return self.table_start.shape[0] - 1
         return self.kv_lens.shape[0]
+
+    def check(self) -> None:
+        """Static checks (shapes, dtypes, which fields are set); raises naming the field."""
+        _check_int32(self.table, "KVRows.table")
+        if self.table.ndim != 1 or self.table.shape[0] < 1:
+            raise ValueError(f"KVRows.table must have shape [n >= 1], got {self.table.shape}")
+        if not isinstance(self.page_size, int) or self.page_size <= 0:
+            raise ValueError(f"KVRows.page_size must be a positive int, got {self.page_size!r}")
+        if self.kv_lens is None and self.table_start is None:
+            raise ValueError("KVRows needs table_start (indptr form) or kv_lens")
+        if self.table_start is not None:
+            _check_int32(self.table_start, "KVRows.table_start")
+        if self.kv_lens is not None:
+            _check_int32(self.kv_lens, "KVRows.kv_lens")
+        form = self.form
+        if form == "indptr" and (self.table_start.ndim != 1 or self.table_start.shape[0] < 2):
+            raise ValueError("KVRows.table_start (indptr form) must have shape [B+1], got "
+                             f"{self.table_start.shape}")
+        if form == "lens" and self.table_start.shape != self.kv_lens.shape:
+            raise ValueError(f"KVRows.table_start {self.table_start.shape} and kv_lens "
+                             f"{self.kv_lens.shape} must both be [B]")
+        if form == "strided" and (not isinstance(self.entries_per_seq, int)
+                                  or self.entries_per_seq <= 0):
+            raise ValueError("KVRows.entries_per_seq must be a positive int when table_start is "
+                             f"None, got {self.entries_per_seq!r}")
+        if form != "strided" and self.entries_per_seq is not None:
+            raise ValueError("KVRows.entries_per_seq is only for the strided form "
+                             "(table_start None)")
+        if self.kv_lens is not None and self.kv_lens.ndim != 1:
+            raise ValueError(f"KVRows.kv_lens must have shape [B], got {self.kv_lens.shape}")
 
 
 def _check_int32(value, name: str) -> None:
@@ -119,7 +196,8 @@ def _check_int32(value, name: str) -> None:
 
 def kv_rows_from_csr(kv_indptr: jax.Array, kv_indices: jax.Array,
                      max_kv_len: int | None = None) -> KVRows:
-    """Token CSR (page size 1): kv_indptr int32 [B+1] in tokens, kv_indices int32 [capacity]."""
+    """Token CSR (page size 1): kv_indptr int32 [B+1] in tokens, kv_indices int32 [capacity].
+    The indptr form: the kernel reads kv_indptr directly (no XLA op before the launch)."""
     _check_int32(kv_indptr, "kv_indptr")
     _check_int32(kv_indices, "kv_indices")
     if kv_indptr.ndim != 1 or kv_indptr.shape[0] < 2:
@@ -127,39 +205,63 @@ def kv_rows_from_csr(kv_indptr: jax.Array, kv_indices: jax.Array,
     if kv_indices.ndim != 1 or kv_indices.shape[0] < 1:
         raise ValueError(f"kv_indices must have shape [capacity >= 1], got {kv_indices.shape}")
     bound = kv_indices.shape[0] if max_kv_len is None else max_kv_len
-    return KVRows(kv_indices, kv_indptr[:-1], kv_indptr[1:] - kv_indptr[:-1], 1, int(bound))
+    if not isinstance(bound, int) or bound <= 0:
+        raise ValueError(f"max_kv_len must be a positive int, got {max_kv_len!r}")
+    return KVRows(kv_indices, kv_indptr, None, 1, int(bound))
 
 
 def kv_rows_from_page_table(page_table: PageTable) -> KVRows:
-    """Page table: table int32 [B, max_pages] of page ids, lengths int32 [B] in tokens."""
+    """Page table: table int32 [B, max_pages] of page ids, lengths int32 [B] in tokens.
+    The strided form: the table is used as is (flattened, a bitcast)."""
     if not isinstance(page_table, PageTable):
         raise TypeError(f"page_table must be a funcmla.layout.PageTable, got {type(page_table)}")
     _check_int32(page_table.table, "page_table.table")
     _check_int32(page_table.lengths, "page_table.lengths")
+    if page_table.table.ndim != 2 or page_table.table.shape[1] < 1:
+        raise ValueError(f"page_table.table must have shape [B, max_pages >= 1], got "
+                         f"{page_table.table.shape}")
     b, max_pages = page_table.table.shape
-    start = jnp.arange(b, dtype=jnp.int32) * max_pages
-    return KVRows(page_table.table.reshape(-1), start, page_table.lengths, page_table.page_size,
-                  max_pages * page_table.page_size)
+    if page_table.lengths.shape != (b,):
+        raise ValueError(f"page_table.lengths has shape {page_table.lengths.shape}; the table "
+                         f"has {b} rows")
+    return KVRows(page_table.table.reshape(-1), None, page_table.lengths, page_table.page_size,
+                  max_pages * page_table.page_size, entries_per_seq=max_pages)
 
 
 def choose_num_splits(num_seqs: int, num_row_blocks: int, max_kv_len: int,
-                      config: DecodeKernelConfig) -> int:
+                      config: DecodeKernelConfig, block_m: int | None = None) -> int:
     """The split-KV rule (static: a function of shapes only).
 
-    A program handles one (row block, split, sequence). Aim for `waves * num_sms` programs:
+    A program handles one (row block, split, sequence); `slots = num_sms * programs_per_sm`
+    programs run at once (`config.resolved_programs_per_sm(block_m)`; pass the kernel's block_m,
+    None estimates from shared memory only). For each candidate `s` the rule estimates the kernel's makespan in
+    units of one KV block (`block_kv` tokens of one program):
 
-        splits = ceil(waves * num_sms / (num_seqs * num_row_blocks))
+        waves(s) = ceil(num_seqs * num_row_blocks * s / slots)
+        cost(s)  = waves(s) * (ceil(n_blocks / s) + program_overhead_blocks)
+                   + (merge_overhead_blocks if s > 1 else 0)
 
-    then cap it so that no split is shorter than `min_blocks_per_split` KV blocks of the longest
-    possible sequence (`max_kv_len`): splits <= max(1, ceil(max_kv_len / block_kv) //
-    min_blocks_per_split). Each sequence's KV is cut into `splits` equal runs of whole blocks;
-    splits past a sequence's end do no work and carry lse = -inf into the combine.
+    with n_blocks = ceil(max_kv_len / block_kv) (the longest possible sequence), over
+    1 <= s <= min(n_blocks // min_blocks_per_split, ceil(waves * slots / programs_per_split)),
+    and picks the cheapest (the smallest `s` on a tie). So a batch too small to fill the chip
+    is split until it does (one wave of short programs), and a full batch is not split at all
+    when splitting only adds waves. Each sequence's KV is cut into `s` equal runs of whole
+    blocks; splits past a sequence's end do no work and carry lse = -inf into the merge.
     """
     programs = num_seqs * num_row_blocks
-    want = -(-config.waves * config.num_sms // programs)
-    max_blocks = -(-max(max_kv_len, 1) // config.block_kv)
-    cap = max(1, max_blocks // config.min_blocks_per_split)
-    return int(max(1, min(want, cap)))
+    slots = config.num_sms * config.resolved_programs_per_sm(block_m)
+    n_blocks = -(-max(max_kv_len, 1) // config.block_kv)
+    cap = max(1, min(n_blocks // config.min_blocks_per_split,
+                     -(-config.waves * slots // programs)))
+    best, best_cost = 1, None
+    for s in range(1, cap + 1):
+        waves = -(-programs * s // slots)
+        cost = waves * (-(-n_blocks // s) + config.program_overhead_blocks)
+        if s > 1:
+            cost += config.merge_overhead_blocks
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return int(best)
 
 
 def merge_splits(o_part: jax.Array, lse_part: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:

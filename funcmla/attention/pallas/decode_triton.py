@@ -5,8 +5,10 @@ token-major, so q[b*s_q:(b+1)*s_q] is one contiguous [s_q*H, 576] slab) against 
 that sequence's KV. Each step gathers `block_kv` pool rows by slot id and reads each row once for
 both products: 576 = 512 + 64 is split into two power-of-two loads (the Triton lowering needs
 power-of-two tiles), scores = q_nope.k_nope^T + q_pe.k_pe^T, and the 512-wide k_nope tile doubles
-as V. Online softmax in base 2 with fp32 accumulators; splits are merged by a log-sum-exp combine
-(`decode_common.merge_splits`), skipped when there is one split.
+as V. Online softmax in base 2 with fp32 accumulators; splits are merged by the one-launch
+log-sum-exp kernel of `merge.py`, skipped when there is one split. The sequence's start in the
+index table and its KV length are read in the kernel (from kv_indptr for a token CSR, from the
+lengths for a page table), so a decode step is one launch (two with a split).
 
 Grid: (row blocks, splits, sequences), row blocks fastest, so the programs that read the same KV
 run side by side and the second read of a tile comes from L2.
@@ -39,9 +41,9 @@ from funcmla.attention.pallas.decode_common import (
     choose_num_splits,
     kv_rows_from_csr,
     kv_rows_from_page_table,
-    merge_splits,
     num_row_blocks,
 )
+from funcmla.attention.pallas.merge import merge_splits_pallas
 from funcmla.layout import PageTable, is_power_of_two
 
 __all__ = ["mla_decode", "mla_decode_rows", "validate_decode_inputs", "DecodeKernelConfig"]
@@ -50,17 +52,28 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
-def _decode_kernel(table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   page_size: int, block_kv: int, num_splits: int, s_q: int, num_heads: int,
-                   d_v: int, d_rope: int, scale_log2: float, final: bool, evict_first: bool):
+def _decode_kernel(*refs, form: str, entries_per_seq: int | None, page_size: int,
+                   block_kv: int, num_splits: int, s_q: int, num_heads: int, d_v: int,
+                   d_rope: int, scale_log2: float, final: bool, evict_first: bool):
     hb = pl.program_id(0)
     split = pl.program_id(1)
     b = pl.program_id(2)
+    # Where sequence b starts in the table (entries) and how long it is (tokens), read here so
+    # that no XLA op runs before the launch (KVRows forms).
+    if form == "indptr":
+        indptr_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref = refs
+        start_entry = indptr_ref[b]
+        kv_len = indptr_ref[b + 1] - start_entry
+    elif form == "strided":
+        kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref = refs
+        start_entry = b * entries_per_seq
+        kv_len = kv_lens_ref[b]
+    else:
+        table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref = refs
+        start_entry = table_start_ref[b]
+        kv_len = kv_lens_ref[b]
     block_m = q_ref.shape[0]
     table_len = table_ref.shape[0]
-
-    kv_len = kv_lens_ref[b]
-    start_entry = table_start_ref[b]
 
     rows = hb * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     tok = rows // num_heads
@@ -121,12 +134,10 @@ def _decode_kernel(table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref
     lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, empty)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
-                                              "interpret", "v_head_dim"))
-def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int = 1,
-                    num_splits: int | None = None, config: DecodeKernelConfig = DecodeKernelConfig(),
-                    v_head_dim: int = 512, interpret: bool = False):
-    """`mla_decode` on a prepared `KVRows` (see there for the arguments)."""
+def _decode_partials(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
+                     s_q: int, num_splits: int | None, config: DecodeKernelConfig,
+                     v_head_dim: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    kv.check()
     t, h, d = q.shape
     slots, d_pool = kv_pool.shape
     if d_pool != d:
@@ -148,12 +159,15 @@ def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: f
     if kv.num_seqs != b:
         raise ValueError(f"q holds {b} sequences (T={t}, s_q={s_q}) but the KV metadata has "
                          f"{kv.num_seqs}")
+    if kv.form == "strided" and kv.table.shape[0] != b * kv.entries_per_seq:
+        raise ValueError(f"KVRows.table has {kv.table.shape[0]} entries; {b} sequences of "
+                         f"entries_per_seq={kv.entries_per_seq} need {b * kv.entries_per_seq}")
     rows = s_q * h
     block_m = config.resolved_block_m(rows)
     n_rb = num_row_blocks(rows, block_m)
     rows_pad = n_rb * block_m
     if num_splits is None:
-        num_splits = choose_num_splits(b, n_rb, kv.max_kv_len, config)
+        num_splits = choose_num_splits(b, n_rb, kv.max_kv_len, config, block_m)
     if not isinstance(num_splits, int) or num_splits <= 0:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     final = num_splits == 1
@@ -163,17 +177,22 @@ def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: f
         qr = jnp.pad(qr, ((0, 0), (0, rows_pad - rows), (0, 0)))
 
     kernel = functools.partial(
-        _decode_kernel, page_size=kv.page_size, block_kv=config.block_kv, num_splits=num_splits,
+        _decode_kernel, form=kv.form, entries_per_seq=kv.entries_per_seq,
+        page_size=kv.page_size, block_kv=config.block_kv, num_splits=num_splits,
         s_q=s_q, num_heads=h, d_v=v_head_dim, d_rope=d_rope,
         scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first)
     o_dtype = q.dtype if final else jnp.float32
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa: E731
+    if kv.form == "indptr":
+        meta = [kv.table_start]
+    elif kv.form == "strided":
+        meta = [kv.kv_lens]
+    else:
+        meta = [kv.table_start, kv.kv_lens]
     o, lse = pl.pallas_call(
         kernel,
         grid=(n_rb, num_splits, b),
-        in_specs=[
-            full(kv.table_start.shape),
-            full(kv.kv_lens.shape),
+        in_specs=[full(m.shape) for m in meta] + [
             full(kv.table.shape),
             pl.BlockSpec((None, block_m, d), lambda i, j, k: (k, i, 0)),
             full(kv_pool.shape),
@@ -190,15 +209,48 @@ def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: f
             num_warps=config.resolved_num_warps(block_m), num_stages=config.num_stages),
         interpret=interpret,
         name=f"mla_decode_ps{kv.page_size}_m{block_m}_kv{config.block_kv}",
-    )(kv.table_start, kv.kv_lens, kv.table, qr, kv_pool)
+    )(*meta, kv.table, qr, kv_pool)
 
-    if final:
+    return o, lse
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
+                                              "interpret", "v_head_dim"))
+def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int = 1,
+                    num_splits: int | None = None, config: DecodeKernelConfig = DecodeKernelConfig(),
+                    v_head_dim: int = 512, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The decode kernel alone (one pallas_call, no merge) on a prepared `KVRows`; arguments as
+    in `mla_decode`.
+
+    Operands of the pallas_call, by `kv.form`: "lens" (table_start [B], kv_lens [B], table,
+    q [B, rows_pad, D], pool), "indptr" (kv_indptr [B+1], table, q, pool), "strided"
+    (kv_lens [B], table, q, pool). Returns the kernel's results as they are:
+    o [B, S, rows_pad, Dv] (q.dtype when S == 1: final output; else float32 per-split partials)
+    and lse float32 [B, S, rows_pad] (S == 1: +inf for no KV; else -inf for an empty split),
+    rows = s_q * H folded token-major, rows_pad = rows rounded up to block_m, S = num_splits
+    (or the split rule's choice). `merge_splits_pallas(o, lse, q.dtype)` turns S > 1 partials
+    into the output.
+    """
+    return _decode_partials(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
+                            config=config, v_head_dim=v_head_dim, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
+                                              "interpret", "v_head_dim"))
+def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
+                   interpret):
+    """Decode kernel + (num_splits > 1) merge kernel, unpadded to [T, H, Dv] and [T, H]."""
+    t, h, _ = q.shape
+    rows = s_q * h
+    o, lse = _decode_partials(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
+                              config=config, v_head_dim=v_head_dim, interpret=interpret)
+    if o.shape[1] == 1:
         out, lse_out = o[:, 0], lse[:, 0]
     else:
-        out, lse_out = merge_splits(o, lse, q.dtype)
-    out = out[:, :rows].reshape(t, h, v_head_dim)
-    lse_out = lse_out[:, :rows].reshape(t, h)
-    return out, lse_out
+        out, lse_out = merge_splits_pallas(o, lse, q.dtype, interpret=interpret)
+    if out.shape[1] != rows:
+        out, lse_out = out[:, :rows], lse_out[:, :rows]
+    return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
 
 
 def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None = None,
@@ -236,9 +288,9 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
         if kv_indptr is None or kv_indices is None:
             raise ValueError("pass kv_indptr and kv_indices (token CSR) or page_table")
         kv = kv_rows_from_csr(kv_indptr, kv_indices, max_kv_len)
-    return mla_decode_rows(q, kv_pool, kv, sm_scale=float(sm_scale), s_q=s_q,
-                           num_splits=num_splits, config=config, v_head_dim=v_head_dim,
-                           interpret=interpret)
+    return _mla_decode_kv(q, kv_pool, kv, sm_scale=float(sm_scale), s_q=s_q,
+                          num_splits=num_splits, config=config, v_head_dim=v_head_dim,
+                          interpret=interpret)
 
 
 def validate_decode_inputs(kv_pool_rows: int, *, kv_indptr=None, kv_indices=None,

@@ -1,0 +1,128 @@
+"""The split-KV log-sum-exp combine as one Pallas kernel (Triton lowering; interpret mode on CPU).
+
+`merge_splits_pallas(o_part, lse_part, out_dtype)` computes what `decode_common.merge_splits`
+(the XLA restatement) computes, in one launch instead of several XLA fusions:
+
+    m      = max_s lse[s]                      (natural log; -inf for an empty split)
+    m_safe = m if finite else 0
+    w[s]   = exp(lse[s] - m_safe)              (0 for empty splits)
+    total  = w[0] + w[1] + ...                 (left to right)
+    acc    = w[0]*o[0] + w[1]*o[1] + ...       (left to right, one rounding per * and +)
+    out    = acc / total   (total > 0)   else 0
+    lse    = m_safe + log(total) (total > 0) else +inf
+
+On the GPU every multiply, add and divide is one IEEE round-to-nearest PTX instruction
+(`mul.rn.f32`, `add.rn.f32`, `div.rn.f32`), so the compiler can neither contract a*b+c into an FMA
+nor use an approximate division: the result does not depend on the tiling or on compiler
+choices, and equals the torch launcher's merge (`funcmla.interop.launcher`) element for element.
+In interpret mode (CPU) the same sequence runs as plain float32 NumPy-semantics ops.
+
+Tiling: one program = `block_r` rows x `block_d` output columns of one sequence, all splits
+(unrolled, loads independent of each other). `block_d` shrinks (512 -> 64) until the grid has at
+least `min_programs` programs, so a batch-1 merge is spread over several multiprocessors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["merge_splits_pallas", "merge_block_d", "MERGE_BLOCK_R"]
+
+MERGE_BLOCK_R = 16  # rows per program; partial row counts are multiples of it (block_m >= 16)
+_MIN_BLOCK_D = 64
+
+
+def _asm(op: str, *args):
+    """One f32 PTX instruction applied elementwise (fixed rounding, no contraction)."""
+    shape = args[0].shape
+    regs = ", ".join(f"${i + 1}" for i in range(len(args)))
+    [out] = pltriton.elementwise_inline_asm(
+        f"{op} $0, {regs};", args=[jnp.broadcast_to(a, shape) for a in args],
+        constraints="=r," + ",".join("r" for _ in args), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+    return out
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits: int, interpret: bool):
+    # o_ref [S, block_r, block_d] f32, lse_ref [S, block_r] f32
+    if interpret:
+        mul, add, div = (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a / b)
+    else:
+        mul = lambda a, b: _asm("mul.rn.f32", a, b)  # noqa: E731
+        add = lambda a, b: _asm("add.rn.f32", a, b)  # noqa: E731
+        div = lambda a, b: _asm("div.rn.f32", a, b)  # noqa: E731
+    lse = [lse_ref[s, :] for s in range(num_splits)]
+    m = lse[0]
+    for s in range(1, num_splits):
+        m = jnp.maximum(m, lse[s])
+    m_safe = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)
+    total = jnp.zeros_like(m)
+    acc = jnp.zeros(out_ref.shape, jnp.float32)
+    for s in range(num_splits):
+        w = jnp.exp(lse[s] - m_safe)
+        total = add(total, w)
+        acc = add(acc, mul(jnp.broadcast_to(w[:, None], acc.shape), o_ref[s, :, :]))
+    has = total > 0.0
+    safe = jnp.where(has, total, 1.0)
+    out_ref[...] = div(acc, jnp.broadcast_to(safe[:, None], acc.shape)).astype(out_ref.dtype)
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        lse_out_ref[...] = jnp.where(has, m_safe + jnp.log(safe), jnp.inf)
+
+
+def merge_block_d(batch: int, rows: int, d_v: int, min_programs: int = 264) -> int:
+    """Output columns per merge program: the widest power-of-two tile (<= d_v, >= 64 where d_v
+    allows) that still gives `min_programs` programs, else the narrowest."""
+    bd = d_v
+    while bd > _MIN_BLOCK_D and bd % 2 == 0 and \
+            batch * (rows // MERGE_BLOCK_R) * (d_v // bd) < min_programs:
+        bd //= 2
+    return bd
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_d", "num_warps", "interpret"))
+def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bfloat16, *,
+                        block_d: int | None = None, num_warps: int = 4,
+                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Log-sum-exp combine of split-KV partials in one Pallas launch.
+
+    o_part:   f32 [B, S, R, Dv]  each split's normalized output (finite; 0 where it is empty).
+    lse_part: f32 [B, S, R]      each split's natural-log LSE (-inf where it is empty).
+    R must be a multiple of 16 and Dv a power of two (the decode kernel's partials are).
+    Returns out [B, R, Dv] (out_dtype) and lse f32 [B, R]; a row whose splits are all empty gets
+    out 0 and lse +inf. block_d: output columns per program (default `merge_block_d`).
+    """
+    b, s, r, dv = o_part.shape
+    if o_part.dtype != jnp.float32 or lse_part.dtype != jnp.float32:
+        raise TypeError(f"o_part ({o_part.dtype}) and lse_part ({lse_part.dtype}) must be float32")
+    if lse_part.shape != (b, s, r):
+        raise ValueError(f"lse_part has shape {lse_part.shape}; o_part {o_part.shape} needs "
+                         f"{(b, s, r)}")
+    if r % MERGE_BLOCK_R:
+        raise ValueError(f"merge rows {r} (o_part.shape[2]) must be a multiple of {MERGE_BLOCK_R}")
+    if dv <= 0 or dv & (dv - 1):
+        raise ValueError(f"o_part.shape[3]={dv} must be a power of two")
+    bd = merge_block_d(b, r, dv) if block_d is None else block_d
+    if bd <= 0 or bd & (bd - 1) or dv % bd:
+        raise ValueError(f"block_d={bd} must be a power of two dividing {dv}")
+    br = MERGE_BLOCK_R
+    kernel = functools.partial(_merge_kernel, num_splits=s, interpret=interpret)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, r // br, dv // bd),
+        in_specs=[pl.BlockSpec((None, s, br, bd), lambda i, j, k: (i, 0, j, k)),
+                  pl.BlockSpec((None, s, br), lambda i, j, k: (i, 0, j))],
+        out_specs=[pl.BlockSpec((None, br, bd), lambda i, j, k: (i, j, k)),
+                   pl.BlockSpec((None, br), lambda i, j, k: (i, j))],
+        out_shape=[jax.ShapeDtypeStruct((b, r, dv), out_dtype),
+                   jax.ShapeDtypeStruct((b, r), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"funcmla_merge_s{s}_d{bd}",
+    )(o_part, lse_part)

@@ -1,0 +1,128 @@
+"""The one-launch split-KV merge (`funcmla.attention.pallas.merge`) against a float64 oracle.
+
+CPU: Pallas interpret mode. GPU (skips without one): the compiled kernel against XLA's
+`merge_splits` and the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from funcmla.attention.pallas import merge_splits, merge_splits_pallas
+from funcmla.attention.pallas.merge import merge_block_d
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def oracle(o, lse):
+    """float64: softmax weights over splits; all-empty rows -> out 0, lse +inf."""
+    o, lse = o.astype(np.float64), lse.astype(np.float64)
+    m = lse.max(axis=1)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lse - m[:, None])
+    total = w.sum(axis=1)
+    safe = np.where(total > 0, total, 1.0)
+    out = (w[..., None] * o).sum(axis=1) / safe[..., None]
+    lse_out = np.where(total > 0, m + np.log(safe), np.inf)
+    return out, lse_out
+
+
+def random_partials(rng, b, s, r, dv, empty):
+    o = rng.standard_normal((b, s, r, dv)).astype(np.float32)
+    lse = (rng.standard_normal((b, s, r)) * 4).astype(np.float32)
+    dead = rng.random((b, s, r)) < empty
+    lse[dead] = -np.inf
+    o[dead] = 0.0
+    return o, lse
+
+
+def check(out, lse_out, o, lse, rtol=1e-5):
+    ref_out, ref_lse = oracle(o, lse)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref_out, rtol=rtol, atol=1e-6)
+    assert (np.isinf(np.asarray(lse_out)) == np.isinf(ref_lse)).all()
+    assert (np.asarray(lse_out)[np.isinf(ref_lse)] == np.inf).all()
+    assert (np.asarray(out)[np.isinf(ref_lse)] == 0).all()
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse_out)[fin], ref_lse[fin], rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=8, deadline=None)
+@given(splits=st.sampled_from([1, 2, 3, 7]), seed=st.integers(0, 2**16),
+       empty=st.floats(0, 0.7))
+def test_interpret_matches_float64(splits, seed, empty):
+    rng = np.random.default_rng(seed)
+    o, lse = random_partials(rng, 2, splits, 32, 128, empty)
+    lse[0, :, 3] = -np.inf  # a row with no KV at all
+    o[0, :, 3] = 0.0
+    out, lse_out = merge_splits_pallas(jnp.asarray(o), jnp.asarray(lse), jnp.float32,
+                                       interpret=True)
+    assert out.shape == (2, 32, 128) and lse_out.shape == (2, 32)
+    check(out, lse_out, o, lse)
+
+
+def test_tiling_does_not_change_bits_and_dtype_is_honoured():
+    rng = np.random.default_rng(3)
+    o, lse = random_partials(rng, 3, 5, 16, 256, 0.3)
+    oj, lj = jnp.asarray(o), jnp.asarray(lse)
+    outs = [merge_splits_pallas(oj, lj, jnp.float32, block_d=bd, interpret=True)
+            for bd in (256, 128, 64, 32)]
+    for out, lse_out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0][0]))
+        np.testing.assert_array_equal(np.asarray(lse_out), np.asarray(outs[0][1]))
+    out_bf, lse_bf = merge_splits_pallas(oj, lj, jnp.bfloat16, interpret=True)
+    assert out_bf.dtype == jnp.bfloat16 and lse_bf.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out_bf, np.float32),
+                                  np.asarray(outs[0][0].astype(jnp.bfloat16), np.float32))
+    # same numbers as the XLA restatement (rounding aside)
+    x_out, x_lse = merge_splits(oj, lj, jnp.float32)
+    np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(x_out), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.isinf(np.asarray(x_lse)), np.isinf(np.asarray(outs[0][1])))
+
+
+def test_block_d_rule():
+    assert merge_block_d(1, 16, 512) == 64  # batch 1: spread over 8 programs
+    assert merge_block_d(32, 16, 512) == 64  # 32 * 8 = 256 < 264 -> narrowest
+    assert merge_block_d(128, 16, 512) == 128  # 128 * 2 = 256 < 264 <= 128 * 4
+    assert merge_block_d(128, 128, 512) == 512  # 1024 programs at full width
+    assert merge_block_d(1, 16, 32) == 32  # never wider than the row
+
+
+def test_bad_inputs_are_named():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="multiple of 16"):
+        merge_splits_pallas(z((1, 2, 8, 32)), z((1, 2, 8)), jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="lse_part"):
+        merge_splits_pallas(z((1, 2, 16, 32)), z((1, 3, 16)), jnp.float32, interpret=True)
+    with pytest.raises(TypeError, match="float32"):
+        merge_splits_pallas(z((1, 2, 16, 32), jnp.bfloat16), z((1, 2, 16)), jnp.float32,
+                            interpret=True)
+    with pytest.raises(ValueError, match="block_d"):
+        merge_splits_pallas(z((1, 2, 16, 32)), z((1, 2, 16)), jnp.float32, block_d=48,
+                            interpret=True)
+
+
+def on_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not on_gpu(), reason="needs a GPU (compiled Pallas kernel)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s,r", [(1, 64, 16), (32, 4, 16), (8, 9, 128)])
+def test_gpu_kernel_matches_float64_and_xla(b, s, r):
+    rng = np.random.default_rng(b + s)
+    o, lse = random_partials(rng, b, s, r, 512, 0.2)
+    out, lse_out = merge_splits_pallas(jnp.asarray(o), jnp.asarray(lse), jnp.float32)
+    check(out, lse_out, o, lse)
+    x_out, _ = jax.jit(merge_splits, static_argnums=2)(jnp.asarray(o), jnp.asarray(lse),
+                                                       jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x_out), rtol=1e-5, atol=1e-6)
