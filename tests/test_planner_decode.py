@@ -212,6 +212,17 @@ def test_matches_oracle_fixed_configs(name, data):
     check_invariants(got, cfg, qo_indptr, kv_indptr, cfg.planner(64))
 
 
+@pytest.mark.parametrize("name", list(FIXED))
+@settings(max_examples=3)
+@given(data=st.data())
+def test_fused_pallas_plan_matches_oracle(name, data):
+    # The walk + derive + emit Pallas program (interpret mode off-GPU) == the serial oracle.
+    cfg = FIXED[name]
+    qo_indptr, kv_indptr, last = data.draw(batches(cfg, batch_sizes=(64,)))
+    got, ref = run_both(cfg, qo_indptr, kv_indptr, last, fill_impl="fused")
+    assert_same(got, ref)
+
+
 @pytest.mark.parametrize("planner", ["parallel", "serial"])
 def test_zero_kv_parallel_vs_serial(planner):
     cfg = DecodePlanConfig(device=custom_device(8), num_heads=16,
@@ -411,7 +422,8 @@ def test_fill_advance_is_the_carry_of_fill_step(params, seed, ov):
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm"), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["mi300x_h128_bf16_fold8", "h16_mtp4_gran1_tail",
                                   "gfx950_h64_fp8_mtp4_ragged_qo"])
-def test_compiled_pallas_fill_matches_oracle_gpu(name):
+@pytest.mark.parametrize("fill_impl", ["pallas", "fused"])
+def test_compiled_pallas_fill_matches_oracle_gpu(name, fill_impl):
     cfg = FIXED[name]
     rng = np.random.default_rng(5)
     for b in (7, 300):
@@ -419,7 +431,7 @@ def test_compiled_pallas_fill_matches_oracle_gpu(name):
         kv_lens[rng.random(b) < 0.3] = 0
         qo_lens = (np.full(b, cfg.uni_seqlen_qo) if cfg.uniform_qo
                    else rng.integers(1, cfg.max_seqlen_qo + 1, b))
-        got, ref = run_both(cfg, *make_inputs(kv_lens, qo_lens, 1, rng), fill_impl="pallas")
+        got, ref = run_both(cfg, *make_inputs(kv_lens, qo_lens, 1, rng), fill_impl=fill_impl)
         assert_same(got, ref)
 
 

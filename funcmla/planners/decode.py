@@ -604,7 +604,8 @@ def plan_mla_decode(
     kv_last_page_lens: int32 [B]   tokens in each request's last page (page_size > 1 only).
     batch_size:        request capacity the buffers are sized for (>= B; default B), as in
                        `get_mla_metadata_info_v1(batch_size, ...)`.
-    fill_impl:         "scan" | "pallas" | "auto" (pallas on GPU).
+    fill_impl:         "scan" | "pallas" (walk only) | "fused" (walk and everything after
+                       it in one Pallas program) | "auto" (pallas on GPU).
 
     Returns a WorkPlan (kind="decode", block_size=page_size) whose buffers have the shapes of
     `mla_decode_plan_sizes(batch_size, config)`. Unused tails are zero (AITER leaves them
@@ -645,6 +646,11 @@ def plan_mla_decode(
     params = FillParams(overhead=ov, parallel=cfg.planner(b_req) == "parallel",
                         tail_rule=page1 and thr > 1, empty_slots=not cfg.all_slots_valid)
     tiles = fill_inputs(jnp.where(valid, n, -1), e_min, payload, bpc, params=params)
+    if fill_impl == "auto":
+        fill_impl = default_fill_impl()
+    if fill_impl == "fused":
+        return _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, params=params,
+                                cfg=cfg, sizes=sizes)
     states = fill_tiles(tiles, payload, bpc, params=params, fill_impl=fill_impl)
     _, _, (c0, f, m, _) = fill_step(params, payload, bpc, states[:, 0], states[:, 1],
                                     tuple(tiles.T))
@@ -723,6 +729,25 @@ def plan_mla_decode(
         kind="decode",
         block_size=cfg.page_size,
     )
+
+
+def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg, sizes):
+    """The walk and everything after it as one Pallas program (decode_fused_pallas)."""
+    from funcmla.planners.decode_fused_pallas import plan_tail_pallas
+
+    lpl = (jnp.zeros_like(tl["req"]) if cfg.page_size == 1
+           else kv_last_page_lens[tl["req"]])
+    info = jnp.stack([tl["batch"], lpl, tl["kv_begin"], tl["kv_end"], tl["batch_tail"],
+                      tl["qo_tile_size"], tl["qo_start"], tl["qo_end"],
+                      tl["valid"].astype(jnp.int32)]).astype(jnp.int32)
+    (work_indptr, work_info, reduce_indptr, reduce_final_map, reduce_partial_map, num_works,
+     num_partials, _) = plan_tail_pallas(
+        tiles, info, payload, bpc, params=params, sizes=sizes, page_size=cfg.page_size,
+        kv_granularity=cfg.kv_granularity, all_slots_valid=cfg.all_slots_valid)
+    return WorkPlan(work_indptr=work_indptr, work_info=work_info, reduce_indptr=reduce_indptr,
+                    reduce_final_map=reduce_final_map, reduce_partial_map=reduce_partial_map,
+                    num_works=num_works, num_partials=num_partials, kind="decode",
+                    block_size=cfg.page_size)
 
 
 # `plan_mla_decode` under `jax.jit` (config, batch_size and fill_impl static).

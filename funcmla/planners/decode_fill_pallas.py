@@ -24,16 +24,16 @@ from jax.experimental import pallas as pl
 
 from funcmla.planners.decode import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
 
-__all__ = ["fill_tiles_pallas", "DEFAULT_CHUNK"]
+__all__ = ["fill_tiles_pallas", "walk_tiles", "DEFAULT_CHUNK"]
 
 DEFAULT_CHUNK = 16
 
 
-def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-                 prefetch: bool):
-    payload = scalars_ref[0]
-    bpc = scalars_ref[1]
-    num_chunks = tiles_ref.shape[0] // chunk
+def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
+               num_chunks: int, prefetch: bool = True) -> None:
+    """Kernel body: walk `num_chunks * chunk` rows of `tiles_ref` (int32 [>= that, 8]), writing
+    the state before each tile to `out_ref` (int32 [>= that, 2]). Shared with the fused planner
+    kernel (`decode_fused_pallas`)."""
     nf = len(TILE_FIELDS)
 
     def load(ci):
@@ -65,6 +65,12 @@ def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: 
         return cu, remain, nxt
 
     lax.fori_loop(0, num_chunks, body_pf, (jnp.int32(0), payload, load(0)))
+
+
+def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: int,
+                 prefetch: bool):
+    walk_tiles(scalars_ref[0], scalars_ref[1], tiles_ref, out_ref, params=params, chunk=chunk,
+               num_chunks=tiles_ref.shape[0] // chunk, prefetch=prefetch)
 
 
 def _on_gpu() -> bool:

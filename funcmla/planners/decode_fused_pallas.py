@@ -1,0 +1,269 @@
+"""The decode planner after its prologue as ONE Pallas program: walk, derive, emit.
+
+Why. On the H200 the XLA form of the planner's tail (`fill_step`, three prefix sums, three
+`searchsorted`, gathers and scatters into five buffers) compiles to about 19 kernels of 1-2 us
+each: more device time than the sequential walk itself. Here a single program (one thread block,
+Triton backend on GPU, interpret mode elsewhere) does all of it:
+
+1. **walk** the tiles in order (`decode_fill_pallas.walk_tiles`; every warp runs the same scalar
+   walk) and write the state before each tile to a scratch output;
+2. barrier; **derive**, in vector chunks over the tiles: `(c0, f, m)` with `fill_step` (the same
+   function the XLA path runs) and the running sums (works, partials, partial rows, valid tiles),
+   into a second scratch output `derived` [8, S_p];
+3. barrier; **emit** every buffer of the plan in vector chunks. A work finds its tile by a binary
+   search over the running work count (gathers from `derived`), then reads the tile's fields;
+   `work_indptr[c + 1]` = works of the tiles that end on or before cluster `c` plus the leading
+   fragments of the next tile; the reduce maps likewise search the partial and valid-tile counts.
+
+Every element of every output is written (unused tails get zero), so nothing is initialised
+first. The outputs equal the XLA path's bit for bit (tests/test_planner_decode.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from funcmla.planners.decode import FillParams, fill_step
+from funcmla.planners.decode_fill_pallas import DEFAULT_CHUNK, walk_tiles
+from funcmla.planners.decode_sizes import DecodePlanSizes
+
+__all__ = ["INFO_FIELDS", "DERIVED_FIELDS", "plan_tail_pallas"]
+
+# Per-tile fields the emission reads (rows of the int32 `info` input [9, S_p]).
+INFO_FIELDS = ("batch", "last_page_len", "kv_begin", "kv_end", "batch_tail", "qo_tile_size",
+               "qo_start", "qo_end", "valid")
+(_BATCH, _LPL, _KV_BEGIN, _KV_END, _BT, _TS, _QO_START, _QO_END, _VALID) = range(9)
+# Rows of the `derived` scratch output [8, S_p]: the tile's placement and running sums.
+DERIVED_FIELDS = ("c0", "f", "m", "works_incl", "red_incl", "partial_excl", "valid_incl",
+                  "last_cluster")
+(_C0, _F, _M, _WORKS_INCL, _RED_INCL, _PARTIAL_EXCL, _VALID_INCL, _LAST_CLUSTER) = range(8)
+
+VECTOR_BLOCK = 512  # elements per vector chunk (power of two, as Triton requires)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _search(gather, n: int, v, *, strict: bool):
+    """Number of entries of a non-decreasing a[0:n] that are <= v (< v if strict), for a vector
+    v, by binary lifting; `gather(idx)` reads a at int32 indices. n is static (>= 1)."""
+    lo = jnp.zeros_like(v)
+    step = 1 << (n.bit_length() - 1)
+    while step >= 1:
+        cand = lo + step
+        a = gather(jnp.minimum(cand, n) - 1)
+        ok = (cand <= n) & ((a < v) if strict else (a <= v))
+        lo = jnp.where(ok, cand, lo)
+        step //= 2
+    return lo
+
+
+def _tail_kernel(scalars_ref, tiles_ref, info_ref,
+                 states_ref, derived_ref, work_info_ref, work_indptr_ref, reduce_indptr_ref,
+                 reduce_final_map_ref, reduce_partial_map_ref, counts_ref, *,
+                 params: FillParams, num_slots: int, sizes: DecodePlanSizes, page_size: int,
+                 kv_granularity: int, all_slots_valid: bool, interpret: bool):
+    from jax.experimental.pallas import triton as pltriton
+
+    i32 = jnp.int32
+    S = num_slots
+    s_p = tiles_ref.shape[0]
+    payload, bpc = scalars_ref[0], scalars_ref[1]
+
+    def barrier():
+        if not interpret:  # interpret mode runs sequentially
+            pltriton.debug_barrier()
+
+    # 1. The walk: states before each tile.
+    walk_tiles(payload, bpc, tiles_ref, states_ref, params=params, chunk=DEFAULT_CHUNK,
+               num_chunks=-(-S // DEFAULT_CHUNK))
+    barrier()
+
+    # 2. Derive placement and running sums, chunk by chunk.
+    ch = min(VECTOR_BLOCK, s_p)
+
+    def derive(ci, carry):
+        works, reds, prows, valids = carry
+        base = ci * ch
+        idx = base + lax.iota(i32, ch)
+        inside = idx < S
+        cols = [tiles_ref[pl.ds(base, ch), c] for c in range(6)]
+        cols[0] = jnp.where(inside, cols[0], -1)  # beyond the last slot: empty
+        cu = states_ref[pl.ds(base, ch), 0]
+        remain = states_ref[pl.ds(base, ch), 1]
+        _, _, (c0, f, m, _) = fill_step(params, payload, bpc, cu, remain, tuple(cols))
+        ts = info_ref[_TS, pl.ds(base, ch)]
+        valid = jnp.where(inside, info_ref[_VALID, pl.ds(base, ch)], 0)
+        red_cnt = jnp.where(m > 1, m, 0)
+        prow = red_cnt * ts
+        works_incl = jnp.cumsum(m) + works
+        red_incl = jnp.cumsum(red_cnt) + reds
+        partial_excl = jnp.cumsum(prow) - prow + prows
+        valid_incl = jnp.cumsum(valid) + valids
+        last_cluster = jnp.where(m > 0, c0 + m - 1, cu)
+        for row, val in ((_C0, c0), (_F, f), (_M, m), (_WORKS_INCL, works_incl),
+                         (_RED_INCL, red_incl), (_PARTIAL_EXCL, partial_excl),
+                         (_VALID_INCL, valid_incl), (_LAST_CLUSTER, last_cluster)):
+            derived_ref[row, pl.ds(base, ch)] = val.astype(i32)
+        return (works + jnp.sum(m), reds + jnp.sum(red_cnt), prows + jnp.sum(prow),
+                valids + jnp.sum(valid))
+
+    zero = jnp.int32(0)
+    num_works, num_partials, _, num_valid = lax.fori_loop(
+        0, s_p // ch, derive, (zero, zero, zero, zero))
+    counts_ref[0] = num_works
+    counts_ref[1] = num_partials
+    barrier()
+
+    def row(r):
+        return lambda ix: derived_ref[r, ix]
+
+    def info(r, ix):
+        return info_ref[r, ix]
+
+    def blocks(size: int, body):
+        """Run body(base, idx, mask) over [0, size) in vector chunks (masked tail)."""
+        eb = min(VECTOR_BLOCK, _pow2_at_least(size))
+
+        def loop_body(bi, c):
+            base = bi * eb
+            idx = base + lax.iota(i32, eb)
+            body(base, idx, idx < size, eb)
+            return c
+
+        lax.fori_loop(0, -(-size // eb), loop_body, 0)
+
+    def store(ref, base, eb, col, val, mask):
+        at = ref.at[pl.ds(base, eb)] if col is None else ref.at[pl.ds(base, eb), jnp.int32(col)]
+        pltriton.store(at, val.astype(i32), mask=mask)
+
+    gran, ps = kv_granularity, page_size
+
+    # 3a. work_info.
+    def emit_works(base, w, mask, eb):
+        slot = jnp.minimum(_search(row(_WORKS_INCL), S, w, strict=False), S - 1)
+        m_w, f_w = derived_ref[_M, slot], derived_ref[_F, slot]
+        j = w - (derived_ref[_WORKS_INCL, slot] - m_w)
+        live = w < num_works
+        kb, ke, bt, ts = info(_KV_BEGIN, slot), info(_KV_END, slot), info(_BT, slot), info(_TS, slot)
+        last = j == m_w - 1
+        begin_blk = jnp.where(j == 0, 0, f_w + (j - 1) * bpc)
+        end_tok = kb + (f_w + j * bpc) * gran
+        kv_start = kb + begin_blk * gran
+        if ps == 1:
+            kv_stop = jnp.where(last, ke - bt, jnp.minimum(end_tok, ke - bt))
+            kv_offset = ke - kv_stop
+        else:
+            kv_stop = jnp.where(last, ke, jnp.minimum(end_tok, ke))
+            kv_offset = jnp.where(kv_stop == ke, 0,
+                                  (ke - kv_stop - 1) * ps + info(_LPL, slot))
+        partial_qo_loc = jnp.where(m_w > 1, derived_ref[_PARTIAL_EXCL, slot] + j * ts, -1)
+        cols = (info(_BATCH, slot), partial_qo_loc, info(_QO_START, slot), info(_QO_END, slot),
+                kv_start, kv_stop, kv_offset, jnp.zeros_like(w))
+        for c, val in enumerate(cols):
+            store(work_info_ref, base, eb, c, jnp.where(live, val, 0), mask)
+
+    blocks(sizes.max_work, emit_works)
+
+    # 3b. work_indptr[i] for i = c + 1: works on clusters <= c.
+    def emit_indptr(base, i, mask, eb):
+        c = i - 1
+        s = _search(row(_LAST_CLUSTER), S, c, strict=False)  # tiles ending on or before c
+        sc = jnp.minimum(s, S - 1)
+        before = jnp.where(s > 0, derived_ref[_WORKS_INCL, jnp.maximum(s - 1, 0)], 0)
+        lead = jnp.clip(c - derived_ref[_C0, sc] + 1, 0, derived_ref[_M, sc])
+        val = before + jnp.where(s < S, lead, 0)
+        store(work_indptr_ref, base, eb, None, jnp.where(i == 0, 0, val), mask)
+
+    blocks(sizes.num_cu + 1, emit_indptr)
+
+    # 3c. Reduce maps, indexed by global qo tile k (valid slots in order).
+    def tile_slot(k):
+        if all_slots_valid:
+            return jnp.clip(k, 0, S - 1), (k >= 0) & (k < min(sizes.tile_cnt, S))
+        ts = _search(row(_VALID_INCL), S, k + 1, strict=True)
+        return jnp.minimum(ts, S - 1), (k >= 0) & (k < num_valid)
+
+    def emit_reduce_indptr(base, i, mask, eb):
+        slot, live = tile_slot(i - 1)
+        val = jnp.where(live, derived_ref[_RED_INCL, slot], num_partials)
+        store(reduce_indptr_ref, base, eb, None, jnp.where(i == 0, 0, val), mask)
+
+    blocks(sizes.tile_cnt + 1, emit_reduce_indptr)
+
+    def emit_final_map(base, k, mask, eb):
+        slot, live = tile_slot(k)
+        live = live & (derived_ref[_M, slot] > 1)
+        store(reduce_final_map_ref, base, eb, 0, jnp.where(live, info(_QO_START, slot), 0), mask)
+        store(reduce_final_map_ref, base, eb, 1, jnp.where(live, info(_QO_END, slot), 0), mask)
+
+    blocks(sizes.tile_cnt, emit_final_map)
+
+    def emit_partial_map(base, p, mask, eb):
+        slot = jnp.minimum(_search(row(_RED_INCL), S, p, strict=False), S - 1)
+        m_s = derived_ref[_M, slot]
+        red_excl = derived_ref[_RED_INCL, slot] - jnp.where(m_s > 1, m_s, 0)
+        val = derived_ref[_PARTIAL_EXCL, slot] + (p - red_excl) * info(_TS, slot)
+        store(reduce_partial_map_ref, base, eb, None, jnp.where(p < num_partials, val, 0), mask)
+
+    blocks(sizes.max_split_tiles, emit_partial_map)
+
+
+def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc: jax.Array, *,
+                     params: FillParams, sizes: DecodePlanSizes, page_size: int,
+                     kv_granularity: int, all_slots_valid: bool,
+                     interpret: bool | None = None, num_warps: int = 4):
+    """Walk + derive + emit in one Pallas program.
+
+    tiles: int32 [S, 8] (decode.TILE_FIELDS, n = -1 for empty slots); info: int32 [9, S]
+    (INFO_FIELDS); payload, bpc: int32 scalars (blocks). Returns (work_indptr, work_info,
+    reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
+    shapes of `sizes`, plus the walk's states [S, 2] for checking.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
+    num_slots = tiles.shape[0]
+    if info.shape != (len(INFO_FIELDS), num_slots):
+        raise ValueError(f"info must have shape ({len(INFO_FIELDS)}, {num_slots}), "
+                         f"got {info.shape}")
+    ch = min(VECTOR_BLOCK, _pow2_at_least(max(num_slots, DEFAULT_CHUNK)))
+    s_p = -(-num_slots // ch) * ch
+    if s_p != num_slots:
+        pad = s_p - num_slots
+        tiles = jnp.pad(tiles, ((0, pad), (0, 0)), constant_values=-1)
+        info = jnp.pad(info, ((0, 0), (0, pad)))
+    scalars = jnp.stack([jnp.asarray(payload, jnp.int32), jnp.asarray(bpc, jnp.int32)])
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    out_shape = (
+        sds(s_p, 2),
+        sds(len(DERIVED_FIELDS), s_p),
+        sds(sizes.max_work, 8),
+        sds(sizes.num_cu + 1),
+        sds(sizes.tile_cnt + 1),
+        sds(sizes.tile_cnt, 2),
+        sds(sizes.max_split_tiles),
+        sds(2),
+    )
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    kernel = functools.partial(
+        _tail_kernel, params=params, num_slots=num_slots, sizes=sizes, page_size=page_size,
+        kv_granularity=kv_granularity, all_slots_valid=all_slots_valid, interpret=interpret)
+    call = pl.pallas_call(kernel, out_shape=out_shape, grid=(1,), interpret=interpret,
+                          name="mla_decode_plan", **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+        (states, _, work_info, work_indptr, reduce_indptr, reduce_final_map,
+         reduce_partial_map, counts) = call(scalars, tiles, info)
+    return (work_indptr, work_info, reduce_indptr, reduce_final_map, reduce_partial_map,
+            counts[0], counts[1], states[:num_slots])
