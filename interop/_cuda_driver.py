@@ -151,6 +151,11 @@ class Driver:
     def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
         self._check("cuFuncSetAttribute", self._func_set_attribute(function, attribute, value))
 
+    @property
+    def launch_address(self) -> int:
+        """Address of the driver's cuLaunchKernel (for the launch programs of _launch.py)."""
+        return ctypes.cast(self.launch_raw, ctypes.c_void_p).value
+
     def check_launch(self, code: int, name: str) -> None:
         self._check(f"cuLaunchKernel({name})", code)
 

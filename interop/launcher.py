@@ -1,74 +1,62 @@
 """funcmla's Pallas kernels as torch ops: compiled once, launched on torch's current stream.
 
-The mechanism (evidence and alternatives in docs/torch_launcher.md):
+The mechanism (evidence, alternatives and H200 numbers in docs/torch_launcher.md):
 
-1. **Extract.** A Pallas call on the Triton lowering becomes one XLA custom call when a jitted
-   function is lowered; lowering needs no data and no GPU. `extract_triton_calls` walks the
-   lowered StableHLO and reads each call back: grid, warps, stages, operand/result types, and
-   the kernel itself. jax 0.10.2 and 0.11.2 (seen on the H200 image) emit
-   `__gpu$xla.gpu.triton`, holding the kernel's Triton IR (MLIR bytecode) that XLA compiles
-   internally; some jaxlib versions emit `triton_kernel_call_ffi`, whose backend config is a
-   zlib-compressed `jax_triton.TritonAnyKernelCall` protobuf holding PTX (both are read).
-2. **Compile** (`compile_call`, no GPU needed). Triton IR -> PTX with jaxlib's Triton
-   compilation handler where one is registered, else -> cubin with the `triton` package (3.6 on
-   the H200 image; jaxlib's IR is printed as text with jaxlib's Triton dialect and compiled as a
-   .ttir source). PTX -> cubin with ptxas (the driver's JIT as a last resort).
-3. **Load** the image with `cuModuleLoadDataEx` in the device's primary context (torch's), and
-   raise the dynamic shared-memory limit when a kernel needs more than 48 KiB.
-4. **Launch.** `cuLaunchKernel` through ctypes (`funcmla.interop._cuda_driver`) on
-   `torch.cuda.current_stream()` (read with `torch._C._cuda_getCurrentRawStream`), with a
-   kernel-parameter array built once per kernel: a call writes the new device pointers into it
-   and launches. Triton's ABI appends two pointer parameters (global and profile scratch) that
-   these kernels do not use (checked: zero scratch sizes); they are passed as null, as jaxlib
-   does. Launches on a capturing stream are captured by CUDA graphs; replays run the kernels
-   on whatever the captured buffers then hold.
+1. **Extract** (no GPU). The JAX path of a decode configuration (`mla_decode` under jit) is
+   lowered for CUDA; each Pallas call on the Triton lowering is one XLA custom call there, read
+   back by `extract_triton_calls`: name, grid, warps, stages, operand/result types and the
+   kernel (Triton IR as `__gpu$xla.gpu.triton`, jax 0.10.2 and 0.11.2; or PTX inside a
+   `triton_kernel_call_ffi` protobuf on other jaxlibs). A decode step is the decode kernel, plus
+   the merge kernel (`funcmla.attention.pallas.merge`) when it splits the KV.
+2. **Compile**, by one of two routes (`kernel_route`):
+   * "xla" (default where JAX has a GPU backend in this process): XLA compiles that same jitted
+     JAX path and the launcher takes XLA's own result for each kernel: the cubin from the
+     serialized executable, the symbol and parameters from XLA's PTX, the dynamic shared memory
+     from XLA's Triton pass log (`interop/_xla_kernels.py`). The launcher then runs the machine
+     code `mla_decode` runs, so outputs are bit-identical.
+   * "triton" (fallback; no GPU backend needed): the Triton IR is compiled with the `triton`
+     package (3.6 on the H200 image), or PTX with ptxas. Same kernels, but another Triton
+     compiles them to other machine code: not bit-identical to XLA's (2-298 bf16 ulp seen).
+3. **Load** each image with `cuModuleLoadDataEx` in the device's primary context (torch's), and
+   raise the dynamic shared-memory limit where a kernel needs more than 48 KiB.
+4. **Launch** all kernels of a call with one foreign call (`interop/_launch.py`: a program of
+   kernels over pointer slots, run by a tiny C helper compiled at first use, or by pure ctypes
+   without a C compiler), on `torch.cuda.current_stream()`, so launches inside
+   `torch.cuda.graph(...)` are captured and replays run the kernels on the captured buffers.
 
-Each launcher checks every tensor before any launch: dtype, shape (against the compiled static
+Each call checks every tensor before any launch: dtype, shape (against the compiled static
 configuration), contiguity, device and alignment (the kernels' Triton IR declares
-`tt.divisibility = 32` on every pointer, so 32 bytes). A failed check raises
-`LauncherArgumentError` (a ValueError) naming the argument, and nothing is launched. Index
-*values* are not checked (that would need a device sync); `validate_decode_inputs` does that
-eagerly.
+`tt.divisibility = 32` on every pointer). The check is one fused expression over the
+arguments (about 0.3 us per tensor on a 2-core Xeon); on any mismatch the per-argument checker
+(`TensorSpec`) raises `LauncherArgumentError` naming the argument, and nothing is launched.
+Index *values* are not checked (that would need a device sync; `validate_decode_inputs` does it
+eagerly).
 
-The decode launcher (`decode_launcher`, or `torch_decode` keyed by shapes) runs, per call:
-  prep kernel  (Pallas, here; skipped when the caller passes kv_lens):
-               kv_lens[b] = kv_indptr[b+1] - kv_indptr[b]
-  decode kernel (Pallas, funcmla.attention.pallas.decode_triton): its pallas_call, extracted
-               from `mla_decode_rows`, with table_start = kv_indptr (its first B entries);
-  merge kernel (Pallas, here; only when num_splits > 1): the log-sum-exp combine of
-               `decode_common.merge_splits`, with IEEE (.rn) multiply, add and divide.
-q and out alias the kernels' [B, rows, D] blocks directly when rows (= s_q * heads) is a
-multiple of the kernel's row block; otherwise q is copied into a zero-padded buffer and the
-result copied out (two extra torch copies, still capturable).
-
-Limits: one launcher's scratch (kv_lens, split partials) is shared by its calls, so calls of one
-launcher must not run concurrently on different streams; a launcher instance is guarded by a
-lock against concurrent host threads. NVIDIA GPUs only; no ROCm. fp8 pools are not taken (the
-decode kernel reads bf16/f16).
+Limits: one launcher's scratch (split partials, padded rows) is shared by its calls, so calls
+of one launcher must not run concurrently on different streams; a lock serializes host threads.
+NVIDIA GPUs only; no ROCm. fp8 pools are not taken (the decode kernel reads bf16/f16).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
 import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 import zlib
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from funcmla.attention.pallas import DecodeKernelConfig, choose_num_splits
-from funcmla.attention.pallas.decode_common import KVRows, num_row_blocks
+from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
+from funcmla.attention.pallas.decode_common import num_row_blocks
+from funcmla.layout import PageTable
 
 __all__ = [
     "LauncherArgumentError",
@@ -79,15 +67,16 @@ __all__ = [
     "ptx_entry_params",
     "TensorSpec",
     "LoadedKernel",
+    "CompiledImage",
     "DecodeLaunchConfig",
     "DecodePlan",
     "decode_plan",
+    "compile_plan",
+    "kernel_route",
     "DecodeLauncher",
+    "PagedDecodeLauncher",
     "decode_launcher",
     "launcher_unavailable_reason",
-    "merge_splits_pallas",
-    "kv_lens_pallas",
-    "MERGE_CONTRACT",
     "compile_call",
     "ttir_text",
     "ttir_divisibility",
@@ -401,10 +390,11 @@ class CompiledImage:
 
     image: bytes            # cubin (or NUL-terminated PTX for the driver's JIT)
     entry: str              # kernel symbol
-    num_params: int         # PTX parameters (buffers + Triton's trailing scratch pointers)
-    shared_mem_bytes: int   # dynamic shared memory per block
+    num_params: int         # PTX parameters (buffers [+ Triton's trailing scratch pointers])
+    shared_mem_bytes: int | None  # dynamic shared memory per block (None: unknown, see how)
     how: str                # which compiler produced `image`
     ptx: str
+    route: str = "triton"   # "xla": XLA's own machine code; "triton": compiled here
 
 
 def _check_params(call: TritonCall, ptx: str) -> tuple[str, int]:
@@ -489,37 +479,111 @@ def _compile_cached(call: TritonCall, arch_name: str) -> CompiledImage:
     return compile_call(call, arch_name)
 
 
+_ROUTES = ("auto", "xla", "triton")
+
+
+def kernel_route(route: str | None = None) -> str:
+    """"xla" or "triton": `route`, else $FUNCMLA_LAUNCHER_COMPILER, else "auto" = "xla" where
+    this process's JAX default backend is a GPU (XLA can compile and dump there), else
+    "triton"."""
+    route = route or os.environ.get("FUNCMLA_LAUNCHER_COMPILER", "auto")
+    if route not in _ROUTES:
+        raise ValueError(f"launcher compile route must be one of {_ROUTES}, got {route!r}")
+    if route == "auto":
+        try:
+            route = "xla" if jax.default_backend() == "gpu" else "triton"
+        except RuntimeError:
+            route = "triton"
+    return route
+
+
+def _xla_images(plan: "DecodePlan") -> dict[str, CompiledImage]:
+    from funcmla.interop import _xla_kernels
+
+    fn, avals = plan.source
+    calls = plan.calls
+    got = _xla_kernels.xla_kernels(
+        fn, avals, {c.name: len(c.operands) + len(c.results) for c in calls}, compile_ptx)
+    out = {}
+    for c in calls:
+        k = got[c.name]
+        out[c.name] = CompiledImage(
+            k.image, k.entry, k.num_params, k.shared_mem_bytes,
+            f"XLA: {k.image_from}; shared memory: {k.shared_mem_from}", k.ptx, route="xla")
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def compile_plan(plan: "DecodePlan", arch_name: str, route: str | None = None
+                 ) -> dict[str, CompiledImage]:
+    """{kernel name: image} for every kernel of `plan` (see `kernel_route`). With route None
+    ("auto") a failure of the XLA route falls back to the triton route with a warning, and
+    each image's `how` says why."""
+    requested = route
+    route = kernel_route(route)
+    if route == "xla":
+        try:
+            return _xla_images(plan)
+        except Exception as err:  # noqa: BLE001 - fall back, saying why
+            if requested == "xla" or os.environ.get("FUNCMLA_LAUNCHER_COMPILER") == "xla":
+                raise LauncherUnavailable(f"XLA route failed: {type(err).__name__}: {err}") \
+                    from err
+            reason = f"{type(err).__name__}: {str(err)[:300]}"
+            warnings.warn(f"funcmla launcher: taking the kernels from XLA failed ({reason}); "
+                          "compiling them with the triton package instead (not bit-identical "
+                          "to the JAX path)", RuntimeWarning, stacklevel=2)
+            return {c.name: dataclasses.replace(
+                _compile_cached(c, arch_name), how=f"{_compile_cached(c, arch_name).how} "
+                f"(XLA route failed: {reason})") for c in plan.calls}
+    return {c.name: _compile_cached(c, arch_name) for c in plan.calls}
+
+
 # ============================================================================ loading / launch
 class LoadedKernel:
-    """One compiled kernel in a device's primary context, with its parameter array.
+    """One compiled kernel in a device's primary context.
 
-    `set_arg(i, ptr)` / `args[i] = ptr` write device pointer i (the kernel's i-th operand or
-    result); `launch(stream)` enqueues it. The trailing scratch parameters stay null.
+    `function`, `grid`, `block`, `shared_mem_bytes`, `num_params` feed a launch program; for a
+    one-off launch, `args[i] = ptr` writes pointer i (the kernel's i-th operand or result; any
+    trailing Triton scratch parameters stay null) and `launch(stream)` enqueues it.
+    compiled: the image to load (default: the triton route's `compile_call`).
     """
 
-    def __init__(self, call: TritonCall, device_index: int, arch_name: str):
+    def __init__(self, call: TritonCall, device_index: int, arch_name: str,
+                 compiled: CompiledImage | None = None):
         import ctypes
 
         from funcmla.interop import _cuda_driver as cd
 
-        compiled = _compile_cached(call, arch_name)
+        if compiled is None:
+            compiled = _compile_cached(call, arch_name)
         self.call, self.entry, self.num_params = call, compiled.entry, compiled.num_params
         self.num_buffers = len(call.operands) + len(call.results)
         self.ptx, self.image, self.how = compiled.ptx, compiled.image, compiled.how
+        self.route = compiled.route
         drv = cd.driver()
         try:
             self.module, self.function = drv.load_function(self.image, self.entry, device_index)
         except cd.CudaDriverError as err:
-            if not self.how.startswith("ptxas") and not self.how.startswith("triton"):
+            if self.image[:4] != b"\x7fELF" or not self.ptx:
                 raise
             # A cubin from a ptxas newer than the driver does not load: let the driver compile.
             self.image, self.how = self.ptx.encode() + b"\0", f"driver-jit (cubin refused: {err})"
             self.module, self.function = drv.load_function(self.image, self.entry, device_index)
+        optin = None
         smem = compiled.shared_mem_bytes
-        self.shared_mem_bytes = int(smem)
-        if self.shared_mem_bytes > 48 * 1024:
+        if smem is None:
+            # XLA's figure was not found: give the kernel all a block may have (correct; may
+            # lower occupancy). `how` records it.
             optin = drv.device_attribute(device_index,
                                          cd.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            smem = optin - drv.function_attribute(self.function,
+                                                  cd.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            self.how += f"; launched with the device maximum {smem} B of shared memory"
+        self.shared_mem_bytes = int(smem)
+        if self.shared_mem_bytes > 48 * 1024:
+            if optin is None:
+                optin = drv.device_attribute(
+                    device_index, cd.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             if self.shared_mem_bytes > optin:
                 raise LauncherUnavailable(f"{call.name} needs {self.shared_mem_bytes} B of shared "
                                           f"memory; the device allows {optin}")
@@ -527,39 +591,35 @@ class LoadedKernel:
                                        cd.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        self.shared_mem_bytes)
         self.num_regs = drv.function_attribute(self.function, cd.CU_FUNC_ATTRIBUTE_NUM_REGS)
+        self.grid = tuple(call.grid)
+        self.block = (32 * call.num_warps, 1, 1)
         self.args = (ctypes.c_void_p * self.num_params)()  # values (device pointers)
         base = ctypes.addressof(self.args)
         size = ctypes.sizeof(ctypes.c_void_p)
         self._params = (ctypes.c_void_p * self.num_params)(
             *[base + i * size for i in range(self.num_params)])
-        self._params_ptr = ctypes.addressof(self._params)
-        gx, gy, gz = call.grid
         u = ctypes.c_uint
-        # Pre-converted launch arguments: only the stream changes per call (ctypes converts a
-        # ready c_uint/c_void_p much faster than a Python int).
-        self._pre = (ctypes.c_void_p(self.function), u(gx), u(gy), u(gz),
-                     u(32 * call.num_warps), u(1), u(1), u(self.shared_mem_bytes))
-        self._stream_arg = ctypes.c_void_p(0)
-        self._params_arg = ctypes.c_void_p(self._params_ptr)
-        self._raw = drv.launch_raw
+        self._pre = (ctypes.c_void_p(self.function), u(self.grid[0]), u(self.grid[1]),
+                     u(self.grid[2]), u(self.block[0]), u(1), u(1), u(self.shared_mem_bytes))
+        self._params_arg = ctypes.c_void_p(ctypes.addressof(self._params))
         self._drv = drv
         self._device_index = device_index
 
     def launch(self, stream: int) -> None:
-        s = self._stream_arg
-        s.value = stream
-        code = self._raw(*self._pre, s, self._params_arg, None)
+        import ctypes
+
+        s = ctypes.c_void_p(stream)
+        code = self._drv.launch_raw(*self._pre, s, self._params_arg, None)
+        if code == 201:  # no current context on this thread: use the primary one, retry
+            self._drv.make_current(self._device_index)
+            code = self._drv.launch_raw(*self._pre, s, self._params_arg, None)
         if code:
-            if code == 201:  # no current context on this thread: use the primary one, retry
-                self._drv.make_current(self._device_index)
-                code = self._raw(*self._pre, s, self._params_arg, None)
-            if code:
-                self._drv.check_launch(code, self.call.name)
+            self._drv.check_launch(code, self.call.name)
 
     def info(self) -> dict:
         return {**self.call.summary(), "entry": self.entry, "num_params": self.num_params,
-                "compiled_with": self.how, "shared_mem_bytes": self.shared_mem_bytes,
-                "num_regs": self.num_regs}
+                "route": self.route, "compiled_with": self.how,
+                "shared_mem_bytes": self.shared_mem_bytes, "num_regs": self.num_regs}
 
 
 # ============================================================================ argument checks
@@ -615,94 +675,6 @@ class TensorSpec:
         return ptr
 
 
-# ============================================================================ Pallas helpers
-def _kv_lens_kernel(indptr_ref, lens_ref):
-    i = pl.program_id(0)
-    lens_ref[i] = indptr_ref[i + 1] - indptr_ref[i]
-
-
-def kv_lens_pallas(kv_indptr: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """kv_lens int32 [B] = kv_indptr[1:] - kv_indptr[:-1] (tokens), one program per sequence."""
-    b = kv_indptr.shape[0] - 1
-    full = lambda n: pl.BlockSpec((n,), lambda i: (0,))  # noqa: E731
-    return pl.pallas_call(
-        _kv_lens_kernel, grid=(b,), in_specs=[full(b + 1)], out_specs=full(b),
-        out_shape=jax.ShapeDtypeStruct((b,), jnp.int32),
-        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret, name="funcmla_kv_lens")(kv_indptr)
-
-
-# How the merge kernel rounds: "separate" rounds w*o and each sum (mul.rn / add.rn), "fma"
-# fuses them. Chosen on the H200 by comparing with XLA's merge_splits (docs/torch_launcher.md).
-MERGE_CONTRACT = "separate"
-MERGE_BLOCK_R = 16
-
-
-def _asm(op: str, *args):
-    """One f32 PTX instruction applied elementwise (rounding fixed, no compiler contraction)."""
-    shape = args[0].shape
-    regs = ", ".join(f"${i + 1}" for i in range(len(args)))
-    [out] = pltriton.elementwise_inline_asm(
-        f"{op} $0, {regs};", args=[jnp.broadcast_to(a, shape) for a in args],
-        constraints="=r," + ",".join("r" for _ in args), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
-    return out
-
-
-def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits: int, contract: str,
-                  interpret: bool):
-    if interpret:
-        mul, add, div, fma = (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a / b), None
-    else:
-        mul = lambda a, b: _asm("mul.rn.f32", a, b)  # noqa: E731
-        add = lambda a, b: _asm("add.rn.f32", a, b)  # noqa: E731
-        div = lambda a, b: _asm("div.rn.f32", a, b)  # noqa: E731
-        fma = lambda a, b, c: _asm("fma.rn.f32", a, b, c)  # noqa: E731
-    lse = [lse_ref[s, :] for s in range(num_splits)]
-    m = lse[0]
-    for s in range(1, num_splits):
-        m = jnp.maximum(m, lse[s])
-    m_safe = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)
-    total = jnp.zeros_like(m)
-    acc = jnp.zeros(out_ref.shape, jnp.float32)
-    for s in range(num_splits):
-        w = jnp.exp(lse[s] - m_safe)
-        total = add(total, w)
-        wb = jnp.broadcast_to(w[:, None], acc.shape)
-        o = o_ref[s, :, :]
-        if contract == "fma" and fma is not None:
-            acc = fma(wb, o, acc)
-        else:
-            acc = add(acc, mul(wb, o))
-    has = total > 0.0
-    safe = jnp.where(has, total, 1.0)
-    out_ref[...] = div(acc, jnp.broadcast_to(safe[:, None], acc.shape)).astype(out_ref.dtype)
-    lse_out_ref[...] = jnp.where(has, m_safe + jnp.log(safe), jnp.inf)
-
-
-def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype, *,
-                        contract: str | None = None, interpret: bool = False):
-    """`decode_common.merge_splits` as one Pallas kernel.
-
-    o_part f32 [B, S, R, Dv], lse_part f32 [B, S, R] (natural log, -inf for empty splits), R a
-    multiple of 16 -> out [B, R, Dv] (out_dtype), lse f32 [B, R] (+inf where all are empty).
-    """
-    b, s, r, dv = o_part.shape
-    if r % MERGE_BLOCK_R:
-        raise ValueError(f"merge rows {r} must be a multiple of {MERGE_BLOCK_R}")
-    br = MERGE_BLOCK_R
-    kernel = functools.partial(_merge_kernel, num_splits=s,
-                               contract=contract or MERGE_CONTRACT, interpret=interpret)
-    return pl.pallas_call(
-        kernel, grid=(b, r // br),
-        in_specs=[pl.BlockSpec((None, s, br, dv), lambda i, j: (i, 0, j, 0)),
-                  pl.BlockSpec((None, s, br), lambda i, j: (i, 0, j))],
-        out_specs=[pl.BlockSpec((None, br, dv), lambda i, j: (i, j, 0)),
-                   pl.BlockSpec((None, br), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((b, r, dv), out_dtype),
-                   jax.ShapeDtypeStruct((b, r), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret, name=f"funcmla_merge_s{s}")(o_part, lse_part)
 
 
 # ============================================================================ decode
@@ -711,13 +683,16 @@ _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunchConfig:
-    """Static configuration of one compiled decode launcher (token CSR, page size 1).
+    """Static configuration of one compiled decode launcher.
 
     num_seqs:    B (requests), num_heads: H, s_q: query tokens per request (T = B * s_q).
     pool_rows:   rows (token slots) of kv_pool [pool_rows, head_dim].
-    kv_capacity: length of kv_indices (entries).
-    max_kv_len:  static bound on KV tokens per request for the split rule; None: kv_capacity.
-    num_splits:  split-KV count; None: `choose_num_splits` (what `mla_decode` picks).
+    page_size:   1: token CSR (kv_indptr [B+1], kv_indices [kv_capacity] token slots);
+                 > 1: page table [B, kv_capacity // B] of page ids + lengths [B] (tokens).
+    kv_capacity: entries of the index table: len(kv_indices), or B * max_pages.
+    max_kv_len:  token CSR only: static bound on KV tokens per request for the split rule;
+                 None: kv_capacity (as `mla_decode`). Page tables imply max_pages * page_size.
+    num_splits:  split-KV count; None: what `mla_decode` picks (its split rule).
     """
 
     num_seqs: int
@@ -732,18 +707,31 @@ class DecodeLaunchConfig:
     v_head_dim: int = 512
     dtype: str = "bfloat16"
     kernel: DecodeKernelConfig = DecodeKernelConfig()
+    page_size: int = 1
 
     def __post_init__(self):
         for name in ("num_seqs", "num_heads", "pool_rows", "kv_capacity", "s_q", "head_dim",
-                     "v_head_dim"):
+                     "v_head_dim", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"DecodeLaunchConfig.{name} must be a positive int, got {value!r}")
         for name in ("max_kv_len", "num_splits"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
                 raise ValueError(f"DecodeLaunchConfig.{name} must be None or a positive int, "
                                  f"got {value!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"DecodeLaunchConfig.page_size must be a power of two, got "
+                             f"{self.page_size}")
+        if self.page_size > 1:
+            if self.kv_capacity % self.num_seqs:
+                raise ValueError(f"DecodeLaunchConfig.kv_capacity={self.kv_capacity} must be "
+                                 f"num_seqs * max_pages (num_seqs={self.num_seqs}) for a page "
+                                 "table")
+            if self.max_kv_len is not None:
+                raise ValueError("DecodeLaunchConfig.max_kv_len is implied by the page table "
+                                 "(max_pages * page_size); leave it None")
         if self.dtype not in _JNP_DTYPES:
             raise ValueError(f"DecodeLaunchConfig.dtype must be one of {sorted(_JNP_DTYPES)}, "
                              f"got {self.dtype!r}")
@@ -764,68 +752,94 @@ class DecodeLaunchConfig:
         return num_row_blocks(self.rows, self.block_m) * self.block_m
 
     @property
-    def resolved_max_kv_len(self) -> int:
-        return self.kv_capacity if self.max_kv_len is None else self.max_kv_len
+    def max_pages(self) -> int:
+        """Page-table width (entries per request; kv_capacity // num_seqs)."""
+        return self.kv_capacity // self.num_seqs
 
     @property
-    def resolved_num_splits(self) -> int:
-        if self.num_splits is not None:
-            return self.num_splits
-        return choose_num_splits(self.num_seqs, num_row_blocks(self.rows, self.block_m),
-                                 self.resolved_max_kv_len, self.kernel)
+    def resolved_max_kv_len(self) -> int:
+        if self.page_size > 1:
+            return self.max_pages * self.page_size
+        return self.kv_capacity if self.max_kv_len is None else self.max_kv_len
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
-    """The kernels of one decode configuration, extracted (no GPU needed)."""
+    """The kernels of one decode configuration, read from its JAX path (no GPU needed).
+
+    decode / merge: the Pallas calls of `mla_decode` for this configuration, in program
+    order (merge only when num_splits > 1); source: (the jitted JAX path, its input avals),
+    which the "xla" route compiles."""
 
     config: DecodeLaunchConfig
     num_splits: int
-    prep: TritonCall
     decode: TritonCall
     merge: TritonCall | None
+    source: tuple = dataclasses.field(compare=False, repr=False)
+
+    @property
+    def calls(self) -> tuple[TritonCall, ...]:
+        return (self.decode,) if self.merge is None else (self.decode, self.merge)
 
 
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
+def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
+    """(fn, avals): `mla_decode` for `config` as a function of the launcher's inputs, in the
+    launcher's argument order (q, kv_pool, kv_indptr, kv_indices) or (q, kv_pool, page_table,
+    lengths)."""
+    c = config
+    dt = _JNP_DTYPES[c.dtype]
+    b, t, i32 = c.num_seqs, c.num_seqs * c.s_q, jnp.int32
+    q = _sds((t, c.num_heads, c.head_dim), dt)
+    pool = _sds((c.pool_rows, c.head_dim), dt)
+    common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
+                  config=c.kernel, v_head_dim=c.v_head_dim)
+    if c.page_size == 1:
+        def csr(q, kv_pool, kv_indptr, kv_indices):
+            return mla_decode(q, kv_pool, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                              max_kv_len=c.max_kv_len, **common)
+
+        return csr, (q, pool, _sds((b + 1,), i32), _sds((c.kv_capacity,), i32))
+
+    def paged(q, kv_pool, page_table, lengths):
+        return mla_decode(q, kv_pool, page_table=PageTable(page_table, lengths, c.page_size),
+                          **common)
+
+    return paged, (q, pool, _sds((b, c.max_pages), i32), _sds((b,), i32))
+
+
 @functools.lru_cache(maxsize=128)
 def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
-    """Lower the three Pallas kernels of `config` for CUDA and read them back (cached)."""
-    from funcmla.attention.pallas import mla_decode_rows
-
+    """Lower `mla_decode` for `config` for CUDA and read its kernels back (cached)."""
     c = config
-    b, t, d, dv = c.num_seqs, c.num_seqs * c.s_q, c.head_dim, c.v_head_dim
-    dt = _JNP_DTYPES[c.dtype]
-    splits = c.resolved_num_splits
-    i32 = jnp.int32
-    prep = extract_one(kv_lens_pallas, _sds((b + 1,), i32))
-
-    def decode_fn(q, kv_pool, table, table_start, kv_lens):
-        kv = KVRows(table, table_start, kv_lens, 1, c.resolved_max_kv_len)
-        return mla_decode_rows(q, kv_pool, kv, sm_scale=float(c.sm_scale), s_q=c.s_q,
-                               num_splits=splits, config=c.kernel, v_head_dim=dv)
-
-    decode = extract_one(decode_fn, _sds((t, c.num_heads, d), dt), _sds((c.pool_rows, d), dt),
-                         _sds((c.kv_capacity,), i32), _sds((b,), i32), _sds((b,), i32))
-    rp = c.rows_pad
-    dname = "bf16" if dt == jnp.bfloat16 else "f16"
-    o_dtype = dname if splits == 1 else "f32"
-    want_in = (((b,), "i32"), ((b,), "i32"), ((c.kv_capacity,), "i32"), ((b, rp, d), dname),
-               ((c.pool_rows, d), dname))
-    want_out = (((b, splits, rp, dv), o_dtype), ((b, splits, rp), "f32"))
-    if decode.operands != want_in or decode.results != want_out:
+    b, d, dv, rp = c.num_seqs, c.head_dim, c.v_head_dim, c.rows_pad
+    fn, avals = jax_path(c)
+    calls = extract_triton_calls(lower_for_cuda(fn, *avals))
+    dname = "bf16" if c.dtype == "bfloat16" else "f16"
+    meta = ((b + 1,), "i32") if c.page_size == 1 else ((b,), "i32")
+    want_in = (meta, ((c.kv_capacity,), "i32"), ((b, rp, d), dname), ((c.pool_rows, d), dname))
+    if not calls or calls[0].operands != want_in:
         raise LauncherUnavailable(
-            "the decode kernel's signature is not the one this launcher wires: got "
-            f"{decode.operands} -> {decode.results}, expected {want_in} -> {want_out} "
-            "(funcmla.attention.pallas.decode_triton changed its pallas_call)")
-    merge = None
-    if splits > 1:
-        merge = extract_one(functools.partial(merge_splits_pallas, out_dtype=dt),
-                            _sds((b, splits, rp, dv), jnp.float32),
-                            _sds((b, splits, rp), jnp.float32))
-    return DecodePlan(c, splits, prep, decode, merge)
+            "the JAX path's decode kernel is not the one this launcher wires: got "
+            f"{[(k.name, k.operands) for k in calls]}, expected operands {want_in} "
+            "(funcmla.attention.pallas changed its pallas_call)")
+    decode = calls[0]
+    splits = decode.grid[1]
+    o_dtype = dname if splits == 1 else "f32"
+    want_out = (((b, splits, rp, dv), o_dtype), ((b, splits, rp), "f32"))
+    want_merge = (want_out, (((b, rp, dv), dname), ((b, rp), "f32")))
+    ok = decode.results == want_out and len(calls) == (1 if splits == 1 else 2)
+    if ok and splits > 1:
+        ok = (calls[1].operands, calls[1].results) == want_merge
+    if not ok:
+        raise LauncherUnavailable(
+            "the JAX path's kernels are not the ones this launcher wires: got "
+            f"{[(k.name, k.operands, k.results) for k in calls]}, expected decode -> "
+            f"{want_out}" + (f", then a merge {want_merge}" if splits > 1 else ""))
+    return DecodePlan(c, splits, decode, calls[1] if splits > 1 else None, (fn, avals))
 
 
 def launcher_unavailable_reason(device=None) -> str | None:
@@ -847,26 +861,28 @@ def launcher_unavailable_reason(device=None) -> str | None:
     return None
 
 
-class DecodeLauncher:
-    """`mla_decode` for one static configuration, on torch tensors (see the module docstring).
+# Pointer slots of a decode program (interop/_launch.py). Per call: the two index tensors in
+# argument order (x, y), q, kv_pool, out, lse. Fixed: scratch buffers and a null pointer.
+_X, _Y, _Q, _KV, _OUT, _LSE = range(6)
+_OPART, _LPART, _QPAD, _OUTPAD, _LSEPAD, _NULL = range(6, 12)
 
-    __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576] /
-    [pool_rows, 1, 1, 576]), kv_indptr int32 [B+1] (tokens), kv_indices int32 [kv_capacity]
-    (token slots), kv_lens=None int32 [B], out=None [T, H, 512], lse=None float32 [T, H])
-    -> (out, lse).
-    kv_lens: KV tokens per request; must equal kv_indptr[1:] - kv_indptr[:-1] (not checked: a
-    device read); given (SGLang has it: seq_lens), the prep kernel is skipped (one launch less).
-    out/lse are allocated (torch.empty) unless given; give them for the fastest call. Results equal `mla_decode` on the same
-    inputs: bit-identical for num_splits == 1; for num_splits > 1 the combine is the Pallas
-    merge kernel (see docs/torch_launcher.md for its measured agreement with XLA's).
-    """
+
+class _DecodeLauncherBase:
+    """Shared body of the decode launchers (see `DecodeLauncher`)."""
+
+    _x_name = _y_name = ""
+    _x_decode_operand = 0  # which decode operand (0: start/lens meta, 1: table) x feeds
 
     def __init__(self, plan: DecodePlan, device, *, kernel_factory: Callable | None = None,
-                 stream_fn: Callable[[int], int] | None = None):
-        """device: a CUDA torch.device. kernel_factory(call, device_index, arch) -> an object with
-        `args` (settable pointer slots) and `launch(stream)`; default `LoadedKernel`. Tests pass
-        a recording fake (and a CPU device) to check the wiring without a GPU."""
+                 stream_fn: Callable[[int], int] | None = None, launch_address: int | None = None,
+                 native: bool | None = None, route: str | None = None):
+        """device: a CUDA torch.device. kernel_factory(call, device_index, arch) -> an object
+        with function, grid, block, shared_mem_bytes, num_params, info() (default: the plan's
+        kernels compiled by `compile_plan(plan, arch, route)` and loaded). Tests pass fakes, a
+        CPU device, stream_fn and a launch_address (a recording cuLaunchKernel stand-in)."""
         import torch
+
+        from funcmla.interop import _launch
 
         device = torch.device(device)
         c = plan.config
@@ -876,7 +892,6 @@ class DecodeLauncher:
                 raise LauncherUnavailable(reason)
             if device.type != "cuda":
                 raise LauncherUnavailable(f"the launcher runs on CUDA devices, got {device}")
-            kernel_factory = LoadedKernel
         device_index = device.index if device.type == "cuda" else -1
         if device.type == "cuda":
             if device_index is None:
@@ -887,119 +902,205 @@ class DecodeLauncher:
             torch.cuda.current_stream(device)  # initialises torch's context on the device
         else:
             arch = "cpu"
+        if kernel_factory is None:
+            images = compile_plan(plan, arch, route)
+
+            def kernel_factory(call, index, arch_name):
+                return LoadedKernel(call, index, arch_name, images[call.name])
+        if launch_address is None:
+            from funcmla.interop import _cuda_driver
+
+            launch_address = _cuda_driver.driver().launch_address
         self.plan, self.config, self.device_index, self.device = plan, c, device_index, device
-        self.prep = kernel_factory(plan.prep, device_index, arch)
         self.decode = kernel_factory(plan.decode, device_index, arch)
         self.merge = (kernel_factory(plan.merge, device_index, arch)
                       if plan.merge is not None else None)
         tdt = getattr(torch, c.dtype)
-        b, t, h, d, dv = c.num_seqs, c.num_seqs * c.s_q, c.num_heads, c.head_dim, c.v_head_dim
+        b, t, h, dv = c.num_seqs, c.num_seqs * c.s_q, c.num_heads, c.v_head_dim
         s, rp, r = plan.num_splits, c.rows_pad, c.rows
         self.padded = rp != r
+        split = s > 1
         self._out_shape, self._lse_shape, self._dtype = (t, h, dv), (t, h), tdt
-        calls = [plan.prep, plan.decode] + ([plan.merge] if plan.merge is not None else [])
-        align = max(max(k.ptr_divisibility) for k in calls)  # what the kernels assume (bytes)
-        self.align = align
-        self.q_spec = TensorSpec("q", tdt, [(t, h, d)], device_index, align)
-        self.kv_spec = TensorSpec("kv_pool", tdt, [(c.pool_rows, d), (c.pool_rows, 1, d),
-                                                   (c.pool_rows, 1, 1, d)], device_index, align)
-        self.indptr_spec = TensorSpec("kv_indptr", torch.int32, [(b + 1,)], device_index, align)
-        self.indices_spec = TensorSpec("kv_indices", torch.int32, [(c.kv_capacity,)],
-                                       device_index, align)
-        self.out_spec = TensorSpec("out", tdt, [(t, h, dv)], device_index, align)
-        self.lse_spec = TensorSpec("lse", torch.float32, [(t, h)], device_index, align)
-        self.lens_spec = TensorSpec("kv_lens", torch.int32, [(b,)], device_index, align)
-        dev = self.device
-        self._kv_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-        self._q_pad = torch.zeros(b, rp, d, dtype=tdt, device=dev) if self.padded else None
-        if s > 1:
+        self.align = max(max(k.ptr_divisibility) for k in plan.calls)
+        fixed = {_NULL: 0}
+        dev = device
+        if split:
             self._o_part = torch.empty(b, s, rp, dv, dtype=torch.float32, device=dev)
             self._lse_part = torch.empty(b, s, rp, dtype=torch.float32, device=dev)
+            fixed.update({_OPART: self._o_part.data_ptr(), _LPART: self._lse_part.data_ptr()})
         if self.padded:
+            self._q_pad = torch.zeros(b, rp, c.head_dim, dtype=tdt, device=dev)
             self._out_pad = torch.empty(b, rp, dv, dtype=tdt, device=dev)
             self._lse_pad = torch.empty(b, rp, dtype=torch.float32, device=dev)
-        # Fixed pointers, written once.
-        self._kv_lens_ptr = self._kv_lens.data_ptr()
-        self.prep.args[1] = self._kv_lens_ptr
-        if self.padded:
-            self.decode.args[3] = self._q_pad.data_ptr()
-        if s > 1:
-            self.decode.args[5] = self._o_part.data_ptr()
-            self.decode.args[6] = self._lse_part.data_ptr()
-            self.merge.args[0] = self._o_part.data_ptr()
-            self.merge.args[1] = self._lse_part.data_ptr()
-            if self.padded:
-                self.merge.args[2] = self._out_pad.data_ptr()
-                self.merge.args[3] = self._lse_pad.data_ptr()
-        elif self.padded:
-            self.decode.args[5] = self._out_pad.data_ptr()
-            self.decode.args[6] = self._lse_pad.data_ptr()
-        self._split = s > 1
+            fixed.update({_QPAD: self._q_pad.data_ptr(), _OUTPAD: self._out_pad.data_ptr(),
+                          _LSEPAD: self._lse_pad.data_ptr()})
+        meta, table = (_X, _Y) if self._x_decode_operand == 0 else (_Y, _X)
+        out_slot = _OUTPAD if self.padded else _OUT
+        lse_slot = _LSEPAD if self.padded else _LSE
+        dec_params = [meta, table, _QPAD if self.padded else _Q, _KV,
+                      _OPART if split else out_slot, _LPART if split else lse_slot]
+        kernels = [self._program_kernel(self.decode, dec_params)]
+        if split:
+            kernels.append(self._program_kernel(self.merge, [_OPART, _LPART, out_slot,
+                                                             lse_slot]))
+        self.program = _launch.LaunchProgram(kernels, 6, fixed, launch_address, native=native)
+        p = self.program
+        self._hot = (p.pack, p.buffer, (1 << len(kernels)) - 1, p.run, p.ref)
         self._lock = threading.Lock()
         self._empty = torch.empty
         self._stream = stream_fn or _current_raw_stream_fn(torch)
+        self._specs_setup(torch, tdt, device_index)
 
-    def __call__(self, q, kv_pool, kv_indptr, kv_indices, *, kv_lens=None, out=None, lse=None):
-        q_ptr = self.q_spec.pointer(q)
-        kv_ptr = self.kv_spec.pointer(kv_pool)
-        indptr_ptr = self.indptr_spec.pointer(kv_indptr)
-        indices_ptr = self.indices_spec.pointer(kv_indices)
-        lens_ptr = None if kv_lens is None else self.lens_spec.pointer(kv_lens)
-        if out is None:
-            out = self._empty(self._out_shape, dtype=self._dtype, device=self.device)
-            out_ptr = out.data_ptr()
-        else:
-            out_ptr = self.out_spec.pointer(out)
-        if lse is None:
-            lse = self._empty(self._lse_shape, dtype=self._dtype_f32, device=self.device)
-            lse_ptr = lse.data_ptr()
-        else:
-            lse_ptr = self.lse_spec.pointer(lse)
-        stream = self._stream(self.device_index)
+    @staticmethod
+    def _program_kernel(k, slots: list[int]):
+        from funcmla.interop import _launch
+
+        if k.num_params < len(slots):
+            raise LauncherUnavailable(f"{k.call.name} takes {k.num_params} parameters, fewer "
+                                      f"than its {len(slots)} buffers")
+        return _launch.ProgramKernel(k.call.name, k.function, k.grid, k.block,
+                                     k.shared_mem_bytes,
+                                     slots + [_NULL] * (k.num_params - len(slots)))
+
+    def _specs_setup(self, torch, tdt, di) -> None:
+        c, a = self.config, self.align
+        t, h, d = c.num_seqs * c.s_q, c.num_heads, c.head_dim
+        pool_shapes = [(c.pool_rows, d), (c.pool_rows, 1, d)]
+        ps = c.page_size
+        if ps > 1 and c.pool_rows % ps == 0:
+            pool_shapes += [(c.pool_rows // ps, ps, d), (c.pool_rows // ps, ps, 1, d)]
+        self.q_spec = TensorSpec("q", tdt, [(t, h, d)], di, a)
+        self.kv_spec = TensorSpec("kv_pool", tdt, pool_shapes, di, a)
+        self.x_spec = TensorSpec(self._x_name, torch.int32, [self._x_shape()], di, a)
+        self.y_spec = TensorSpec(self._y_name, torch.int32, [self._y_shape()], di, a)
+        self.out_spec = TensorSpec("out", tdt, [self._out_shape], di, a)
+        self.lse_spec = TensorSpec("lse", torch.float32, [self._lse_shape], di, a)
+        self._i32, self._f32 = torch.int32, torch.float32
+        self._set_fast(pool_shapes[0])
+
+    def _set_fast(self, kv_shape) -> None:
+        c = self.config
+        self._fast = (self._dtype, self._i32, self._f32, torch_size(kv_shape), self.device_index,
+                      self.align - 1, torch_size((c.num_seqs * c.s_q, c.num_heads, c.head_dim)),
+                      torch_size(self._x_shape()), torch_size(self._y_shape()),
+                      torch_size(self._out_shape), torch_size(self._lse_shape))
+
+    def _checked(self, q, kv_pool, x, y, out, lse) -> tuple[int, ...]:
+        """The per-argument checks (raise LauncherArgumentError naming the argument)."""
+        ptrs = (self.q_spec.pointer(q), self.kv_spec.pointer(kv_pool), self.x_spec.pointer(x),
+                self.y_spec.pointer(y), self.out_spec.pointer(out), self.lse_spec.pointer(lse))
+        if tuple(kv_pool.shape) != tuple(self._fast[3]):  # another accepted pool view
+            self._set_fast(tuple(kv_pool.shape))
+        return ptrs
+
+    def _call(self, q, kv_pool, x, y, out, lse):
+        dt, i32, f32, kvs, di, m, qs, xs, ys, os_, ls = self._fast
+        try:
+            if out is None:
+                out = self._empty(os_, dtype=dt, device=self.device)
+            if lse is None:
+                lse = self._empty(ls, dtype=f32, device=self.device)
+            pq, pk, px, py = q.data_ptr(), kv_pool.data_ptr(), x.data_ptr(), y.data_ptr()
+            po, pl = out.data_ptr(), lse.data_ptr()
+            ok = (q.dtype is dt and kv_pool.dtype is dt and x.dtype is i32 and y.dtype is i32
+                  and out.dtype is dt and lse.dtype is f32
+                  and q.shape == qs and kv_pool.shape == kvs and x.shape == xs and y.shape == ys
+                  and out.shape == os_ and lse.shape == ls
+                  and q.is_contiguous() and kv_pool.is_contiguous() and x.is_contiguous()
+                  and y.is_contiguous() and out.is_contiguous() and lse.is_contiguous()
+                  and q.get_device() == di and kv_pool.get_device() == di
+                  and x.get_device() == di and y.get_device() == di
+                  and out.get_device() == di and lse.get_device() == di
+                  and not (pq | pk | px | py | po | pl) & m)
+        except Exception:  # noqa: BLE001 - not a tensor, no storage, ...: the slow path says
+            ok = False
+        if not ok:
+            pq, pk, px, py, po, pl = self._checked(q, kv_pool, x, y, out, lse)
+        if self.padded:
+            c = self.config
+            self._q_pad[:, :c.rows].copy_(q.view(c.num_seqs, c.rows, -1))
+        stream = self._stream(di)
+        pack, buf, mask, run, ref = self._hot
         with self._lock:
-            dec = self.decode
-            da = dec.args
-            if lens_ptr is None:
-                self.prep.args[0] = indptr_ptr
-                self.prep.launch(stream)
-                da[1] = self._kv_lens_ptr
-            else:
-                da[1] = lens_ptr
-            da[0] = indptr_ptr
-            da[2] = indices_ptr
-            da[4] = kv_ptr
-            if self.padded:
-                self._q_pad[:, :self.config.rows].copy_(q.view(self._q_pad.shape[0],
-                                                               self.config.rows, -1))
-            else:
-                da[3] = q_ptr
-            if not self._split:
-                if not self.padded:
-                    da[5] = out_ptr
-                    da[6] = lse_ptr
-                dec.launch(stream)
-            else:
-                dec.launch(stream)
-                if not self.padded:
-                    self.merge.args[2] = out_ptr
-                    self.merge.args[3] = lse_ptr
-                self.merge.launch(stream)
-            if self.padded:
-                r = self.config.rows
-                out.view(self._out_pad.shape[0], r, -1).copy_(self._out_pad[:, :r])
-                lse.view(self._lse_pad.shape[0], r).copy_(self._lse_pad[:, :r])
+            pack(buf, 0, stream, mask, px, py, pq, pk, po, pl)
+            rc = run(ref)
+            if rc:
+                self._launch_failed(rc, mask, ref)
+        if self.padded:
+            r = self.config.rows
+            out.view(self.config.num_seqs, r, -1).copy_(self._out_pad[:, :r])
+            lse.view(self.config.num_seqs, r).copy_(self._lse_pad[:, :r])
         return out, lse
 
-    @property
-    def _dtype_f32(self):
-        import torch
+    def _launch_failed(self, rc: int, mask: int, ref) -> None:
+        from funcmla.interop import _cuda_driver as cd
 
-        return torch.float32
+        k = self.program.failed_kernel
+        first = (mask & -mask).bit_length() - 1
+        if rc == cd.CUDA_ERROR_INVALID_CONTEXT and k is self.program.kernels[first]:
+            # Nothing was launched: this thread had no current context. Use the primary one.
+            cd.driver().make_current(self.device_index)
+            rc = self.program.run(ref)
+            if not rc:
+                return
+            k = self.program.failed_kernel
+        cd.driver().check_launch(rc, k.name if k is not None else "?")
 
     def info(self) -> dict:
-        kernels = [self.prep, self.decode] + ([self.merge] if self.merge else [])
+        kernels = [self.decode] + ([self.merge] if self.merge else [])
         return {"config": dataclasses.asdict(self.config), "num_splits": self.plan.num_splits,
-                "padded": self.padded, "kernels": [k.info() for k in kernels]}
+                "padded": self.padded, "launch": self.program.how,
+                "kernels": [k.info() for k in kernels]}
+
+
+def torch_size(shape):
+    import torch
+
+    return torch.Size(shape)
+
+
+class DecodeLauncher(_DecodeLauncherBase):
+    """`mla_decode` on torch tensors for one static configuration (token CSR, page size 1).
+
+    __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576]), kv_indptr int32
+    [B+1] (tokens), kv_indices int32 [kv_capacity] (token slots), out=None [T, H, 512],
+    lse=None float32 [T, H]) -> (out, lse), written on torch's current stream: the decode
+    kernel, then the merge kernel when the configuration splits the KV (one foreign call).
+    out/lse are allocated (torch.empty) unless given; give them for the fastest call.
+    Results equal `mla_decode` on the same inputs bit for bit on the "xla" route.
+    """
+
+    _x_name, _y_name, _x_decode_operand = "kv_indptr", "kv_indices", 0
+
+    def _x_shape(self):
+        return (self.config.num_seqs + 1,)
+
+    def _y_shape(self):
+        return (self.config.kv_capacity,)
+
+    def __call__(self, q, kv_pool, kv_indptr, kv_indices, *, out=None, lse=None):
+        return self._call(q, kv_pool, kv_indptr, kv_indices, out, lse)
+
+
+class PagedDecodeLauncher(_DecodeLauncherBase):
+    """`mla_decode(page_table=...)` on torch tensors for one static configuration (page size
+    > 1; FlashMLA-style block table).
+
+    __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576],
+    [pool_rows / ps, ps, 576], [pool_rows / ps, ps, 1, 576]), page_table int32 [B, max_pages]
+    (page ids), lengths int32 [B] (tokens), out=None, lse=None) -> (out, lse).
+    """
+
+    _x_name, _y_name, _x_decode_operand = "page_table", "lengths", 1
+
+    def _x_shape(self):
+        return (self.config.num_seqs, self.config.max_pages)
+
+    def _y_shape(self):
+        return (self.config.num_seqs,)
+
+    def __call__(self, q, kv_pool, page_table, lengths, *, out=None, lse=None):
+        return self._call(q, kv_pool, page_table, lengths, out, lse)
 
 
 def _current_raw_stream_fn(torch):
@@ -1010,13 +1111,14 @@ def _current_raw_stream_fn(torch):
     return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
-_LAUNCHERS: dict[tuple[DecodeLaunchConfig, int], DecodeLauncher] = {}
+_LAUNCHERS: dict[tuple[DecodeLaunchConfig, int], _DecodeLauncherBase] = {}
 _LAUNCHERS_LOCK = threading.Lock()
 
 
-def decode_launcher(config: DecodeLaunchConfig, device=None) -> DecodeLauncher:
+def decode_launcher(config: DecodeLaunchConfig, device=None):
     """The launcher of `config` on `device` (a torch device, index or None for the current
-    CUDA device): built (lowered, compiled, loaded) on first use and cached."""
+    CUDA device): built (lowered, compiled, loaded) on first use and cached. A
+    `DecodeLauncher` for page_size 1, else a `PagedDecodeLauncher`."""
     import torch
 
     if device is None:
@@ -1032,7 +1134,8 @@ def decode_launcher(config: DecodeLaunchConfig, device=None) -> DecodeLauncher:
     with _LAUNCHERS_LOCK:
         launcher = _LAUNCHERS.get(key)
         if launcher is None:
-            launcher = DecodeLauncher(decode_plan(config), torch.device("cuda", index))
+            cls = DecodeLauncher if config.page_size == 1 else PagedDecodeLauncher
+            launcher = cls(decode_plan(config), torch.device("cuda", index))
             _LAUNCHERS[key] = launcher
     return launcher
 
@@ -1064,13 +1167,13 @@ def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | 
 
 def torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int = 1,
                  max_kv_len: int | None = None, num_splits: int | None = None,
-                 v_head_dim: int = 512, kv_lens=None, out=None, lse=None,
+                 v_head_dim: int = 512, out=None, lse=None,
                  kernel: DecodeKernelConfig = DecodeKernelConfig()):
     """`mla_decode` on torch CUDA tensors through the launcher of their static configuration
     (derived from the shapes; built once per configuration and cached).
 
-    q [B*s_q, H, D], kv_pool [rows, D] / [rows, 1, D] / [rows, 1, 1, D], kv_indptr int32 [B+1],
-    kv_indices int32 [capacity] -> (out [B*s_q, H, v_head_dim], lse float32 [B*s_q, H]).
+    q [B*s_q, H, D], kv_pool [rows, D] / [rows, 1, D], kv_indptr int32 [B+1], kv_indices int32
+    [capacity] -> (out [B*s_q, H, v_head_dim], lse float32 [B*s_q, H]).
     Raises LauncherUnavailable where the launcher cannot run (see
     `torch_decode_unsupported_reason`), LauncherArgumentError for misuse.
     """
@@ -1093,4 +1196,4 @@ def torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int
             v_head_dim=v_head_dim, dtype=str(q.dtype).removeprefix("torch."), kernel=kernel)
         launcher = decode_launcher(config, q.device)
         _TORCH_KEYED[key] = launcher
-    return launcher(q, kv_pool, kv_indptr, kv_indices, kv_lens=kv_lens, out=out, lse=lse)
+    return launcher(q, kv_pool, kv_indptr, kv_indices, out=out, lse=lse)

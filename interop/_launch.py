@@ -1,0 +1,240 @@
+"""Launch programs: a fixed sequence of CUDA kernels started by one call per use.
+
+A `LaunchProgram` holds, in one ctypes structure (mirrored by `_launch_program.c`):
+  stream, mask     written per call (mask bit i: launch kernel i this time);
+  slots[32]        device pointers; the first `per_call` are written per call, the rest once;
+  kernels[i]       function handle, grid, block, dynamic shared memory, and a parameter array
+                   whose entries point at slots, so writing a slot re-targets every kernel that
+                   reads it.
+The hot path (`DecodeLauncher.__call__`) is one `struct.pack_into` of the per-call words and one
+foreign call, `funcmla_run(program)`, which loops over the kernels calling `cuLaunchKernel`.
+
+Why a tiny C helper: a ctypes call of `cuLaunchKernel` converts its 11 arguments on every call
+(about 0.8 us on a 2-core Xeon, several times that on slower hosts), once per kernel; the helper
+makes one foreign call with one argument for all kernels of a decode call (about 0.1 us), and the
+driver receives the same arguments. It is compiled at first use with the system C compiler (`cc`,
+or $CC) into a per-user cache, needs no CUDA headers and links nothing (the address of the
+driver's `cuLaunchKernel` is stored in the program). Without a compiler (or with
+FUNCMLA_LAUNCH_NATIVE=0) the same program runs through pure ctypes, one `cuLaunchKernel` call per
+kernel with pre-converted arguments: identical launches, more host time (`native_reason()` says
+which is in use and why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import tempfile
+from typing import Sequence
+
+__all__ = [
+    "MAX_KERNELS",
+    "MAX_PARAMS",
+    "MAX_SLOTS",
+    "ProgramKernel",
+    "LaunchProgram",
+    "native_library",
+    "native_reason",
+    "launch_function_type",
+]
+
+MAX_KERNELS, MAX_PARAMS, MAX_SLOTS = 8, 16, 32
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_program.c")
+
+# cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, kernelParams, extra) -> CUresult
+launch_function_type = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.c_void_p)
+
+
+class _Kernel(ctypes.Structure):
+    _fields_ = [("function", ctypes.c_void_p), ("grid", ctypes.c_uint32 * 3),
+                ("block", ctypes.c_uint32 * 3), ("shared_mem_bytes", ctypes.c_uint32),
+                ("num_params", ctypes.c_uint32), ("params", ctypes.c_void_p * MAX_PARAMS)]
+
+
+class _Program(ctypes.Structure):
+    _fields_ = [("stream", ctypes.c_uint64), ("mask", ctypes.c_uint64),
+                ("slots", ctypes.c_uint64 * MAX_SLOTS), ("launch", ctypes.c_void_p),
+                ("num_kernels", ctypes.c_uint32), ("failed_kernel", ctypes.c_int32),
+                ("kernels", _Kernel * MAX_KERNELS)]
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("FUNCMLA_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(xdg, "funcmla")
+    try:
+        os.makedirs(base, exist_ok=True)
+        probe = os.path.join(base, f".w{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+        return base
+    except OSError:
+        path = os.path.join(tempfile.gettempdir(), f"funcmla-{os.getuid()}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def native_library() -> tuple[ctypes.CDLL | None, str]:
+    """(the compiled helper, how it was obtained) or (None, why not)."""
+    if os.environ.get("FUNCMLA_LAUNCH_NATIVE", "1") == "0":
+        return None, "disabled by FUNCMLA_LAUNCH_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc, clang or $CC) on PATH"
+    with open(_SOURCE, "rb") as f:
+        src = f.read()
+    tag = hashlib.sha256(src + cc.encode() + platform.machine().encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"libfuncmla_launch_{tag}.so")
+    how = f"cached {path}"
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp{os.getpid()}"
+        proc = subprocess.run([cc, "-O2", "-std=c99", "-shared", "-fPIC", "-o", tmp, _SOURCE],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            return None, f"{cc} failed: {proc.stderr.strip()[:300]}"
+        os.replace(tmp, path)
+        how = f"compiled with {cc} into {path}"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as err:
+        return None, f"could not load {path}: {err}"
+    layout = (ctypes.c_uint64 * 4)()
+    lib.funcmla_layout(layout)
+    want = (ctypes.sizeof(_Program), _Program.kernels.offset, ctypes.sizeof(_Kernel),
+            _Program.launch.offset)
+    if tuple(layout) != want:
+        return None, f"struct layout of {path} {tuple(layout)} != ctypes {want}"
+    return lib, how
+
+
+def native_reason() -> str | None:
+    """None when the C helper is in use, else why the pure-ctypes path runs."""
+    lib, how = native_library()
+    return None if lib is not None else how
+
+
+class ProgramKernel:
+    """One kernel of a program: handle, launch shape and the slot each parameter reads."""
+
+    __slots__ = ("name", "function", "grid", "block", "shared_mem_bytes", "param_slots")
+
+    def __init__(self, name: str, function: int, grid: Sequence[int], block: Sequence[int],
+                 shared_mem_bytes: int, param_slots: Sequence[int]):
+        if len(param_slots) > MAX_PARAMS:
+            raise ValueError(f"{name}: {len(param_slots)} parameters; a program kernel takes at "
+                             f"most {MAX_PARAMS}")
+        if any(not 0 <= s < MAX_SLOTS for s in param_slots):
+            raise ValueError(f"{name}: parameter slots {list(param_slots)} outside "
+                             f"[0, {MAX_SLOTS})")
+        self.name, self.function = name, int(function)
+        self.grid, self.block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
+        self.shared_mem_bytes, self.param_slots = int(shared_mem_bytes), tuple(param_slots)
+
+
+class LaunchProgram:
+    """A fixed sequence of kernels over shared pointer slots (see the module docstring).
+
+    per_call: how many leading slots the caller writes on each call, with
+              `pack(buffer, 0, stream, mask, *values)` (a bound `struct.Struct.pack_into`);
+    fixed:    {slot: value} written once (scratch buffers, null scratch pointers).
+    Then `run(ref)` launches the kernels whose mask bit is set and returns a CUresult
+    (`failed_kernel` names the kernel on error).
+    """
+
+    def __init__(self, kernels: Sequence[ProgramKernel], per_call: int,
+                 fixed: dict[int, int], launch_address: int, *, native: bool | None = None):
+        if not 0 < len(kernels) <= MAX_KERNELS:
+            raise ValueError(f"a program runs 1..{MAX_KERNELS} kernels, got {len(kernels)}")
+        if not 0 <= per_call <= MAX_SLOTS - len(fixed) or any(s < per_call for s in fixed):
+            raise ValueError(f"per-call slots [0, {per_call}) overlap fixed slots {sorted(fixed)}")
+        self.kernels = tuple(kernels)
+        self.per_call = per_call
+        p = _Program()
+        self.struct = p
+        for slot, value in fixed.items():
+            p.slots[slot] = int(value)
+        p.launch = int(launch_address)
+        p.num_kernels = len(kernels)
+        p.failed_kernel = -1
+        slots_base = ctypes.addressof(p.slots)
+        for i, k in enumerate(kernels):
+            d = p.kernels[i]
+            d.function = k.function
+            d.grid[:] = list(k.grid)
+            d.block[:] = list(k.block)
+            d.shared_mem_bytes = k.shared_mem_bytes
+            d.num_params = len(k.param_slots)
+            for j, slot in enumerate(k.param_slots):
+                d.params[j] = slots_base + 8 * slot
+        self.pack = struct.Struct(f"<{2 + per_call}Q").pack_into
+        self.buffer = p
+        self.ref = ctypes.byref(p)
+        lib, how = native_library()
+        if native is False:
+            lib, how = None, "pure ctypes requested"
+        elif native and lib is None:
+            raise RuntimeError(f"the native launch helper is unavailable: {how}")
+        self.native = lib is not None
+        self.how = "native (one foreign call per use)" if lib is not None else (
+            f"ctypes (one cuLaunchKernel call per kernel; {how})")
+        if lib is not None:
+            run = lib["funcmla_run"]  # a fresh function object: argtypes stay unset (fastest)
+            run.restype = ctypes.c_int
+            self.run = run
+        else:
+            self._raw = launch_function_type(int(launch_address))
+            u = ctypes.c_uint
+            self._pre = [(ctypes.c_void_p(k.function), u(k.grid[0]), u(k.grid[1]), u(k.grid[2]),
+                          u(k.block[0]), u(k.block[1]), u(k.block[2]), u(k.shared_mem_bytes))
+                         for k in kernels]
+            self._params = [ctypes.c_void_p(ctypes.addressof(p.kernels[i].params))
+                            for i in range(len(kernels))]
+            self.run = self._run_ctypes
+
+    def _run_ctypes(self, _ref) -> int:
+        p = self.struct
+        stream = ctypes.c_void_p(p.stream)
+        mask = p.mask
+        p.failed_kernel = -1
+        raw = self._raw
+        for i, pre in enumerate(self._pre):
+            if mask >> i & 1:
+                rc = raw(*pre, stream, self._params[i], None)
+                if rc:
+                    p.failed_kernel = i
+                    return rc
+        return 0
+
+    def slot(self, index: int) -> int:
+        return int(self.struct.slots[index])
+
+    def set_slot(self, index: int, value: int) -> None:
+        self.struct.slots[index] = int(value)
+
+    @property
+    def failed_kernel(self) -> ProgramKernel | None:
+        i = self.struct.failed_kernel
+        return self.kernels[i] if 0 <= i < len(self.kernels) else None
+
+    def launch(self, stream: int, mask: int, *values: int) -> int:
+        """Write the per-call words and run (convenience; the launchers inline this)."""
+        self.pack(self.buffer, 0, stream, mask, *values)
+        return self.run(self.ref)

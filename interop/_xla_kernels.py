@@ -1,0 +1,199 @@
+"""The machine code XLA itself runs for a Pallas (Triton) kernel, for the torch launcher.
+
+jax lowers a Pallas call on the Triton lowering to an XLA custom call holding Triton IR; XLA
+compiles that IR with its own bundled Triton and LLVM into the executable's module. Compiling
+the same IR with another Triton (the `triton` package) gives different machine code (seen on the
+H200: 2 to 298 bf16 ulp apart). To launch exactly what XLA launches, `xla_kernels` has XLA compile
+the jitted function holding the call, on this process's GPU backend, and takes from it:
+
+* the kernel symbol and its parameters: from the PTX XLA dumps (`xla_dump_to`); XLA names the
+  kernel after the Pallas call (with a `_N` suffix if the name repeats) and passes the custom
+  call's buffers, operands then results, one pointer each (Triton's two scratch pointers are
+  replaced by null constants inside the kernel, so they are not parameters);
+* the dynamic shared memory XLA launches it with: the `ttg.shared` attribute of the Triton
+  module after XLA's Triton passes, from the pass log XLA writes when its Triton emitter dump is
+  enabled (`xla_dump_emitter_re=triton-fusion`, or `xla_dump_hlo_pass_re=triton-fusion-emitter`
+  on older XLA);
+* the image: the cubin embedded in the serialized executable (the bytes XLA loads), found as the
+  ELF image (EM_CUDA) defining the symbol; if the executable cannot be serialized, ptxas on
+  XLA's PTX (same PTX, possibly another ptxas than XLA's).
+Grid and block are the custom call's (grid, 32 * num_warps), as XLA launches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import mmap
+import os
+import re
+import struct
+import tempfile
+from typing import Any, Callable, Sequence
+
+__all__ = ["XlaKernel", "xla_kernels", "elf_images", "pass_log_shared_bytes", "ptx_entries"]
+
+_DUMP_OPTION_SETS: tuple[dict, ...] = (
+    {"xla_dump_emitter_re": "triton-fusion"},
+    {"xla_dump_hlo_pass_re": "triton-fusion-emitter"},
+    {},
+)
+_ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\((.*?)\)", re.S)
+_SHARED = re.compile(rb"(?:ttg|triton_gpu)\.shared\"?\s*=\s*(\d+)\s*:\s*i32")
+EM_CUDA = 190
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaKernel:
+    """One Pallas kernel as XLA compiled it (see the module docstring)."""
+
+    name: str                     # the Pallas call name
+    entry: str                    # XLA's kernel symbol
+    image: bytes                  # cubin (or NUL-terminated PTX for the driver JIT)
+    image_from: str
+    num_params: int
+    shared_mem_bytes: int | None  # None: XLA's figure was not found
+    shared_mem_from: str
+    ptx: str
+
+
+def ptx_entries(ptx: str) -> dict[str, list[str]]:
+    """{entry name: parameter declarations} of every kernel entry in `ptx`."""
+    return {name: [p.strip() for p in body.split(",") if p.strip()]
+            for name, body in _ENTRY.findall(ptx)}
+
+
+def elf_images(blob: bytes) -> list[bytes]:
+    """Every little-endian 64-bit EM_CUDA ELF image embedded in `blob` (cut to its extent)."""
+    out, pos = [], blob.find(b"\x7fELF")
+    while pos >= 0:
+        hdr = blob[pos:pos + 64]
+        if len(hdr) == 64 and hdr[4] == 2 and hdr[5] == 1 and \
+                struct.unpack_from("<H", hdr, 18)[0] == EM_CUDA:
+            phoff, shoff = struct.unpack_from("<QQ", hdr, 32)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", hdr, 54)
+            end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
+            ok = end <= len(blob) - pos
+            for i in range(shnum if ok else 0):
+                sh = blob[pos + shoff + i * shentsize: pos + shoff + (i + 1) * shentsize]
+                if len(sh) < 40:
+                    ok = False
+                    break
+                sh_type = struct.unpack_from("<I", sh, 4)[0]
+                sh_offset, sh_size = struct.unpack_from("<QQ", sh, 24)
+                if sh_type != 8:  # SHT_NOBITS occupies no bytes in the file
+                    end = max(end, sh_offset + sh_size)
+            if ok and end <= len(blob) - pos:
+                out.append(bytes(blob[pos:pos + end]))
+        pos = blob.find(b"\x7fELF", pos + 4)
+    return out
+
+
+def pass_log_shared_bytes(path: str) -> int | None:
+    """The last `ttg.shared = N` in a Triton pass log (the final allocation), or None."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            last = None
+            for match in _SHARED.finditer(m):
+                last = match
+            return int(last.group(1)) if last else None
+
+
+def _no_compilation_cache():
+    """A context in which jax's persistent compilation cache is off (a cached executable would
+    skip the dump); a null context where this jax has no such switch."""
+    import contextlib
+
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.enable_compilation_cache(False)
+    except Exception:  # noqa: BLE001 - older/newer jax without the state
+        return contextlib.nullcontext()
+
+
+def _compile_with_dump(fn: Callable, avals: Sequence[Any], dump_dir: str):
+    import jax
+
+    lowered = jax.jit(fn).trace(*avals).lower()
+    errors = []
+    for extra in _DUMP_OPTION_SETS:
+        try:
+            with _no_compilation_cache():
+                compiled = lowered.compile(compiler_options={"xla_dump_to": dump_dir, **extra})
+            return compiled, extra, errors
+        except Exception as err:  # noqa: BLE001 - unknown option on this XLA: try the next
+            errors.append(f"{extra or 'dump only'}: {type(err).__name__}: {str(err)[:160]}")
+    raise RuntimeError("XLA would not compile with a dump directory: " + "; ".join(errors))
+
+
+def _serialized_executable(compiled) -> bytes | None:
+    try:
+        from jax.experimental.serialize_executable import serialize
+
+        return serialize(compiled)[0]
+    except Exception:  # noqa: BLE001 - not serializable on this backend/version
+        return None
+
+
+def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, int],
+                compile_ptx: Callable[[str], tuple[bytes, str]]) -> dict[str, XlaKernel]:
+    """Compile `fn` at `avals` with XLA (this process's default backend must be the GPU) and
+    return {name: kernel} for each Pallas call `name` in `wants` (value: how many buffer
+    pointers it takes), all from the one executable.
+
+    compile_ptx(ptx) -> (image, how): used only where the executable holds no cubin for it.
+    Raises RuntimeError naming what was not found.
+    """
+    with tempfile.TemporaryDirectory(prefix="funcmla-xla-") as tmp:
+        compiled, dump_opts, dump_errors = _compile_with_dump(fn, avals, tmp)
+        ptx_files = sorted(glob.glob(os.path.join(tmp, "**", "*.ptx"), recursive=True))
+        found: dict[str, tuple[str, list[str]]] = {}
+        for path in ptx_files:
+            with open(path, errors="replace") as f:
+                text = f.read()
+            for entry, params in ptx_entries(text).items():
+                found.setdefault(entry, (text, params))
+        logs = glob.glob(os.path.join(tmp, "**", "*.triton-passes.log"), recursive=True)
+        blob = _serialized_executable(compiled)
+        images = elf_images(blob) if blob is not None else []
+        out = {}
+        for name, num_buffers in wants.items():
+            pattern = re.compile(re.escape(name) + r"(_\d+)?")
+            matches = sorted((e for e in found if pattern.fullmatch(e)), key=len)
+            if not matches:
+                listing = sorted(os.listdir(tmp))
+                raise RuntimeError(
+                    f"XLA's PTX has no kernel named {name!r} (entries: {sorted(found)[:8]}; "
+                    f"{len(ptx_files)} .ptx files dumped, options {dump_opts}, {dump_errors}; "
+                    f"dump directory: {len(listing)} files, {listing[:40]})")
+            entry = matches[0]
+            ptx, params = found[entry]
+            if len(params) != num_buffers or not all((".u64" in p or ".b64" in p)
+                                                     for p in params):
+                raise RuntimeError(f"XLA's kernel {entry} takes {len(params)} parameters "
+                                   f"({params[:3]}...); expected {num_buffers} 64-bit pointers")
+            shared, shared_from = None, (f"not found ({len(logs)} pass logs; dump options "
+                                         f"{dump_opts})")
+            for path in logs:
+                if os.path.basename(path).endswith(f".{entry}.triton-passes.log"):
+                    shared = pass_log_shared_bytes(path)
+                    if shared is not None:
+                        shared_from = ("ttg.shared in XLA's Triton pass log "
+                                       f"({os.path.basename(path)})")
+                        break
+            needle = b"\0" + entry.encode() + b"\0"
+            mine = [img for img in images if needle in img]
+            if mine:
+                image, image_from = mine[0], "cubin from XLA's serialized executable"
+            else:
+                why = ("no serialized executable" if blob is None else
+                       f"none of the {len(images)} cubins in the serialized executable defines it")
+                image, how = compile_ptx(ptx)
+                image_from = f"{how} on XLA's PTX ({why})"
+            out[name] = XlaKernel(name=name, entry=entry, image=image, image_from=image_from,
+                                  num_params=len(params), shared_mem_bytes=shared,
+                                  shared_mem_from=shared_from, ptx=ptx)
+        return out
