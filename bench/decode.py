@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -40,10 +41,16 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
+from funcmla.attention.pallas import (  # noqa: E402
+    DecodeKernelConfig,
+    merge_splits_pallas,
+    mla_decode,
+    mla_decode_rows,
+)
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
-    merge_splits,
+    kv_rows_from_csr,
+    kv_rows_from_page_table,
     num_row_blocks,
 )
 from funcmla.layout import PageTable  # noqa: E402
@@ -284,8 +291,44 @@ def big_pool_check(results):
 
 # ----------------------------------------------------------------------------- bench
 
+def device_times(fn, args, reps: int = 10) -> dict | None:
+    """Per-kernel device time (CUPTI, through a jax.profiler trace) of one call of `fn(*args)`:
+    {"decode_us", "merge_us", "other_us", "busy_us", "kernels"}, or None without a trace."""
+    from bench.timing import device_kernel_times
+
+    jf = jax.jit(fn)
+    try:
+        prof = device_kernel_times(lambda: jax.block_until_ready(jf(*args)), reps=reps)
+    except Exception as e:  # noqa: BLE001 - a missing profiler must not stop the benchmark
+        log(f"   profiler trace failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+    if prof is None:
+        return None
+    dec = sum(k["total_us_per_call"] for k in prof["kernels"] if "mla_decode" in k["name"])
+    mer = sum(k["total_us_per_call"] for k in prof["kernels"] if "merge" in k["name"])
+    return dict(decode_us=dec, merge_us=mer, busy_us=prof["busy_us_per_call"],
+                other_us=prof["busy_us_per_call"] - dec - mer,
+                kernels_per_call=prof["kernels_per_call"],
+                kernels=[(k["name"][:60], round(k["median_us"], 2), k["per_call"])
+                         for k in prof["kernels"][:6]])
+
+
+_REFS: dict = {}
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _ref_fn(q, p, slot_mat, s_q):
+    """float32 (Precision.HIGHEST) XLA reference of one case."""
+    return xla_decode(q.astype(jnp.float32), p.astype(jnp.float32), slot_mat, s_q=s_q,
+                      sm_scale=SM_SCALE, precision=HI)
+
+
 def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, baseline=True,
-               s_q=1):
+               s_q=1, kernel_only=True, merge_alone=True, profile=False, check=True):
+    """One case. time_us: mla_decode (decode kernel + merge kernel when split), n calls
+    amortised in one jit; kernel_us: the decode kernel alone (mla_decode_rows, partials);
+    merge_us: the merge kernel alone on partials of the kernel's shape; device_*: CUPTI kernel
+    durations of one mla_decode call (profile=True)."""
     kv_bytes = b * ctx * D * 2
     copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
     n = max(copies, 32 if kv_bytes < 64e6 else 8)
@@ -299,42 +342,78 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     t_k = time_calls(kern, args, reps)
     t_compile = time.perf_counter() - t0
     spread = list(LAST_SPREAD)
-    o, lse = jax.jit(kern)(qs[0], pools[0], meta)
-    ref_o, ref_l = jax.jit(lambda q, p, sm: xla_decode(
-        q.astype(jnp.float32), p.astype(jnp.float32), sm, s_q=s_q, sm_scale=SM_SCALE,
-        precision=HI))(qs[0], pools[0], slot_mat)
-    err = rel_err(o, ref_o)
-    lse_err = float(jnp.max(jnp.abs(lse - ref_l)))
+    rows = s_q * h
+    cfg = config
+    bm = cfg.resolved_block_m(rows)
+    ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, cfg, bm)
+    t_kern = None
+    if kernel_only and ns > 1:
+        def parts(q, p, m):
+            kv = (kv_rows_from_csr(m["kv_indptr"], m["kv_indices"], ctx) if ps == 1
+                  else kv_rows_from_page_table(m["page_table"]))
+            return mla_decode_rows(q, p, kv, sm_scale=SM_SCALE, s_q=s_q, num_splits=ns,
+                                   config=cfg)
+        t_kern = time_calls(parts, args, reps)
+    elif ns == 1:
+        t_kern = t_k
+    err = lse_err = None
+    if check:
+        o, lse = jax.jit(kern)(qs[0], pools[0], meta)
+        ref_key = (tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
+                   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+                   else tuple(np.asarray(key).ravel().tolist()), h, b, ctx, ps, s_q)
+        if ref_key not in _REFS:
+            _REFS.clear()  # one case's reference at a time (they can be large)
+            _REFS[ref_key] = _ref_fn(qs[0], pools[0], slot_mat, s_q)
+        ref_o, ref_l = _REFS[ref_key]
+        err = rel_err(o, ref_o)
+        lse_err = float(jnp.max(jnp.abs(lse - ref_l)))
+        del o, lse, ref_o, ref_l
+    dev = device_times(kern, (qs[0], pools[0], meta)) if profile else None
     t_x = None
     if baseline:
         xargs = [(qs[i], pools[i % copies], slot_mat) for i in range(n)]
         base = lambda q, p, sm: xla_decode(q, p, sm, s_q=s_q, sm_scale=SM_SCALE)  # noqa: E731
         t_x = time_calls(base, xargs, reps)
-    rows = s_q * h
-    cfg = config
-    bm = cfg.resolved_block_m(rows)
-    ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, cfg)
     t_merge = None
-    if ns > 1:  # the combine alone, on partials of the kernel's shape
+    if merge_alone and ns > 1:  # the merge kernel alone, on partials of the kernel's shape
         rp = num_row_blocks(rows, bm) * bm
+        nm = min(n, 8)
         margs = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (b, ns, rp, DV)),
                   jax.random.normal(jax.random.fold_in(key, 200 + i), (b, ns, rp)))
-                 for i in range(n)]
-        t_merge = time_calls(lambda o_, l_: merge_splits(o_, l_, jnp.bfloat16), margs, reps)
+                 for i in range(nm)]
+        t_merge = time_calls(lambda o_, l_: merge_splits_pallas(
+            o_, l_, jnp.bfloat16, block_d=cfg.merge_block_d), margs, reps)
         del margs
     nbytes = kv_bytes + qs[0].size * 2 + b * s_q * h * DV * 2
     flops = 2 * b * s_q * h * ctx * (D + DV)
     del pools, qs
+    us = lambda t: None if t is None else t * 1e6  # noqa: E731
     return dict(heads=h, batch=b, ctx=ctx, page_size=ps, s_q=s_q, num_splits=ns, block_m=bm,
                 block_kv=cfg.block_kv, num_stages=cfg.num_stages,
                 num_warps=cfg.resolved_num_warps(bm), copies=copies, calls_per_timing=n,
-                compile_and_time_s=t_compile,
-                waves=cfg.waves, evict_first=cfg.evict_first,
+                compile_and_time_s=t_compile, config=dataclasses.asdict(cfg),
                 time_us=t_k * 1e6, time_us_min=spread[0] * 1e6, time_us_max=spread[1] * 1e6,
-                merge_us=None if t_merge is None else t_merge * 1e6, gbps=nbytes / t_k / 1e9, pct_ceiling=100 * nbytes / t_k / ceiling,
-                tflops=flops / t_k / 1e12, rel_err=err, lse_max_abs_err=lse_err,
-                xla_time_us=None if t_x is None else t_x * 1e6,
-                speedup_vs_xla=None if t_x is None else t_x / t_k)
+                kernel_us=us(t_kern), merge_us=us(t_merge),
+                device=dev, gbps=nbytes / t_k / 1e9, pct_ceiling=100 * nbytes / t_k / ceiling,
+                kernel_pct_ceiling=None if t_kern is None else 100 * nbytes / t_kern / ceiling,
+                tflops=flops / t_k / 1e12,
+                kernel_tflops=None if t_kern is None else flops / t_kern / 1e12,
+                rel_err=err, lse_max_abs_err=lse_err,
+                xla_time_us=us(t_x), speedup_vs_xla=None if t_x is None else t_x / t_k)
+
+
+def fmt_case(r) -> str:
+    dev = r.get("device")
+    dev_s = "" if not dev else (f", device decode {dev['decode_us']:.1f} + merge "
+                                f"{dev['merge_us']:.1f} + other {dev['other_us']:.1f} us")
+    x = "" if r["speedup_vs_xla"] is None else f", x{r['speedup_vs_xla']:.2f} vs XLA"
+    k = "" if r["kernel_us"] is None else f", kernel {r['kernel_us']:.1f}"
+    m = "" if r["merge_us"] is None else f", merge alone {r['merge_us']:.1f}"
+    e = "" if r["rel_err"] is None else f", err {r['rel_err']:.1e}"
+    return (f"H{r['heads']} B{r['batch']} L{r['ctx']} p{r['page_size']} ns={r['num_splits']}: "
+            f"{r['time_us']:.1f} us ({r['time_us_min']:.1f}-{r['time_us_max']:.1f}){k}{m}, "
+            f"{r['pct_ceiling']:.1f}% ceil, {r['tflops']:.1f} TF{x}{e}{dev_s}")
 
 
 def torch_overhead(results, reps=200):
@@ -400,17 +479,20 @@ def print_table(rows, title):
             log(r)
         return
     t = Table(title=title)
-    for c in ("H", "B", "ctx", "ps", "splits", "us", "GB/s", "%ceil", "TFLOP/s", "xla us",
-              "x xla", "rel err"):
+    for c in ("H", "B", "ctx", "ps", "splits", "us", "kernel us", "GB/s", "%ceil", "TFLOP/s",
+              "xla us", "x xla", "dev dec+merge us", "rel err"):
         t.add_column(c, justify="right")
     for r in rows:
+        dev = r.get("device")
         t.add_row(str(r["heads"]), str(r["batch"]), str(r["ctx"]), str(r["page_size"]),
-                  str(r["num_splits"]), f"{r['time_us']:.1f}", f"{r['gbps']:.0f}",
-                  f"{r['pct_ceiling']:.1f}", f"{r['tflops']:.1f}",
+                  str(r["num_splits"]), f"{r['time_us']:.1f}",
+                  "-" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}",
+                  f"{r['gbps']:.0f}", f"{r['pct_ceiling']:.1f}", f"{r['tflops']:.1f}",
                   "-" if r["xla_time_us"] is None else f"{r['xla_time_us']:.1f}",
                   "-" if r["speedup_vs_xla"] is None else f"{r['speedup_vs_xla']:.2f}",
-                  f"{r['rel_err']:.1e}")
-    Console(width=140).print(t)
+                  "-" if not dev else f"{dev['decode_us']:.1f}+{dev['merge_us']:.1f}",
+                  "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}")
+    Console(width=160).print(t)
 
 
 def plot(rows, path):
@@ -442,6 +524,88 @@ def dump(results, out):
         json.dump(results, f, indent=1)
 
 
+GRID_ORDER_NOTE = ("grid order: the target cases first (H16 and H128, B >= 32, ctx >= 4k; batch 1 "
+                   "ctx 4k), then the rest, so a time limit drops only non-target cases")
+
+
+def grid_cases(ctxs):
+    """(h, b, ctx, ps) in priority order (see GRID_ORDER_NOTE)."""
+    allc = [(h, b, c, ps) for h in (16, 128) for b in (1, 32, 128) for c in ctxs for ps in (1, 64)]
+    target = [x for x in allc if x[1] >= 32 and x[2] >= 4096]
+    b1 = [x for x in allc if x[1] == 1 and x[2] == 4096]
+    rest = [x for x in allc if x not in target and x not in b1]
+    return target + b1 + rest
+
+
+def variant_sweep(key, ceiling, results, deadline):
+    """Tiling / split variants on the target cases; returns {heads: best config}."""
+    C = DecodeKernelConfig
+    var = []
+    results["variants"] = var
+    tuned = {}
+
+    def run(name, h, b, ctx, ps, c, ns=None, **kw):
+        if time.perf_counter() > deadline:
+            log(f"   (time limit) skipped H{h} B{b} {name}")
+            return None
+        try:
+            r = bench_case(key, h, b, ctx, ps, ceiling, 5, c, num_splits=ns, baseline=False,
+                           kernel_only=kw.pop("kernel_only", False),
+                           merge_alone=kw.pop("merge_alone", False), **kw)
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            log(f"   H{h} B{b} L{ctx} p{ps} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            var.append(dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=ps,
+                            error=f"{type(e).__name__}: {str(e)[:300]}"))
+            return None
+        r["variant"] = name
+        var.append(r)
+        log(f"   {name:>18}: " + fmt_case(r))
+        return r
+
+    sweeps = {
+        16: ([(32, 4096, 1), (128, 4096, 1)], {
+            "kv64-st3": C(), "kv64-st5": C(num_stages=5),
+            "kv32-st5": C(block_kv=32, num_stages=5), "kv32-st7": C(block_kv=32, num_stages=7),
+            "kv16-st8": C(block_kv=16, num_stages=8, min_blocks_per_split=4),
+            "kv16-st6": C(block_kv=16, num_stages=6, min_blocks_per_split=4)}),
+        128: ([(32, 4096, 64), (128, 4096, 64)], {
+            "m64-kv64-st3": C(), "m64-kv64-st2": C(num_stages=2),
+            "m64-kv32-st4": C(block_kv=32, num_stages=4), "m64-kv32-st3": C(block_kv=32),
+            "m64-kv16-st4": C(block_kv=16, num_stages=4, min_blocks_per_split=4),
+            "m64-nw16-kv64-st3": C(num_warps=16),
+            "m64-nw16-kv32-st4": C(num_warps=16, block_kv=32, num_stages=4)}),
+    }
+    for h, (cases, cfgs) in sweeps.items():
+        log(f"== variants, {h} heads")
+        score = {}
+        for name, c in cfgs.items():
+            tot = 0.0
+            for (b, ctx, ps) in cases:
+                r = run(name, h, b, ctx, ps, c)
+                tot += math.inf if r is None else r["time_us"] / (b * ctx)
+            score[name] = tot
+        best = min(score, key=score.get)
+        tuned[h] = cfgs[best]
+        log(f"   -> heads {h}: {best} {cfgs[best]}")
+        # the split rule against its neighbours, on the best tiling
+        for (b, ctx, ps) in cases:
+            c = cfgs[best]
+            bm = c.resolved_block_m(h)
+            rule = choose_num_splits(b, num_row_blocks(h, bm), ctx, c, bm)
+            for ns in sorted({max(1, rule // 2), rule * 2} - {rule}):
+                run(f"{best}-ns{ns}", h, b, ctx, ps, c, ns=ns)
+    log("== batch 1, ctx 4k: splits x merge tile (kernel alone, merge alone, device trace)")
+    for h, ps in ((16, 1), (128, 64)):
+        c = tuned[h]
+        for ns in (16, 32, 64):
+            for mbd in ((None, 32) if h == 16 else (None,)):
+                run(f"b1-ns{ns}-mbd{mbd}", h, 1, 4096, ps,
+                    dataclasses.replace(c, merge_block_d=mbd), ns=ns, kernel_only=True,
+                    merge_alone=True, profile=(ns == 32))
+    results["tuned"] = {str(k): dataclasses.asdict(v) for k, v in tuned.items()}
+    return tuned
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
@@ -452,11 +616,17 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true", help="tiling variants on target cases")
     ap.add_argument("--no-grid", action="store_true", help="skip the main grid")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--block-m-128", type=int, default=None, help="block_m for 128 heads")
-    ap.add_argument("--num-stages", type=int, default=DecodeKernelConfig().num_stages)
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds: start no new case after this (results so far are kept)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the jax.profiler device-time trace of small cases")
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = math.inf if args.time_limit is None else t_start + args.time_limit
     os.makedirs(args.out, exist_ok=True)
-    results = dict(device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
+    results = dict(device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:],
+                   defaults={"16": dataclasses.asdict(DecodeKernelConfig()),
+                             "128": dataclasses.asdict(DecodeKernelConfig())})
     log(f"jax {jax.__version__} on {jax.devices()[0]}")
     ok = True
     rng = np.random.default_rng(0)
@@ -484,90 +654,38 @@ def main(argv=None):
     log(f"== HBM copy ceiling {ceiling / 1e9:.0f} GB/s (jax {jax_ceiling / 1e9:.0f}, torch "
         f"{(torch_ceiling or 0) / 1e9:.0f})")
 
-    def cfg_for(h):
-        if h in tuned:
-            return tuned[h]
-        bm = args.block_m_128 if h == 128 else None
-        return DecodeKernelConfig(block_m=bm, num_stages=args.num_stages)
-
     key = jax.random.PRNGKey(0)
     rows = []
     tuned = {}
     if args.variants:
-        log("== variants (the grid then uses the best per head count)")
-        var = []
-        C = DecodeKernelConfig
-        sweeps = {
-            16: ([(16, 32, 4096, 1), (16, 128, 4096, 1)], {
-                "st2": C(num_stages=2), "st3": C(num_stages=3),
-                "st3-nw8": C(num_stages=3, num_warps=8),
-                "st3-noevict": C(num_stages=3, evict_first=False),
-                "st3-waves1": C(num_stages=3, waves=1), "st3-waves4": C(num_stages=3, waves=4),
-                "kv32-st4": C(block_kv=32, num_stages=4),
-                "kv32-st4-nw8": C(block_kv=32, num_stages=4, num_warps=8)}),
-            128: ([(128, 32, 4096, 64), (128, 128, 4096, 64)], {
-                "st2": C(num_stages=2), "st3": C(num_stages=3),
-                "st3-waves1": C(num_stages=3, waves=1),
-                "st3-noevict": C(num_stages=3, evict_first=False),
-                "kv32-st4": C(block_kv=32, num_stages=4),
-                "m32-st3-nw4": C(block_m=32, num_stages=3, num_warps=4),
-                "m32-st3-nw8": C(block_m=32, num_stages=3, num_warps=8)}),
-        }
-        for h, (cases, cfgs) in sweeps.items():
-            score = {}
-            for name, c in cfgs.items():
-                tot = 0.0
-                for (hh, b, ctx, ps) in cases:
-                    try:
-                        r = bench_case(key, hh, b, ctx, ps, ceiling, 5, c, baseline=False)
-                    except Exception as e:
-                        log(f"   H{hh} B{b} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                        tot = math.inf
-                        continue
-                    r["variant"] = name
-                    var.append(r)
-                    tot += r["time_us"] / (b * ctx)
-                    log(f"   H{hh} B{b} L{ctx} p{ps} {name}: ns={r['num_splits']} "
-                        f"{r['time_us']:.1f} us ({r['time_us_min']:.1f}-{r['time_us_max']:.1f})"
-                        f" {r['pct_ceiling']:.1f}% {r['tflops']:.0f} TF merge "
-                        f"{r['merge_us'] or 0:.1f} us err {r['rel_err']:.1e}")
-                score[name] = tot
-            best = min(score, key=score.get)
-            tuned[h] = cfgs[best]
-            log(f"   -> heads {h}: {best} {cfgs[best]}")
-        # batch-1 latency: the split rule's floor on blocks per split
-        for name, c in (("st3-mbs1", C(num_stages=3, min_blocks_per_split=1)),
-                        ("st3-mbs2", C(num_stages=3)),
-                        ("kv32-st4-mbs1", C(block_kv=32, num_stages=4, min_blocks_per_split=1))):
-            r = bench_case(key, 16, 1, 4096, 1, ceiling, 7, c, baseline=False)
-            r["variant"] = name
-            var.append(r)
-            log(f"   H16 B1 L4096 p1 {name}: ns={r['num_splits']} {r['time_us']:.1f} us "
-                f"merge {r['merge_us'] or 0:.1f} us")
-        results["variants"] = var
-        results["tuned"] = {str(k): dataclasses.asdict(v) for k, v in tuned.items()}
+        tuned = variant_sweep(key, ceiling, results, deadline)
         dump(results, args.out)
     if not args.no_grid:
+        log("== grid (" + GRID_ORDER_NOTE + ")")
         ctxs = (4096,) if args.quick else (1024, 4096, 16384)
-        for h in (16, 128):
-            for b in (1, 32, 128):
-                for ctx in ctxs:
-                    for ps in (1, 64):
-                        try:
-                            r = bench_case(jax.random.fold_in(key, len(rows)), h, b, ctx, ps,
-                                           ceiling, args.reps, cfg_for(h))
-                        except Exception as e:
-                            log(f"   H{h} B{b} L{ctx} p{ps}: FAILED {type(e).__name__}: {e}")
-                            ok = False
-                            continue
-                        rows.append(r)
-                        results["grid"] = rows
-                        dump(results, args.out)
-                        log(f"   H{h} B{b} L{ctx} p{ps}: {r['time_us']:.1f} us, "
-                            f"{r['pct_ceiling']:.1f}% ceil, {r['tflops']:.1f} TF, "
-                            f"x{r['speedup_vs_xla']:.2f} vs XLA, merge {r['merge_us'] or 0:.1f}"
-                            f" us, err {r['rel_err']:.1e}")
+        skipped = []
+        for i, (h, b, ctx, ps) in enumerate(grid_cases(ctxs)):
+            if time.perf_counter() > deadline:
+                skipped.append((h, b, ctx, ps))
+                continue
+            cfg = tuned.get(h, DecodeKernelConfig())
+            small = b * ctx * D * 2 < 64e6
+            try:
+                r = bench_case(jax.random.fold_in(key, i), h, b, ctx, ps, ceiling, args.reps,
+                               cfg, profile=small and not args.no_profile)
+            except Exception as e:  # noqa: BLE001
+                log(f"   H{h} B{b} L{ctx} p{ps}: FAILED {type(e).__name__}: {e}")
+                ok = False
+                continue
+            rows.append(r)
+            results["grid"] = rows
+            dump(results, args.out)
+            log("   " + fmt_case(r))
+        if skipped:
+            log(f"   time limit: {len(skipped)} cases not run: {skipped}")
+        results["grid_skipped"] = skipped
         results["grid"] = rows
+    results["wall_s"] = time.perf_counter() - t_start
     dump(results, args.out)
     if rows:
         plot(rows, os.path.join(args.out, "decode.png"))

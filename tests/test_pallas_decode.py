@@ -206,22 +206,27 @@ def test_merge_splits_equals_softmax_over_union():
 
 
 def test_split_rule():
-    cfg = DecodeKernelConfig()  # 132 SMs, one 3-stage 64-token program per SM, overheads 2 / 1
-    # cost(s) = ceil(B*rb*s / 132) * (ceil(blocks / s) + 2) + (1 if s > 1)
+    # one program per SM: cost(s) = ceil(B*rb*s / 132) * (ceil(blocks / s) + 2) + (1 if s > 1)
+    cfg = DecodeKernelConfig(programs_per_sm=1)
     assert choose_num_splits(32, 1, 4096, cfg) == 4  # 128 programs of 16 blocks: one wave
     assert choose_num_splits(128, 1, 4096, cfg) == 1  # 128 programs already
-    assert choose_num_splits(128, 2, 4096, cfg, block_m=64) == 1  # 2 waves either way
-    assert choose_num_splits(32, 2, 4096, cfg, block_m=64) == 2  # 128 programs of 32 blocks
+    assert choose_num_splits(128, 2, 4096, cfg) == 1  # 2 waves either way
+    assert choose_num_splits(32, 2, 4096, cfg) == 2  # 128 programs of 32 blocks
     assert choose_num_splits(1, 1, 4096, cfg) == 64  # one block per program
     assert choose_num_splits(1, 1, 16384, cfg) == 128  # 2 blocks each; 256 would be 2 waves
     assert choose_num_splits(1, 1, 10, cfg) == 1
     assert choose_num_splits(512, 2, 4096, cfg) == 1
     assert choose_num_splits(1, 1, 4096, DecodeKernelConfig(min_blocks_per_split=4)) == 16
-    # two programs per SM (smaller tiles) double the slots
-    kv32 = DecodeKernelConfig(block_kv=32, num_stages=3)
-    assert kv32.resolved_programs_per_sm(16) == 2 and kv32.resolved_programs_per_sm(64) == 1
-    assert choose_num_splits(32, 1, 4096, kv32, block_m=16) == 8
     assert choose_num_splits(32, 1, 4096, DecodeKernelConfig(programs_per_sm=2)) == 8
+    # programs per SM, estimated from shared memory (q + KV tiles) and registers
+    assert DecodeKernelConfig().kv_buffers() == 1  # 3 stages: ids one stage ahead of the rows
+    assert DecodeKernelConfig(num_stages=5).kv_buffers() == 2
+    assert DecodeKernelConfig().resolved_programs_per_sm(16) == 2  # 94 KB, ~205 registers
+    assert DecodeKernelConfig(num_stages=5).resolved_programs_per_sm(16) == 1  # 169 KB
+    assert DecodeKernelConfig(block_kv=16, num_stages=8).resolved_programs_per_sm(16) == 3
+    assert DecodeKernelConfig().resolved_programs_per_sm(64) == 1  # registers
+    assert choose_num_splits(32, 1, 4096, DecodeKernelConfig(), block_m=16) == 8
+    assert choose_num_splits(32, 2, 4096, DecodeKernelConfig(), block_m=64) == 2
 
 
 def test_kv_rows_forms_agree_bitwise():

@@ -50,8 +50,8 @@ class DecodeKernelConfig:
     min_blocks_per_split: the split rule never makes a split shorter than this many KV blocks.
     evict_first: load KV rows with the evict-first cache policy (they are read once).
     programs_per_sm: programs resident per multiprocessor, for the split rule. None: estimated
-                from shared memory (num_stages KV tiles of block_kv x 576 bf16 in 227 KiB), and 1
-                when block_m >= 64 (the 64 x 512 fp32 accumulator takes half the registers).
+                (`resolved_programs_per_sm`) from shared memory and registers.
+    merge_block_d: output columns per program of the merge kernel (None: `merge_block_d`).
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
@@ -68,6 +68,7 @@ class DecodeKernelConfig:
     programs_per_sm: int | None = None
     program_overhead_blocks: int = 2
     merge_overhead_blocks: int = 1
+    merge_block_d: int | None = None
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -90,6 +91,9 @@ class DecodeKernelConfig:
                 not isinstance(self.programs_per_sm, int) or self.programs_per_sm <= 0):
             raise ValueError("DecodeKernelConfig.programs_per_sm must be None or a positive int, "
                              f"got {self.programs_per_sm!r}")
+        if self.merge_block_d is not None and not is_power_of_two(self.merge_block_d):
+            raise ValueError("DecodeKernelConfig.merge_block_d must be None or a power of two, "
+                             f"got {self.merge_block_d!r}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(
                 f"DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
@@ -106,15 +110,28 @@ class DecodeKernelConfig:
             return self.num_warps
         return 4 if block_m <= 16 else 8
 
+    def kv_buffers(self) -> int:
+        """KV tiles the Triton pipeliner keeps in shared memory: the slot ids are loaded one
+        stage before the rows they address, so `num_stages` stages give (num_stages - 1) // 2
+        tiles (at least 1). Read off the compiled kernels (triton 3.6, sm_90a): 94.7 KB of
+        shared memory at block_kv 64 for 3 and 4 stages, 169 KB for 5 and 6."""
+        return max(1, (self.num_stages - 1) // 2)
+
     def resolved_programs_per_sm(self, block_m: int | None = None, head_dim: int = 576) -> int:
         """Programs per multiprocessor the split rule assumes (see `programs_per_sm`); block_m
-        None: shared memory alone decides."""
+        None: the 16-row case. Shared memory holds q (block_m rows) and `kv_buffers()` KV
+        tiles (227 KiB per SM); registers allow 2 programs of 4 warps at ~200-255 registers a
+        thread (4 at block_kv 16, 128 registers), and 1 program at block_m >= 64."""
         if self.programs_per_sm is not None:
             return self.programs_per_sm
-        if block_m is not None and block_m >= 64:
+        bm = 16 if block_m is None else block_m
+        if bm >= 64:
             return 1
-        smem = self.num_stages * self.block_kv * head_dim * 2 + 1024
-        return max(1, min(8, (227 * 1024) // smem))
+        warps = self.resolved_num_warps(bm)
+        smem = (bm + self.kv_buffers() * self.block_kv) * head_dim * 2 + 1024
+        regs = 128 if self.block_kv <= 16 else 255
+        by_regs = max(1, 65536 // (warps * 32 * regs))
+        return max(1, min(8, (227 * 1024) // smem, by_regs))
 
 
 @jax.tree_util.register_dataclass

@@ -247,7 +247,8 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config,
     if o.shape[1] == 1:
         out, lse_out = o[:, 0], lse[:, 0]
     else:
-        out, lse_out = merge_splits_pallas(o, lse, q.dtype, interpret=interpret)
+        out, lse_out = merge_splits_pallas(o, lse, q.dtype, block_d=config.merge_block_d,
+                                           interpret=interpret)
     if out.shape[1] != rows:
         out, lse_out = out[:, :rows], lse_out[:, :rows]
     return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
