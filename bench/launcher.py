@@ -35,9 +35,7 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -98,17 +96,13 @@ def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
 
 
 def _nop_launch_address():
-    """A C function with cuLaunchKernel's signature that does nothing (None without cc)."""
-    src = ("int funcmla_nop(void*a,unsigned b,unsigned c,unsigned d,unsigned e,unsigned f,"
-           "unsigned g,unsigned h,void*i,void*j,void*k){return 0;}")
-    d = tempfile.mkdtemp()
-    c, so = os.path.join(d, "nop.c"), os.path.join(d, "nop.so")
-    with open(c, "w") as f:
-        f.write(src)
-    if subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", so, c]).returncode:
+    """Address of the C helper's no-op cuLaunchKernel stand-in (None without the helper)."""
+    from funcmla.interop import _launch
+
+    lib, _ = _launch.native_library()
+    if lib is None:
         return None, None
-    lib = ctypes.CDLL(so)
-    return lib, ctypes.cast(lib.funcmla_nop, ctypes.c_void_p).value
+    return lib, ctypes.cast(lib.funcmla_nop_launch, ctypes.c_void_p).value
 
 
 def main(argv=None):

@@ -96,15 +96,15 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled helper, how it was obtained) or (None, why not)."""
     if os.environ.get("FUNCMLA_LAUNCH_NATIVE", "1") == "0":
         return None, "disabled by FUNCMLA_LAUNCH_NATIVE=0"
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (cc, gcc, clang or $CC) on PATH"
     with open(_SOURCE, "rb") as f:
         src = f.read()
-    tag = hashlib.sha256(src + cc.encode() + platform.machine().encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + platform.machine().encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"libfuncmla_launch_{tag}.so")
     how = f"cached {path}"
     if not os.path.exists(path):
+        cc = _compiler()
+        if cc is None:
+            return None, "no C compiler (cc, gcc, clang or $CC) on PATH"
         tmp = f"{path}.tmp{os.getpid()}"
         proc = subprocess.run([cc, "-O2", "-std=c99", "-shared", "-fPIC", "-o", tmp, _SOURCE],
                               capture_output=True, text=True)

@@ -60,6 +60,16 @@ int funcmla_run(funcmla_program *p) {
   return 0;
 }
 
+/* cuLaunchKernel's signature, launching nothing: a dry-run target that measures the host path
+ * without the driver (bench/launcher.py). */
+int funcmla_nop_launch(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z,
+                       unsigned block_x, unsigned block_y, unsigned block_z,
+                       unsigned shared_mem_bytes, void *stream, void **params, void **extra) {
+  (void)function; (void)grid_x; (void)grid_y; (void)grid_z; (void)block_x; (void)block_y;
+  (void)block_z; (void)shared_mem_bytes; (void)stream; (void)params; (void)extra;
+  return 0;
+}
+
 /* sizeof(program), offsetof(kernels), sizeof(kernel), offsetof(launch): checked by Python. */
 void funcmla_layout(uint64_t out[4]) {
   out[0] = sizeof(funcmla_program);
