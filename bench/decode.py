@@ -566,14 +566,12 @@ def variant_sweep(key, ceiling, results, deadline):
         16: ([(32, 4096, 1), (128, 4096, 1)], {
             "kv64-st3": C(), "kv64-st5": C(num_stages=5),
             "kv32-st5": C(block_kv=32, num_stages=5), "kv32-st7": C(block_kv=32, num_stages=7),
-            "kv16-st8": C(block_kv=16, num_stages=8, min_blocks_per_split=4),
-            "kv16-st6": C(block_kv=16, num_stages=6, min_blocks_per_split=4)}),
+            "kv16-st8": C(block_kv=16, num_stages=8, min_blocks_per_split=4)}),
         128: ([(32, 4096, 64), (128, 4096, 64)], {
             "m64-kv64-st3": C(), "m64-kv64-st2": C(num_stages=2),
-            "m64-kv32-st4": C(block_kv=32, num_stages=4), "m64-kv32-st3": C(block_kv=32),
+            "m64-kv32-st4": C(block_kv=32, num_stages=4),
             "m64-kv16-st4": C(block_kv=16, num_stages=4, min_blocks_per_split=4),
-            "m64-nw16-kv64-st3": C(num_warps=16),
-            "m64-nw16-kv32-st4": C(num_warps=16, block_kv=32, num_stages=4)}),
+            "m64-nw16-kv64-st3": C(num_warps=16)}),
     }
     for h, (cases, cfgs) in sweeps.items():
         log(f"== variants, {h} heads")
@@ -595,13 +593,11 @@ def variant_sweep(key, ceiling, results, deadline):
             for ns in sorted({max(1, rule // 2), rule * 2} - {rule}):
                 run(f"{best}-ns{ns}", h, b, ctx, ps, c, ns=ns)
     log("== batch 1, ctx 4k: splits x merge tile (kernel alone, merge alone, device trace)")
-    for h, ps in ((16, 1), (128, 64)):
+    for h, ps, splits in ((16, 1, (16, 32, 64)), (128, 64, (32, 64))):
         c = tuned[h]
-        for ns in (16, 32, 64):
-            for mbd in ((None, 32) if h == 16 else (None,)):
-                run(f"b1-ns{ns}-mbd{mbd}", h, 1, 4096, ps,
-                    dataclasses.replace(c, merge_block_d=mbd), ns=ns, kernel_only=True,
-                    merge_alone=True, profile=(ns == 32))
+        for ns in splits:
+            run(f"b1-ns{ns}", h, 1, 4096, ps, c, ns=ns, kernel_only=True, merge_alone=True,
+                profile=(ns == 32))
     results["tuned"] = {str(k): dataclasses.asdict(v) for k, v in tuned.items()}
     return tuned
 
@@ -618,6 +614,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds: start no new case after this (results so far are kept)")
+    ap.add_argument("--variants-time-limit", type=float, default=None,
+                    help="seconds from the start: start no new variant after this")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the jax.profiler device-time trace of small cases")
     args = ap.parse_args(argv)
@@ -658,7 +656,9 @@ def main(argv=None):
     rows = []
     tuned = {}
     if args.variants:
-        tuned = variant_sweep(key, ceiling, results, deadline)
+        v_deadline = (deadline if args.variants_time_limit is None
+                      else min(deadline, t_start + args.variants_time_limit))
+        tuned = variant_sweep(key, ceiling, results, v_deadline)
         dump(results, args.out)
     if not args.no_grid:
         log("== grid (" + GRID_ORDER_NOTE + ")")
