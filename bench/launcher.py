@@ -36,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -209,6 +210,39 @@ def main(argv=None):
         return int((ia - ib).abs().max().item()) if ia.numel() else 0
 
     launchers = {}
+
+    @section("probe: XLA route on one plan (dump listing, what was found)")
+    def probe():
+        from funcmla.interop import _xla_kernels
+
+        if jax.default_backend() != "gpu":
+            log("JAX has no GPU backend: the XLA route cannot run")
+            return
+        plan = L.decode_plan(shapes.get("b32_h16_ps1", next(iter(shapes.values()))))
+        keep = tempfile.mkdtemp(prefix="xla-keep-")
+        os.environ["FUNCMLA_XLA_DUMP_KEEP"] = keep
+        try:
+            got = _xla_kernels.xla_kernels(
+                *plan.source, {c.name: len(c.operands) + len(c.results) for c in plan.calls},
+                L.compile_ptx)
+        finally:
+            del os.environ["FUNCMLA_XLA_DUMP_KEEP"]
+        listing = []
+        for root, _, files in os.walk(keep):
+            listing += [(os.path.relpath(os.path.join(root, f), keep),
+                         os.path.getsize(os.path.join(root, f))) for f in files]
+        info["xla_dump_listing"] = sorted(listing)[:80]
+        info["xla_probe"] = {k: {"entry": v.entry, "image_from": v.image_from,
+                                 "num_params": v.num_params, "image_bytes": len(v.image),
+                                 "shared_mem_bytes": v.shared_mem_bytes,
+                                 "shared_mem_from": v.shared_mem_from,
+                                 "entry_decl": [ln for ln in v.ptx.splitlines()
+                                                if v.entry in ln][:3]}
+                             for k, v in got.items()}
+        log(f"dump: {len(listing)} files, e.g.", [n for n, _ in sorted(listing)[:12]])
+        log(json.dumps(info["xla_probe"], indent=1))
+
+    probe()
 
     @section("build launchers (lower, compile, load)")
     def build():
