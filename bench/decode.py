@@ -524,17 +524,18 @@ def dump(results, out):
         json.dump(results, f, indent=1)
 
 
-GRID_ORDER_NOTE = ("grid order: the target cases first (H16 and H128, B >= 32, ctx >= 4k; batch 1 "
-                   "ctx 4k), then the rest, so a time limit drops only non-target cases")
+GRID_ORDER_NOTE = ("grid order: target cases first (B >= 32 ctx 4k, batch 1 ctx 4k, B >= 32 "
+                   "ctx 16k), then the rest, so a time limit drops non-target cases first")
 
 
 def grid_cases(ctxs):
     """(h, b, ctx, ps) in priority order (see GRID_ORDER_NOTE)."""
     allc = [(h, b, c, ps) for h in (16, 128) for b in (1, 32, 128) for c in ctxs for ps in (1, 64)]
-    target = [x for x in allc if x[1] >= 32 and x[2] >= 4096]
+    t4k = [x for x in allc if x[1] >= 32 and x[2] == 4096]
     b1 = [x for x in allc if x[1] == 1 and x[2] == 4096]
-    rest = [x for x in allc if x not in target and x not in b1]
-    return target + b1 + rest
+    t16k = [x for x in allc if x[1] >= 32 and x[2] > 4096]
+    rest = [x for x in allc if x not in t4k + b1 + t16k]
+    return t4k + b1 + t16k + rest
 
 
 def variant_sweep(key, ceiling, results, deadline):
@@ -616,6 +617,8 @@ def main(argv=None):
                     help="seconds: start no new case after this (results so far are kept)")
     ap.add_argument("--variants-time-limit", type=float, default=None,
                     help="seconds from the start: start no new variant after this")
+    ap.add_argument("--no-merge-alone", action="store_true",
+                    help="grid: skip timing the merge kernel alone")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the jax.profiler device-time trace of small cases")
     args = ap.parse_args(argv)
@@ -672,7 +675,8 @@ def main(argv=None):
             small = b * ctx * D * 2 < 64e6
             try:
                 r = bench_case(jax.random.fold_in(key, i), h, b, ctx, ps, ceiling, args.reps,
-                               cfg, profile=small and not args.no_profile)
+                               cfg, profile=small and not args.no_profile,
+                               merge_alone=not args.no_merge_alone)
             except Exception as e:  # noqa: BLE001
                 log(f"   H{h} B{b} L{ctx} p{ps}: FAILED {type(e).__name__}: {e}")
                 ok = False
