@@ -739,7 +739,7 @@ def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg,
            else kv_last_page_lens[tl["req"]])
     info = jnp.stack([tl["batch"], lpl, tl["kv_begin"], tl["kv_end"], tl["batch_tail"],
                       tl["qo_tile_size"], tl["qo_start"], tl["qo_end"],
-                      tl["valid"].astype(jnp.int32)]).astype(jnp.int32)
+                      tl["valid"].astype(jnp.int32)], axis=1).astype(jnp.int32)
     (work_indptr, work_info, reduce_indptr, reduce_final_map, reduce_partial_map, num_works,
      num_partials, _) = plan_tail_pallas(
         tiles, info, payload, bpc, params=params, sizes=sizes, page_size=cfg.page_size,

@@ -35,10 +35,12 @@ from funcmla.planners.decode_sizes import DecodePlanSizes
 
 __all__ = ["INFO_FIELDS", "DERIVED_FIELDS", "plan_tail_pallas"]
 
-# Per-tile fields the emission reads (rows of the int32 `info` input [9, S_p]).
+# Per-tile fields the emission reads (columns 8.. of the kernel's int32 `slots` input
+# [S_p, 17], after the 8 TILE_FIELDS the walk reads).
 INFO_FIELDS = ("batch", "last_page_len", "kv_begin", "kv_end", "batch_tail", "qo_tile_size",
                "qo_start", "qo_end", "valid")
 (_BATCH, _LPL, _KV_BEGIN, _KV_END, _BT, _TS, _QO_START, _QO_END, _VALID) = range(9)
+_INFO = 8  # first info column of `slots`
 # Rows of the `derived` scratch output [8, S_p]: the tile's placement and running sums.
 DERIVED_FIELDS = ("c0", "f", "m", "works_incl", "red_incl", "partial_excl", "valid_incl",
                   "last_cluster")
@@ -65,16 +67,16 @@ def _search(gather, n: int, v, *, strict: bool):
     return lo
 
 
-def _tail_kernel(scalars_ref, tiles_ref, info_ref,
+def _tail_kernel(scalars_ref, slots_ref,
                  states_ref, derived_ref, work_info_ref, work_indptr_ref, reduce_indptr_ref,
-                 reduce_final_map_ref, reduce_partial_map_ref, counts_ref, *,
+                 reduce_final_map_ref, reduce_partial_map_ref, num_works_ref, num_partials_ref, *,
                  params: FillParams, num_slots: int, sizes: DecodePlanSizes, page_size: int,
                  kv_granularity: int, all_slots_valid: bool, interpret: bool):
     from jax.experimental.pallas import triton as pltriton
 
     i32 = jnp.int32
     S = num_slots
-    s_p = tiles_ref.shape[0]
+    s_p = slots_ref.shape[0]
     payload, bpc = scalars_ref[0], scalars_ref[1]
 
     def barrier():
@@ -82,7 +84,7 @@ def _tail_kernel(scalars_ref, tiles_ref, info_ref,
             pltriton.debug_barrier()
 
     # 1. The walk: states before each tile.
-    walk_tiles(payload, bpc, tiles_ref, states_ref, params=params, chunk=DEFAULT_CHUNK,
+    walk_tiles(payload, bpc, slots_ref, states_ref, params=params, chunk=DEFAULT_CHUNK,
                num_chunks=-(-S // DEFAULT_CHUNK))
     barrier()
 
@@ -94,13 +96,13 @@ def _tail_kernel(scalars_ref, tiles_ref, info_ref,
         base = ci * ch
         idx = base + lax.iota(i32, ch)
         inside = idx < S
-        cols = [tiles_ref[pl.ds(base, ch), c] for c in range(6)]
+        cols = [slots_ref[pl.ds(base, ch), c] for c in range(6)]
         cols[0] = jnp.where(inside, cols[0], -1)  # beyond the last slot: empty
         cu = states_ref[pl.ds(base, ch), 0]
         remain = states_ref[pl.ds(base, ch), 1]
         _, _, (c0, f, m, _) = fill_step(params, payload, bpc, cu, remain, tuple(cols))
-        ts = info_ref[_TS, pl.ds(base, ch)]
-        valid = jnp.where(inside, info_ref[_VALID, pl.ds(base, ch)], 0)
+        ts = slots_ref[pl.ds(base, ch), _INFO + _TS]
+        valid = jnp.where(inside, slots_ref[pl.ds(base, ch), _INFO + _VALID], 0)
         red_cnt = jnp.where(m > 1, m, 0)
         prow = red_cnt * ts
         works_incl = jnp.cumsum(m) + works
@@ -118,15 +120,15 @@ def _tail_kernel(scalars_ref, tiles_ref, info_ref,
     zero = jnp.int32(0)
     num_works, num_partials, _, num_valid = lax.fori_loop(
         0, s_p // ch, derive, (zero, zero, zero, zero))
-    counts_ref[0] = num_works
-    counts_ref[1] = num_partials
+    num_works_ref[0] = num_works
+    num_partials_ref[0] = num_partials
     barrier()
 
     def row(r):
         return lambda ix: derived_ref[r, ix]
 
     def info(r, ix):
-        return info_ref[r, ix]
+        return slots_ref[ix, _INFO + r]
 
     def blocks(size: int, body):
         """Run body(base, idx, mask) over [0, size) in vector chunks (masked tail)."""
@@ -219,26 +221,30 @@ def _tail_kernel(scalars_ref, tiles_ref, info_ref,
 def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                      params: FillParams, sizes: DecodePlanSizes, page_size: int,
                      kv_granularity: int, all_slots_valid: bool,
-                     interpret: bool | None = None, num_warps: int = 4):
+                     interpret: bool | None = None, num_warps: int = 1):
     """Walk + derive + emit in one Pallas program.
 
-    tiles: int32 [S, 8] (decode.TILE_FIELDS, n = -1 for empty slots); info: int32 [9, S]
+    tiles: int32 [S, 8] (decode.TILE_FIELDS, n = -1 for empty slots); info: int32 [S, 9]
     (INFO_FIELDS); payload, bpc: int32 scalars (blocks). Returns (work_indptr, work_info,
     reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
     shapes of `sizes`, plus the walk's states [S, 2] for checking.
+    num_warps: 1 by default; every warp runs the scalar walk, and on the H200 four warps made
+    it 1.4x slower (122 -> 177 us for 2048 tiles) while the vector phases gained little.
     """
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
     num_slots = tiles.shape[0]
-    if info.shape != (len(INFO_FIELDS), num_slots):
-        raise ValueError(f"info must have shape ({len(INFO_FIELDS)}, {num_slots}), "
-                         f"got {info.shape}")
+    if tiles.shape != (num_slots, _INFO) or info.shape != (num_slots, len(INFO_FIELDS)):
+        raise ValueError(f"tiles / info must have shapes ({num_slots}, {_INFO}) / "
+                         f"({num_slots}, {len(INFO_FIELDS)}), got {tiles.shape} / {info.shape}")
+    # One input array: XLA builds it in one fusion, the kernel reads rows and columns of it.
+    slots = jnp.concatenate([tiles, info], axis=1).astype(jnp.int32)
     ch = min(VECTOR_BLOCK, _pow2_at_least(max(num_slots, DEFAULT_CHUNK)))
     s_p = -(-num_slots // ch) * ch
     if s_p != num_slots:
         pad = s_p - num_slots
-        tiles = jnp.pad(tiles, ((0, pad), (0, 0)), constant_values=-1)
-        info = jnp.pad(info, ((0, 0), (0, pad)))
+        slots = jnp.concatenate(
+            [slots, jnp.zeros((pad, slots.shape[1]), jnp.int32).at[:, 0].set(-1)])
     scalars = jnp.stack([jnp.asarray(payload, jnp.int32), jnp.asarray(bpc, jnp.int32)])
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     out_shape = (
@@ -249,7 +255,8 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
         sds(sizes.tile_cnt + 1),
         sds(sizes.tile_cnt, 2),
         sds(sizes.max_split_tiles),
-        sds(2),
+        sds(1),  # num_works, num_partials: separate outputs, so that reading them is free
+        sds(1),
     )
     kwargs = {}
     if not interpret:
@@ -264,6 +271,6 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
         (states, _, work_info, work_indptr, reduce_indptr, reduce_final_map,
-         reduce_partial_map, counts) = call(scalars, tiles, info)
+         reduce_partial_map, num_works, num_partials) = call(scalars, slots)
     return (work_indptr, work_info, reduce_indptr, reduce_final_map, reduce_partial_map,
-            counts[0], counts[1], states[:num_slots])
+            num_works.reshape(()), num_partials.reshape(()), states[:num_slots])
