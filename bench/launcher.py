@@ -8,8 +8,8 @@ launch queue never fills and GPU time never leaks into host time.
   timer_floor              an empty lambda (the measurement's own cost)
   torch_add_128            torch's own elementwise op on 128 elements (the issue's baseline)
   jax_jit_add_128          a jitted add on 128-element JAX arrays
-  jax_jit_decode[c]        jitted `mla_decode` on JAX arrays (same shapes as the launcher)
-  dlpack_jit_decode[c]     torch -> jax.dlpack.from_dlpack -> jitted mla_decode -> torch
+  jax_jit_decode[c]        jitted `mla_decode` on JAX arrays (same shapes; median of 2000)
+  dlpack_jit_decode[c]     torch -> jax.dlpack.from_dlpack -> jitted mla_decode -> torch (1000)
   graph_replay_1[c]        torch CUDA graph replay of one launcher call
   graph_replay_61          replay of a 61-layer graph (one decode per layer), per replay
   launcher[c]              the launcher, out/lse given, the same tensors every call
