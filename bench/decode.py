@@ -390,7 +390,7 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     del pools, qs
     us = lambda t: None if t is None else t * 1e6  # noqa: E731
     return dict(heads=h, batch=b, ctx=ctx, page_size=ps, s_q=s_q, num_splits=ns, block_m=bm,
-                block_kv=cfg.block_kv, num_stages=cfg.num_stages,
+                block_kv=cfg.block_kv, num_stages=cfg.resolved_num_stages(bm),
                 num_warps=cfg.resolved_num_warps(bm), copies=copies, calls_per_timing=n,
                 compile_and_time_s=t_compile, config=dataclasses.asdict(cfg),
                 time_us=t_k * 1e6, time_us_min=spread[0] * 1e6, time_us_max=spread[1] * 1e6,
@@ -565,14 +565,14 @@ def variant_sweep(key, ceiling, results, deadline):
 
     sweeps = {
         16: ([(32, 4096, 1), (128, 4096, 1)], {
-            "kv64-st3": C(), "kv64-st5": C(num_stages=5),
+            "kv64-st3": C(num_stages=3), "kv64-st5": C(num_stages=5),
             "kv32-st5": C(block_kv=32, num_stages=5), "kv32-st7": C(block_kv=32, num_stages=7),
             "kv16-st8": C(block_kv=16, num_stages=8, min_blocks_per_split=4)}),
         128: ([(32, 4096, 64), (128, 4096, 64)], {
-            "m64-kv64-st3": C(), "m64-kv64-st2": C(num_stages=2),
+            "m64-kv64-st3": C(num_stages=3), "m64-kv64-st2": C(num_stages=2),
             "m64-kv32-st4": C(block_kv=32, num_stages=4),
             "m64-kv16-st4": C(block_kv=16, num_stages=4, min_blocks_per_split=4),
-            "m64-nw16-kv64-st3": C(num_warps=16)}),
+            "m64-nw16-kv64-st3": C(num_warps=16, num_stages=3)}),
     }
     for h, (cases, cfgs) in sweeps.items():
         log(f"== variants, {h} heads")

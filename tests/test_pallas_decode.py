@@ -219,14 +219,20 @@ def test_split_rule():
     assert choose_num_splits(1, 1, 4096, DecodeKernelConfig(min_blocks_per_split=4)) == 16
     assert choose_num_splits(32, 1, 4096, DecodeKernelConfig(programs_per_sm=2)) == 8
     # programs per SM, estimated from shared memory (q + KV tiles) and registers
-    assert DecodeKernelConfig().kv_buffers() == 1  # 3 stages: ids one stage ahead of the rows
-    assert DecodeKernelConfig(num_stages=5).kv_buffers() == 2
-    assert DecodeKernelConfig().resolved_programs_per_sm(16) == 2  # 94 KB, ~205 registers
-    assert DecodeKernelConfig(num_stages=5).resolved_programs_per_sm(16) == 1  # 169 KB
+    st3 = DecodeKernelConfig(num_stages=3)
+    assert st3.kv_buffers() == 1  # 3 stages: ids one stage ahead of the rows
+    assert st3.resolved_programs_per_sm(16) == 2  # 94 KB, ~205 registers
+    assert choose_num_splits(32, 1, 4096, st3, block_m=16) == 8
+    # defaults: 5 stages (2 KV tiles, 169 KB, one program per SM) at 16-32 rows, 2 at 64 rows
+    cfg = DecodeKernelConfig()
+    assert cfg.resolved_num_stages(16) == 5 and cfg.resolved_num_stages(64) == 2
+    assert cfg.kv_buffers(16) == 2 and cfg.resolved_programs_per_sm(16) == 1
     assert DecodeKernelConfig(block_kv=16, num_stages=8).resolved_programs_per_sm(16) == 3
-    assert DecodeKernelConfig().resolved_programs_per_sm(64) == 1  # registers
-    assert choose_num_splits(32, 1, 4096, DecodeKernelConfig(), block_m=16) == 8
-    assert choose_num_splits(32, 2, 4096, DecodeKernelConfig(), block_m=64) == 2
+    assert cfg.resolved_programs_per_sm(64) == 1  # registers
+    assert choose_num_splits(32, 1, 4096, cfg, block_m=16) == 4  # best measured (H200)
+    assert choose_num_splits(128, 1, 4096, cfg, block_m=16) == 1
+    assert choose_num_splits(32, 2, 4096, cfg, block_m=64) == 2
+    assert choose_num_splits(128, 2, 4096, cfg, block_m=64) == 1
 
 
 def test_kv_rows_forms_agree_bitwise():

@@ -44,7 +44,9 @@ class DecodeKernelConfig:
                 two >= 16. None: min(64, next power of two >= rows).
     block_kv:   KV tokens per inner-loop step; a power of two >= 16.
     num_warps:  warps per program. None: 4 when block_m <= 16, else 8.
-    num_stages: software-pipelining depth of the KV loads (see docs/decode_kernel_notes.md).
+    num_stages: software-pipelining depth of the KV loads. None: 5 for block_m < 64 (two KV
+                tiles in flight; the mma.sync path), 2 for block_m >= 64 (the wgmma path, which
+                keeps q in shared memory). Both chosen on the H200 (docs/decode_kernel_notes.md).
     num_sms:    multiprocessors the split rule fills (132 on H200).
     waves:      the split rule never makes more than `waves` full waves of programs.
     min_blocks_per_split: the split rule never makes a split shorter than this many KV blocks.
@@ -60,7 +62,7 @@ class DecodeKernelConfig:
     block_m: int | None = None
     block_kv: int = 64
     num_warps: int | None = None
-    num_stages: int = 3
+    num_stages: int | None = None
     num_sms: int = 132
     waves: int = 2
     min_blocks_per_split: int = 1
@@ -79,7 +81,11 @@ class DecodeKernelConfig:
             raise ValueError(
                 f"DecodeKernelConfig.block_kv must be a power of two >= 16, got {self.block_kv!r}"
             )
-        for name in ("num_stages", "num_sms", "waves", "min_blocks_per_split"):
+        if self.num_stages is not None and (not isinstance(self.num_stages, int)
+                                            or self.num_stages <= 0):
+            raise ValueError("DecodeKernelConfig.num_stages must be None or a positive int, got "
+                             f"{self.num_stages!r}")
+        for name in ("num_sms", "waves", "min_blocks_per_split"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DecodeKernelConfig.{name} must be a positive int, got {value!r}")
@@ -110,12 +116,17 @@ class DecodeKernelConfig:
             return self.num_warps
         return 4 if block_m <= 16 else 8
 
-    def kv_buffers(self) -> int:
+    def resolved_num_stages(self, block_m: int) -> int:
+        if self.num_stages is not None:
+            return self.num_stages
+        return 2 if block_m >= 64 else 5
+
+    def kv_buffers(self, block_m: int = 16) -> int:
         """KV tiles the Triton pipeliner keeps in shared memory: the slot ids are loaded one
         stage before the rows they address, so `num_stages` stages give (num_stages - 1) // 2
-        tiles (at least 1). Read off the compiled kernels (triton 3.6, sm_90a): 94.7 KB of
-        shared memory at block_kv 64 for 3 and 4 stages, 169 KB for 5 and 6."""
-        return max(1, (self.num_stages - 1) // 2)
+        tiles (at least 1). Read off the compiled kernels (triton 3.6, sm_90a, 16 rows): 94.7 KB
+        of shared memory at block_kv 64 for 3 and 4 stages, 169 KB for 5 and 6."""
+        return max(1, (self.resolved_num_stages(block_m) - 1) // 2)
 
     def resolved_programs_per_sm(self, block_m: int | None = None, head_dim: int = 576) -> int:
         """Programs per multiprocessor the split rule assumes (see `programs_per_sm`); block_m
@@ -128,7 +139,7 @@ class DecodeKernelConfig:
         if bm >= 64:
             return 1
         warps = self.resolved_num_warps(bm)
-        smem = (bm + self.kv_buffers() * self.block_kv) * head_dim * 2 + 1024
+        smem = (bm + self.kv_buffers(bm) * self.block_kv) * head_dim * 2 + 1024
         regs = 128 if self.block_kv <= 16 else 255
         by_regs = max(1, 65536 // (warps * 32 * regs))
         return max(1, min(8, (227 * 1024) // smem, by_regs))

@@ -206,7 +206,8 @@ def _decode_partials(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: 
             jax.ShapeDtypeStruct((b, num_splits, rows_pad), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(
-            num_warps=config.resolved_num_warps(block_m), num_stages=config.num_stages),
+            num_warps=config.resolved_num_warps(block_m),
+            num_stages=config.resolved_num_stages(block_m)),
         interpret=interpret,
         name=f"mla_decode_ps{kv.page_size}_m{block_m}_kv{config.block_kv}",
     )(*meta, kv.table, qr, kv_pool)
