@@ -7,18 +7,27 @@ Measures, in one process:
     {1, 64} (--quick: context 4k only), random data, several pool copies so L2 (60 MB) never
     holds the working set.
 
-Timing: one jitted function runs the decode `n` times on distinct (q, pool copy) pairs, so XLA
-cannot merge the calls, and the wall time of that function (after a warm-up, synchronised) is
-divided by `n`; the median over `--reps` repeats is reported. This amortises JAX's per-dispatch
-host cost over `n` back-to-back kernels (n >= 8; 32 for small cases).
+Timing, three views of each case:
+  * time_us: one jitted function runs `mla_decode` (decode kernel + merge kernel when split)
+    `n` times on distinct (q, pool copy) pairs, so XLA cannot merge the calls; its wall time
+    (after a warm-up, synchronised) / n, median over `--reps` (n >= 8; 32 for small cases);
+  * kernel_us: the decode kernel alone (`mla_decode_rows`, its partials) timed the same way;
+    merge_us: the merge kernel alone on partials of the kernel's shape (skip: --no-merge-alone);
+  * device: for cases under 64 MB of KV, CUPTI durations of each kernel of one call, read from a
+    jax.profiler trace (bench.timing.device_kernel_times; skip: --no-profile).
+Wall clock per call is device time only when the GPU is the bottleneck: XLA spends ~25-30 us
+of host time per kernel launch on the H200 machine, so for small cases (batch 1) the amortised
+wall clock measures the host and only the CUPTI numbers are device time (see
+docs/decode_kernel_notes.md).
 
 Reports time, GB/s (bytes = B*ctx*576*2 + q + out), % of the copy ceiling, TFLOP/s
 (2*B*H*ctx*(576+512)), the ratio to the XLA baseline, and the relative error against a float32
 reference (Precision.HIGHEST). --check runs a correctness sweep first (s_q 1..4, page sizes
 1/16/64, varying lengths with zero-length sequences, NaN in unused pool rows), --big-pool checks
 addressing past 2**31 / 576 slots, --torch measures the torch -> DLPack -> kernel -> torch
-per-call host overhead, --variants times tiling variants on the target cases.
-Writes decode.json and decode.png under --out.
+per-call host overhead, --variants times tiling / split variants on the target cases and runs
+the grid with the best per head count. --time-limit / --variants-time-limit bound one call (the
+grid runs the target cases first). Writes decode.json and decode.png under --out.
 """
 
 from __future__ import annotations
