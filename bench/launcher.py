@@ -16,6 +16,7 @@ launch queue never fills and GPU time never leaks into host time.
   launcher_61_layers[c]    the launcher over 61 layers' q/kv_pool/out/lse in turn (a step)
   launcher_alloc[c]        the launcher allocating out/lse
   launcher_ctypes[c]       the launcher with the pure-ctypes launch path (no C helper)
+  launcher_pychecks[c]     the launcher with the argument checks in Python (C helper launches)
   launcher_no_driver[c]    the launcher's whole host path against a no-op cuLaunchKernel
   program_run[c]           one foreign call launching the program's kernels (driver cost)
 c: "s1" one split (decode kernel only: one launch), "split" (decode + merge: two launches).
@@ -257,7 +258,7 @@ def main(argv=None):
             inf = launchers[name].info()
             info[f"launcher[{name}]"] = inf
             log(name, f"{time.perf_counter() - t0:.1f}s splits={inf['num_splits']}",
-                inf["launch"][:30],
+                inf["launch"][:30], inf["checks"][:40],
                 [(k["name"], k["entry"], k["grid"], k["shared_mem_bytes"], k["route"],
                   k["compiled_with"][:140]) for k in inf["kernels"]])
 
@@ -420,10 +421,13 @@ def main(argv=None):
                 lau(qs[i], kvs[i & 3], x, y, out=outs[i], lse=lses[i])
 
             T[f"launcher_61_layers[{tag}]"] = host_us(layer_call, n, sync)
-            ct = L.DecodeLauncher(lau.plan, dev, native=False) if c.page_size == 1 else None
-            if ct is not None:
-                T[f"launcher_ctypes[{tag}]"] = host_us(
-                    lambda: ct(q, kv, x, y, out=out, lse=lse), n, sync)
+            ct = L.DecodeLauncher(lau.plan, dev, native=False)
+            T[f"launcher_ctypes[{tag}]"] = host_us(
+                lambda: ct(q, kv, x, y, out=out, lse=lse), n, sync)
+            pc = L.DecodeLauncher(lau.plan, dev)
+            pc._checked_hot = None  # as without the torch shim: checks in Python
+            T[f"launcher_pychecks[{tag}]"] = host_us(
+                lambda: pc(q, kv, x, y, out=out, lse=lse), n, sync)
             if nop_addr is not None:
                 nd = L.DecodeLauncher(lau.plan, dev, launch_address=nop_addr)
                 T[f"launcher_no_driver[{tag}]"] = host_us(

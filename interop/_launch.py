@@ -45,6 +45,9 @@ __all__ = [
 ]
 
 MAX_KERNELS, MAX_PARAMS, MAX_SLOTS = 8, 16, 32
+MAX_ARGS, MAX_SHAPES, MAX_DIMS = 8, 4, 4
+BAD_ARGUMENT = -1  # funcmla_run_checked: a tensor check failed, nothing was launched
+_AOTI = ("data_ptr", "sizes", "strides", "dim", "dtype", "device_type", "device_index")
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_program.c")
 
 # cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, kernelParams, extra) -> CUresult
@@ -59,11 +62,24 @@ class _Kernel(ctypes.Structure):
                 ("num_params", ctypes.c_uint32), ("params", ctypes.c_void_p * MAX_PARAMS)]
 
 
+class _TorchApi(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _AOTI]
+
+
+class _ArgSpec(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
+                ("device_index", ctypes.c_int32), ("num_shapes", ctypes.c_int32),
+                ("align_mask", ctypes.c_uint64), ("ndim", ctypes.c_int64 * MAX_SHAPES),
+                ("shape", (ctypes.c_int64 * MAX_DIMS) * MAX_SHAPES)]
+
+
 class _Program(ctypes.Structure):
     _fields_ = [("stream", ctypes.c_uint64), ("mask", ctypes.c_uint64),
                 ("slots", ctypes.c_uint64 * MAX_SLOTS), ("launch", ctypes.c_void_p),
                 ("num_kernels", ctypes.c_uint32), ("failed_kernel", ctypes.c_int32),
-                ("kernels", _Kernel * MAX_KERNELS)]
+                ("kernels", _Kernel * MAX_KERNELS), ("torch", _TorchApi),
+                ("num_args", ctypes.c_uint32), ("bad_argument", ctypes.c_int32),
+                ("args", _ArgSpec * MAX_ARGS)]
 
 
 def _cache_dir() -> str:
@@ -116,13 +132,69 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(path)
     except OSError as err:
         return None, f"could not load {path}: {err}"
-    layout = (ctypes.c_uint64 * 4)()
+    layout = (ctypes.c_uint64 * 7)()
     lib.funcmla_layout(layout)
     want = (ctypes.sizeof(_Program), _Program.kernels.offset, ctypes.sizeof(_Kernel),
-            _Program.launch.offset)
+            _Program.launch.offset, _Program.torch.offset, _Program.args.offset,
+            ctypes.sizeof(_ArgSpec))
     if tuple(layout) != want:
         return None, f"struct layout of {path} {tuple(layout)} != ctypes {want}"
     return lib, how
+
+
+@functools.lru_cache(maxsize=1)
+def torch_api() -> tuple[_TorchApi | None, str]:
+    """(addresses of libtorch's `aoti_torch_get_*` shim functions, how) or (None, why not).
+
+    Returned only where `describe` agrees with torch's own accessors on probe tensors (four
+    dtypes; 1-, 2- and 3-d; a sliced, non-contiguous view with a storage offset)."""
+    lib, how = native_library()
+    if lib is None:
+        return None, f"no native helper ({how})"
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    api = _TorchApi()
+    try:
+        shim = ctypes.CDLL(os.path.join(libdir, "libtorch_cpu.so"))
+        for name in _AOTI:
+            setattr(api, name, ctypes.cast(getattr(shim, f"aoti_torch_get_{name}"),
+                                           ctypes.c_void_p).value)
+    except (OSError, AttributeError) as err:
+        return None, f"libtorch's aoti_torch_get_* shim not found ({err})"
+    base = torch.arange(3 * 5 * 8, dtype=torch.float32).reshape(3, 5, 8).to(torch.bfloat16)
+    probes = [base, base[1:, :, ::2], torch.zeros(7, dtype=torch.int32),
+              torch.zeros(2, 3, dtype=torch.float32), torch.zeros(4, dtype=torch.float16)]
+    codes = set()
+    for t in probes:
+        got = describe(api, t)
+        if got is None:
+            return None, "the shim could not read a probe tensor"
+        dtype, device_type, device_index, ndim, data, sizes, strides = got
+        if (ndim, sizes, strides, data, device_index) != (
+                t.dim(), tuple(t.shape), tuple(t.stride()), t.data_ptr(), t.get_device()):
+            return None, (f"the shim disagrees with torch on a probe tensor: {got} vs "
+                          f"{(t.dim(), tuple(t.shape), tuple(t.stride()), t.data_ptr())}")
+        codes.add((t.dtype, dtype))
+    if len({c for _, c in codes}) != len({d for d, _ in codes}):
+        return None, f"the shim's dtype codes do not tell the probe dtypes apart: {codes}"
+    return api, f"libtorch shim in {libdir}"
+
+
+def describe(api: _TorchApi, tensor) -> tuple | None:
+    """(dtype code, device type, device index, ndim, data pointer, sizes, strides) of a torch
+    tensor as the C helper reads it (None if it cannot)."""
+    lib, _ = native_library()
+    out = (ctypes.c_int64 * 13)()
+    if lib is None or lib.funcmla_describe(ctypes.byref(api), ctypes.c_uint64(tensor._cdata),
+                                           out):
+        return None
+    n = out[3]
+    if not 0 <= n <= MAX_DIMS:
+        return None
+    return (out[0], out[1], out[2], n, out[4], tuple(out[5:5 + n]), tuple(out[9:9 + n]))
 
 
 def native_reason() -> str | None:
@@ -193,6 +265,7 @@ class LaunchProgram:
         elif native and lib is None:
             raise RuntimeError(f"the native launch helper is unavailable: {how}")
         self.native = lib is not None
+        self.run_checked = None
         self.how = "native (one foreign call per use)" if lib is not None else (
             f"ctypes (one cuLaunchKernel call per kernel; {how})")
         if lib is not None:
@@ -208,6 +281,36 @@ class LaunchProgram:
             self._params = [ctypes.c_void_p(ctypes.addressof(p.kernels[i].params))
                             for i in range(len(kernels))]
             self.run = self._run_ctypes
+
+    def enable_checks(self, api: _TorchApi, specs: Sequence[tuple]) -> None:
+        """Let `run_checked(ref)` take tensors: slots[i] = tensor._cdata for i < len(specs), each
+        checked in C against spec (dtype code, device type, device index, align mask, shapes)
+        and replaced by its data pointer (native helper only)."""
+        if not self.native:
+            raise RuntimeError("tensor checks in C need the native helper")
+        if len(specs) > MAX_ARGS:
+            raise ValueError(f"at most {MAX_ARGS} checked arguments, got {len(specs)}")
+        p = self.struct
+        p.torch = api
+        for i, (dtype, device_type, device_index, align_mask, shapes) in enumerate(specs):
+            a = p.args[i]
+            if not 0 < len(shapes) <= MAX_SHAPES or any(len(sh) > MAX_DIMS for sh in shapes):
+                raise ValueError(f"argument {i}: 1..{MAX_SHAPES} shapes of <= {MAX_DIMS} dims")
+            a.dtype, a.device_type, a.device_index = dtype, device_type, device_index
+            a.align_mask, a.num_shapes = align_mask, len(shapes)
+            for j, sh in enumerate(shapes):
+                a.ndim[j] = len(sh)
+                for d, n in enumerate(sh):
+                    a.shape[j][d] = n
+        p.num_args = len(specs)
+        lib, _ = native_library()
+        run = lib["funcmla_run_checked"]
+        run.restype = ctypes.c_int
+        self.run_checked = run
+
+    @property
+    def bad_argument(self) -> int:
+        return int(self.struct.bad_argument)
 
     def _run_ctypes(self, _ref) -> int:
         p = self.struct

@@ -7,6 +7,14 @@
  * Per call Python writes the stream, the kernel mask and the argument pointers into the
  * program's first words, then calls funcmla_run once; each kernel's parameter array points
  * at slots of the program, so no per-call marshalling happens here or in ctypes.
+ *
+ * funcmla_run_checked takes torch tensors instead of pointers: Python writes each argument's
+ * TensorImpl address (`tensor._cdata`) into slots[0..num_args), and the argument checks
+ * (dtype, shape, contiguity, device, alignment) run here through PyTorch's stable C shim
+ * (`aoti_torch_get_*` in libtorch, whose tensor handle is a pointer to an at::Tensor, itself one
+ * TensorImpl pointer), replacing each slot with the tensor's data pointer. Any mismatch
+ * returns before any launch; Python then runs its own checks to name the argument. Python
+ * verifies this reading against torch's own accessors on probe tensors before using it.
  * The struct layout is mirrored by ctypes structures in _launch.py; funcmla_layout lets
  * Python verify the two agree before the first launch.
  */
@@ -16,6 +24,35 @@
 #define FUNCMLA_MAX_KERNELS 8
 #define FUNCMLA_MAX_PARAMS 16
 #define FUNCMLA_MAX_SLOTS 32
+#define FUNCMLA_MAX_ARGS 8
+#define FUNCMLA_MAX_SHAPES 4
+#define FUNCMLA_MAX_DIMS 4
+#define FUNCMLA_BAD_ARGUMENT (-1)
+
+typedef int32_t (*aoti_get_ptr)(void *tensor, void **ret);
+typedef int32_t (*aoti_get_i64p)(void *tensor, int64_t **ret);
+typedef int32_t (*aoti_get_i64)(void *tensor, int64_t *ret);
+typedef int32_t (*aoti_get_i32)(void *tensor, int32_t *ret);
+
+typedef struct { /* addresses of aoti_torch_get_* in libtorch */
+  aoti_get_ptr data_ptr;
+  aoti_get_i64p sizes;
+  aoti_get_i64p strides;
+  aoti_get_i64 dim;
+  aoti_get_i32 dtype;
+  aoti_get_i32 device_type;
+  aoti_get_i32 device_index;
+} funcmla_torch_api;
+
+typedef struct { /* what one argument must be */
+  int32_t dtype;
+  int32_t device_type;
+  int32_t device_index;
+  int32_t num_shapes;
+  uint64_t align_mask;
+  int64_t ndim[FUNCMLA_MAX_SHAPES];
+  int64_t shape[FUNCMLA_MAX_SHAPES][FUNCMLA_MAX_DIMS];
+} funcmla_arg_spec;
 
 typedef int (*funcmla_launch_fn)(void *function, unsigned grid_x, unsigned grid_y,
                                  unsigned grid_z, unsigned block_x, unsigned block_y,
@@ -39,6 +76,10 @@ typedef struct {
   uint32_t num_kernels;
   int32_t failed_kernel;            /* index of the kernel whose launch failed, else -1 */
   funcmla_kernel kernels[FUNCMLA_MAX_KERNELS];
+  funcmla_torch_api torch;
+  uint32_t num_args;                /* funcmla_run_checked: slots[0..num_args) are tensors */
+  int32_t bad_argument;             /* the argument a check refused, else -1 */
+  funcmla_arg_spec args[FUNCMLA_MAX_ARGS];
 } funcmla_program;
 
 /* Launch every kernel whose mask bit is set, in order; stop at the first error and return
@@ -60,6 +101,86 @@ int funcmla_run(funcmla_program *p) {
   return 0;
 }
 
+/* Read one tensor through the shim: 0 on success. `impl` is a TensorImpl address; a local
+ * cell holding it is an at::Tensor borrowed for the call (no reference count changes). */
+static int describe(const funcmla_torch_api *api, uint64_t impl, int32_t *dtype,
+                    int32_t *device_type, int32_t *device_index, int64_t *ndim,
+                    int64_t **sizes, int64_t **strides, void **data) {
+  void *cell = (void *)(uintptr_t)impl;
+  void *handle = &cell;
+  if (impl == 0) return 1;
+  if (api->dtype(handle, dtype) || api->device_type(handle, device_type) ||
+      api->device_index(handle, device_index) || api->dim(handle, ndim) ||
+      api->sizes(handle, sizes) || api->strides(handle, strides) ||
+      api->data_ptr(handle, data))
+    return 1;
+  return 0;
+}
+
+static int check_argument(const funcmla_torch_api *api, const funcmla_arg_spec *spec,
+                          uint64_t *slot) {
+  int32_t dtype, device_type, device_index;
+  int64_t ndim, *sizes, *strides;
+  void *data;
+  if (describe(api, *slot, &dtype, &device_type, &device_index, &ndim, &sizes, &strides,
+               &data))
+    return 1;
+  if (dtype != spec->dtype || device_type != spec->device_type ||
+      device_index != spec->device_index || ((uintptr_t)data & spec->align_mask))
+    return 1;
+  int shape_ok = 0;
+  for (int32_t a = 0; a < spec->num_shapes && !shape_ok; ++a) {
+    if (spec->ndim[a] != ndim) continue;
+    shape_ok = 1;
+    for (int64_t d = 0; d < ndim; ++d)
+      if (sizes[d] != spec->shape[a][d]) shape_ok = 0;
+  }
+  if (!shape_ok) return 1;
+  int64_t expected = 1; /* contiguous: row-major strides, size-1 dims free (torch's rule) */
+  for (int64_t d = ndim - 1; d >= 0; --d) {
+    if (sizes[d] != 1 && strides[d] != expected) return 1;
+    expected *= sizes[d];
+  }
+  *slot = (uint64_t)(uintptr_t)data;
+  return 0;
+}
+
+/* funcmla_run after checking the tensors in slots[0..num_args) (see the top of this file).
+ * Returns FUNCMLA_BAD_ARGUMENT (bad_argument = its index) without launching anything when a
+ * check fails, else as funcmla_run. */
+int funcmla_run_checked(funcmla_program *p) {
+  p->bad_argument = -1;
+  for (uint32_t i = 0; i < p->num_args; ++i) {
+    if (check_argument(&p->torch, &p->args[i], &p->slots[i])) {
+      p->bad_argument = (int32_t)i;
+      return FUNCMLA_BAD_ARGUMENT;
+    }
+  }
+  return funcmla_run(p);
+}
+
+/* What the shim reports for the tensor at `impl`: out = {dtype, device type, device index,
+ * ndim, data pointer, sizes[0..4), strides[0..4)}; returns nonzero if it could not read it.
+ * Python compares this with torch's own accessors before trusting funcmla_run_checked. */
+int funcmla_describe(const funcmla_torch_api *api, uint64_t impl, int64_t out[13]) {
+  int32_t dtype, device_type, device_index;
+  int64_t ndim, *sizes, *strides;
+  void *data;
+  if (describe(api, impl, &dtype, &device_type, &device_index, &ndim, &sizes, &strides,
+               &data))
+    return 1;
+  out[0] = dtype;
+  out[1] = device_type;
+  out[2] = device_index;
+  out[3] = ndim;
+  out[4] = (int64_t)(uintptr_t)data;
+  for (int64_t d = 0; d < FUNCMLA_MAX_DIMS; ++d) {
+    out[5 + d] = d < ndim ? sizes[d] : 0;
+    out[9 + d] = d < ndim ? strides[d] : 0;
+  }
+  return 0;
+}
+
 /* cuLaunchKernel's signature, launching nothing: a dry-run target that measures the host path
  * without the driver (bench/launcher.py). */
 int funcmla_nop_launch(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z,
@@ -70,10 +191,14 @@ int funcmla_nop_launch(void *function, unsigned grid_x, unsigned grid_y, unsigne
   return 0;
 }
 
-/* sizeof(program), offsetof(kernels), sizeof(kernel), offsetof(launch): checked by Python. */
-void funcmla_layout(uint64_t out[4]) {
+/* sizeof(program), offsetof(kernels), sizeof(kernel), offsetof(launch), offsetof(torch),
+ * offsetof(args), sizeof(arg_spec): checked against the ctypes mirror by Python. */
+void funcmla_layout(uint64_t out[7]) {
   out[0] = sizeof(funcmla_program);
   out[1] = offsetof(funcmla_program, kernels);
   out[2] = sizeof(funcmla_kernel);
   out[3] = offsetof(funcmla_program, launch);
+  out[4] = offsetof(funcmla_program, torch);
+  out[5] = offsetof(funcmla_program, args);
+  out[6] = sizeof(funcmla_arg_spec);
 }

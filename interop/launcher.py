@@ -950,6 +950,37 @@ class _DecodeLauncherBase:
         self._empty = torch.empty
         self._stream = stream_fn or _current_raw_stream_fn(torch)
         self._specs_setup(torch, tdt, device_index)
+        self._checked_hot = None
+        self.checks = self._enable_c_checks(torch)
+
+    def _enable_c_checks(self, torch) -> str:
+        """Move the per-call tensor checks into the C helper where it can read torch tensors
+        (see interop/_launch_program.c); returns which checks run."""
+        from funcmla.interop import _launch
+
+        if self.padded:
+            return "python (padded rows: q is copied before the launch)"
+        if not self.program.native:
+            return "python (no native helper)"
+        api, how = _launch.torch_api()
+        if api is None:
+            return f"python ({how})"
+        codes = {}
+        for dtype in (self._dtype, torch.int32, torch.float32):
+            got = _launch.describe(api, torch.empty(1, dtype=dtype, device=self.device))
+            if got is None:
+                return "python (the shim cannot read a tensor on this device)"
+            codes[dtype] = got[:3]
+        mask = self.align - 1
+        specs = []
+        for spec in (self.x_spec, self.y_spec, self.q_spec, self.kv_spec, self.out_spec,
+                     self.lse_spec):  # slot order: _X, _Y, _Q, _KV, _OUT, _LSE
+            dtype_code, device_type, device_index = codes[spec.dtype]
+            specs.append((dtype_code, device_type, device_index, mask, sorted(spec.shapes)))
+        self.program.enable_checks(api, specs)
+        p = self.program
+        self._checked_hot = (p.pack, p.buffer, (1 << len(p.kernels)) - 1, p.run_checked, p.ref)
+        return f"C ({how})"
 
     @staticmethod
     def _program_kernel(k, slots: list[int]):
@@ -994,6 +1025,31 @@ class _DecodeLauncherBase:
         return ptrs
 
     def _call(self, q, kv_pool, x, y, out, lse):
+        hot = self._checked_hot
+        if hot is not None:  # checks and launches in one foreign call (C helper + torch shim)
+            try:
+                if out is None:
+                    out = self._empty(self._out_shape, dtype=self._dtype, device=self.device)
+                if lse is None:
+                    lse = self._empty(self._lse_shape, dtype=self._f32, device=self.device)
+                cq, ck, cx, cy = q._cdata, kv_pool._cdata, x._cdata, y._cdata
+                co, cl = out._cdata, lse._cdata
+            except AttributeError:  # not a torch tensor: the Python checks say which
+                hot = None
+            if hot is not None:
+                pack, buf, mask, run_checked, ref = hot
+                stream = self._stream(self.device_index)
+                with self._lock:
+                    pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl)
+                    rc = run_checked(ref)
+                    if rc > 0:
+                        self._launch_failed(rc, mask, ref)
+                if rc == 0 or rc > 0:
+                    return out, lse
+                # a check failed in C (nothing launched): the Python checks name the argument
+        return self._call_python(q, kv_pool, x, y, out, lse)
+
+    def _call_python(self, q, kv_pool, x, y, out, lse):
         dt, i32, f32, kvs, di, m, qs, xs, ys, os_, ls = self._fast
         try:
             if out is None:
@@ -1049,7 +1105,7 @@ class _DecodeLauncherBase:
     def info(self) -> dict:
         kernels = [self.decode] + ([self.merge] if self.merge else [])
         return {"config": dataclasses.asdict(self.config), "num_splits": self.plan.num_splits,
-                "padded": self.padded, "launch": self.program.how,
+                "padded": self.padded, "launch": self.program.how, "checks": self.checks,
                 "kernels": [k.info() for k in kernels]}
 
 

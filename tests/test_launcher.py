@@ -339,10 +339,66 @@ def test_native_helper_layout_matches_ctypes():
     lib, how = _launch.native_library()
     if lib is None:
         pytest.skip(how)
-    out = (ctypes.c_uint64 * 4)()
+    out = (ctypes.c_uint64 * 7)()
     lib.funcmla_layout(out)
-    assert tuple(out) == (ctypes.sizeof(_launch._Program), _launch._Program.kernels.offset,
-                          ctypes.sizeof(_launch._Kernel), _launch._Program.launch.offset)
+    P = _launch._Program
+    assert tuple(out) == (ctypes.sizeof(P), P.kernels.offset, ctypes.sizeof(_launch._Kernel),
+                          P.launch.offset, P.torch.offset, P.args.offset,
+                          ctypes.sizeof(_launch._ArgSpec))
+
+
+_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32]
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(_DTYPES), want_dtype=st.sampled_from(_DTYPES),
+       shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       want=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       view=st.sampled_from(["plain", "transpose", "step", "offset", "unsqueeze"]))
+def test_c_checks_agree_with_the_python_checks(dtype, want_dtype, shape, want, view):
+    """For any tensor, the C helper's checks (through torch's shim) accept exactly what
+    TensorSpec accepts, and then pass the same data pointer."""
+    api, how = _launch.torch_api()
+    if api is None:
+        pytest.skip(how)
+    base = torch.zeros([s + 1 for s in shape] if view == "step" else shape, dtype=dtype)
+    if view == "transpose" and base.dim() > 1:
+        t = base.transpose(0, -1)
+    elif view == "step":
+        t = base[tuple(slice(0, s) for s in shape)]
+    elif view == "offset":
+        t = torch.zeros(base.numel() + 1, dtype=dtype)[1:].view(shape)
+    elif view == "unsqueeze":
+        t = base.unsqueeze(0)
+    else:
+        t = base
+    spec = L.TensorSpec("x", want_dtype, [tuple(want), (1,) + tuple(want)], -1, 8)
+    try:
+        ptr, ok = spec.pointer(t), True
+    except L.LauncherArgumentError:
+        ok = False
+    rec = _Recorder({0x11: 1})
+    p = _launch.LaunchProgram([_launch.ProgramKernel("k", 0x11, (1, 1, 1), (32, 1, 1), 0, [0])],
+                              1, {}, rec.address, native=True)
+    code = _launch.describe(api, torch.empty(1, dtype=want_dtype))[:3]
+    p.enable_checks(api, [(*code, 7, [tuple(want), (1,) + tuple(want)])])
+    p.pack(p.buffer, 0, 1, 1, t._cdata)
+    rc = p.run_checked(p.ref)
+    assert (rc == 0) == ok, (rc, ok, t.shape, t.stride(), t.dtype)
+    if ok:
+        assert rec.launches[0][5] == (ptr,)
+    else:
+        assert rc == _launch.BAD_ARGUMENT and p.bad_argument == 0 and rec.launches == []
+
+
+def test_the_c_helper_reads_tensors_like_torch():
+    api, how = _launch.torch_api()
+    if api is None:
+        pytest.skip(how)
+    t = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)[1:, ::2, 1:]
+    dtype, device_type, device_index, ndim, data, sizes, strides = _launch.describe(api, t)
+    assert (ndim, data, sizes, strides) == (3, t.data_ptr(), (2, 2, 4), (20, 10, 1))
+    assert device_index == -1 and device_type == _launch.describe(api, torch.zeros(1))[1]
 
 
 class _FakeKernel:
@@ -360,12 +416,18 @@ class _FakeKernel:
         return {"name": self.call.name}
 
 
-def _fake_launcher(cfg, native=None):
+def _fake_launcher(cfg, native=None, c_checks=True):
+    """A launcher on the CPU with fake kernels and a recording cuLaunchKernel; c_checks=False
+    forces the Python argument checks (what runs without the C helper or the torch shim)."""
     rec = _Recorder()
     cls = L.DecodeLauncher if cfg.page_size == 1 else L.PagedDecodeLauncher
     lau = cls(L.decode_plan(cfg), "cpu",
               kernel_factory=lambda c, i, a: _FakeKernel(c, i, a, rec.num_params),
               stream_fn=lambda i: 0x5EED, launch_address=rec.address, native=native)
+    if c_checks and lau.padded is False and native is not False:
+        assert lau.checks.startswith("C") or _launch.torch_api()[0] is None, lau.checks
+    if not c_checks:
+        lau._checked_hot = None
     return lau, rec
 
 
@@ -381,15 +443,16 @@ def _cpu_inputs(cfg):
 
 
 @needs_lowering
-@pytest.mark.parametrize("splits,ps,native", [(1, 1, True), (4, 1, True), (4, 1, False),
-                                               (1, 16, True), (4, 16, True)])
-def test_launcher_wires_pointers_in_kernel_order(splits, ps, native):
+@pytest.mark.parametrize("splits,ps,native,c_checks", [
+    (1, 1, True, True), (4, 1, True, True), (4, 1, True, False), (4, 1, False, False),
+    (1, 16, True, True), (4, 16, True, False)])
+def test_launcher_wires_pointers_in_kernel_order(splits, ps, native, c_checks):
     if native and _launch.native_reason() is not None:
         pytest.skip(_launch.native_reason())
     cap = 32 if ps == 1 else 2 * 4
     cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=cap,
                                num_splits=splits, sm_scale=SCALE, page_size=ps)
-    lau, rec = _fake_launcher(cfg, native)
+    lau, rec = _fake_launcher(cfg, native, c_checks)
     q, kv, x, y = _cpu_inputs(cfg)
     out, lse = lau(q, kv, x, y)
     assert out.shape == (2, 16, 512) and out.dtype == torch.bfloat16
@@ -421,10 +484,11 @@ def test_launcher_wires_pointers_in_kernel_order(splits, ps, native):
 
 
 @needs_lowering
-def test_misuse_raises_and_never_launches():
+@pytest.mark.parametrize("c_checks", [True, False])
+def test_misuse_raises_and_never_launches(c_checks):
     cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32,
                                num_splits=2, sm_scale=SCALE)
-    lau, rec = _fake_launcher(cfg)
+    lau, rec = _fake_launcher(cfg, c_checks=c_checks)
     q, kv, indptr, indices = _cpu_inputs(cfg)
     good = dict(q=q, kv_pool=kv, kv_indptr=indptr, kv_indices=indices, out=None, lse=None)
     qbig = torch.zeros(q.numel() + 8, dtype=q.dtype)
