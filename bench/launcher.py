@@ -26,7 +26,11 @@ for B 1/32/128, heads 16/128, split and unsplit, page size 1 and 64, padded rows
 calls captured once, replayed twice with new q and new metadata == uncaptured calls, and
 layer 0 == the JAX path); misuse (12 kinds raise LauncherArgumentError, outputs untouched).
 
-Usage: python -m bench.launcher [--out out/] [--calls 10000] [--quick]
+--host-only (no GPU needed): the launcher's whole host path on CPU tensors, with stand-in
+kernels and the C helper's no-op cuLaunchKernel, for each check/launch variant; what the driver
+adds on a GPU is not in these numbers.
+
+Usage: python -m bench.launcher [--out out/] [--calls 10000] [--quick] [--host-only]
 """
 
 from __future__ import annotations
@@ -107,14 +111,104 @@ def _nop_launch_address():
     return lib, ctypes.cast(lib.funcmla_nop_launch, ctypes.c_void_p).value
 
 
+class _StandInKernel:
+    """A compiled kernel's launch shape without a GPU (for --host-only)."""
+
+    def __init__(self, call, device_index, arch):
+        self.call, self.function = call, 0x1000
+        self.grid, self.block = call.grid, (32 * call.num_warps, 1, 1)
+        self.shared_mem_bytes = 0
+        self.num_params = len(call.operands) + len(call.results) + 2
+
+    def info(self):
+        return {"name": self.call.name}
+
+
+def host_only(args) -> int:
+    """The launcher's host path on CPU tensors against a no-op cuLaunchKernel."""
+    import platform
+
+    import torch
+
+    from funcmla.interop import _launch
+    from funcmla.interop import launcher as L
+
+    lib, nop = _nop_launch_address()
+    T = RESULTS["timings_us"]
+    RESULTS["info"].update(mode="host-only (CPU tensors, no-op cuLaunchKernel)",
+                           cpu=platform.processor() or platform.machine(),
+                           cpus=os.cpu_count(), torch=torch.__version__,
+                           native=_launch.native_library()[1], shim=_launch.torch_api()[1])
+    T["timer_floor"] = host_us(lambda: None, args.calls, lambda: None)
+    for tag, splits in (("s1", 1), ("split", 4)):
+        c = L.DecodeLaunchConfig(num_seqs=32, num_heads=16, pool_rows=32 * 1024 + 64,
+                                 kv_capacity=32 * 1024, max_kv_len=1024, num_splits=splits,
+                                 sm_scale=SCALE)
+        q = torch.randn(32, 16, 576).to(torch.bfloat16)
+        kv = torch.randn(c.pool_rows, 576).to(torch.bfloat16)
+        x, y = torch.zeros(33, dtype=torch.int32), torch.zeros(c.kv_capacity, dtype=torch.int32)
+        out, lse = torch.empty(32, 16, 512, dtype=torch.bfloat16), torch.empty(32, 16)
+
+        def make(native=None, c_checks=True):
+            lau = L.DecodeLauncher(L.decode_plan(c), "cpu", kernel_factory=_StandInKernel,
+                                   stream_fn=lambda i: 0, native=native,
+                                   launch_address=nop if nop is not None else _launch_nop_ctypes())
+            if not c_checks:
+                lau._checked_hot = None
+            return lau
+
+        variants = {"launcher": make(), "launcher_pychecks": make(c_checks=False),
+                    "launcher_ctypes": make(native=False)}
+        for name, lau in variants.items():
+            T[f"{name}[{tag}]"] = host_us(lambda: lau(q, kv, x, y, out=out, lse=lse), args.calls,
+                                          lambda: None)
+            RESULTS["info"][f"{name}[{tag}]"] = {"launch": lau.program.how, "checks": lau.checks}
+        lau = variants["launcher"]
+        T[f"launcher_alloc[{tag}]"] = host_us(lambda: lau(q, kv, x, y), args.calls, lambda: None)
+        layers = 61
+        qs = [q.clone() for _ in range(layers)]
+        kvs = [kv.clone() for _ in range(4)]
+        outs = [out.clone() for _ in range(layers)]
+        lses = [lse.clone() for _ in range(layers)]
+        step = [0]
+
+        def layer_call():
+            i = step[0] = (step[0] + 1) % layers
+            lau(qs[i], kvs[i & 3], x, y, out=outs[i], lse=lses[i])
+
+        T[f"launcher_61_layers[{tag}]"] = host_us(layer_call, args.calls, lambda: None)
+    for k, v in T.items():
+        log(f"{k:40s} {v:9.2f} us")
+    save()
+    log("wrote", OUT_PATH[0])
+    return 0
+
+
+def _launch_nop_ctypes():
+    """Without the C helper: a ctypes callback standing in for cuLaunchKernel."""
+    from funcmla.interop import _launch
+
+    cb = _launch.launch_function_type(lambda *a: 0)
+    _KEEP.append(cb)
+    return ctypes.cast(cb, ctypes.c_void_p).value
+
+
+_KEEP: list = []
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/")
     ap.add_argument("--calls", type=int, default=10_000)
     ap.add_argument("--quick", action="store_true", help="fewer bitwise shapes")
+    ap.add_argument("--host-only", action="store_true",
+                    help="no GPU: the host path against a no-op driver (see the docstring)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    OUT_PATH.append(os.path.join(args.out, "launcher.json"))
+    OUT_PATH.append(os.path.join(args.out, "launcher_host_only.json" if args.host_only
+                                 else "launcher.json"))
+    if args.host_only:
+        return host_only(args)
 
     import jax
     import jax.numpy as jnp
