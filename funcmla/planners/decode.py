@@ -431,15 +431,17 @@ def fill_advance(params: FillParams, payload, bpc, cu, remain, tile):
     """
     n, q, r, e_min, e_div, e_mod, fresh_remain, fresh_dcu = tile
     ov = params.overhead
-    i32 = jnp.int32
     fits = n + ov <= remain
     cut_now = remain > ov
-    f = remain - ov
-    gt = (r > f).astype(i32)
-    z = ((r == 0) & (remain == payload)).astype(i32)
-    cut_remain = f - r + bpc * (gt - z)
-    cut_dcu = q + gt - z
-    new_remain = jnp.where(fits, remain - n - ov, jnp.where(cut_now, cut_remain, fresh_remain))
+    # d = f - r. [r > f] is d < 0; [r == 0 and f == bpc] is d == bpc (remain <= payload), so
+    # the cut leaves d mod bpc (d in (-bpc, bpc]) without a multiply.
+    d = remain - (r + ov)
+    gt = d < 0
+    z = d == bpc
+    cut_remain = jnp.where(gt, d + bpc, jnp.where(z, 0, d))
+    cut_dcu = q + gt.astype(jnp.int32) - z.astype(jnp.int32)
+    new_remain = jnp.where(fits, remain - (n + ov),
+                           jnp.where(cut_now, cut_remain, fresh_remain))
     new_cu = cu + jnp.where(fits, 0, jnp.where(cut_now, cut_dcu, fresh_dcu))
     if params.tail_rule:  # tail merge, computed alongside and selected at the end
         new_cu, new_remain = _tail_merge(params, payload, bpc, cu, remain, tile, fits, cut_now,
