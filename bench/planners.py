@@ -408,6 +408,10 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="also run the oracle checks")
     ap.add_argument("--fill-only", action="store_true", help="also time the fill alone")
     ap.add_argument("--quick", action="store_true", help="batches 1,64 only (smoke run)")
+    ap.add_argument("--planners", default=",".join(BENCHES),
+                    help=f"which planners to time (default: {','.join(BENCHES)})")
+    ap.add_argument("--check-fills", default=None,
+                    help="fills for --check (default: the timed fills)")
     args = ap.parse_args(argv)
     if args.quick:
         args.batches = "1,64"
@@ -429,12 +433,15 @@ def main(argv=None):
         write_json(json_path, payload)
 
     if args.check:
-        payload["checks"] = check_decode(fills=fills)
+        check_fills = tuple(args.check_fills.split(",")) if args.check_fills else fills
+        payload["checks"] = check_decode(fills=check_fills)
         save()
     if args.fill_only:
         payload["rows"] += bench_decode_fill()
         save()
     for name, bench in BENCHES.items():
+        if name not in args.planners.split(","):
+            continue
         if name == "decode":
             for cname, cfg in configs.items():
                 payload["rows"] += bench(batches=batches, configs={cname: cfg}, fills=fills,

@@ -18,7 +18,9 @@ count are done vectorised beforehand, `fill_inputs`) and records the state befor
 (`fill_tiles`: a `lax.scan`, or one Pallas program, `decode_fill_pallas.py`). From those states
 `fill_step` derives, for all tiles at once, the start cluster, the end of the first fragment,
 the number of fragments and whether the causal tail rule merged the last fragment. Everything
-else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`.
+else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`. On a GPU the
+default (`fill_impl="fused"`) runs the walk and everything after it as ONE Pallas program
+(`decode_fused_pallas.py`): XLA's form of that tail is ~19 kernels of 1-2 us each.
 
 Parallel vs serial. AITER runs a "parallel" planner when `max_seqlen_qo == 1`, no qo split, no
 head folding, `page_size == 1` and the batch fits in LDS, and a "serial" one otherwise. They
@@ -494,15 +496,20 @@ def fill_tiles_scan(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
     return out
 
 
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
 def default_fill_impl() -> str:
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "scan"
+    """What fill_impl="auto" runs: the fused Pallas program on a GPU, the scan elsewhere."""
+    return "fused" if _on_gpu() else "scan"
 
 
 def fill_tiles(tiles, payload, bpc, *, params: FillParams, fill_impl: str = "auto"):
     """The walk: "scan", "pallas" (interpret mode off-GPU) or "auto" (pallas on GPU).
     tiles: int32 [S, 8] (TILE_FIELDS) -> int32 [S, 2] (FILL_STATE_FIELDS, before each tile)."""
     if fill_impl == "auto":
-        fill_impl = default_fill_impl()
+        fill_impl = "pallas" if _on_gpu() else "scan"
     if fill_impl == "scan":
         return fill_tiles_scan(tiles, payload, bpc, params=params)
     if fill_impl == "pallas":
@@ -584,7 +591,7 @@ def decode_tiles(qo_indptr, kv_indptr, *, config: DecodePlanConfig) -> dict[str,
 
 def _searchsorted(a, v, side):
     # Binary search; unrolled on GPU (one fused kernel), a loop elsewhere (faster to compile).
-    method = "scan_unrolled" if default_fill_impl() == "pallas" else "scan"
+    method = "scan_unrolled" if _on_gpu() else "scan"
     return jnp.searchsorted(a, v, side=side, method=method).astype(jnp.int32)
 
 
@@ -607,7 +614,7 @@ def plan_mla_decode(
     batch_size:        request capacity the buffers are sized for (>= B; default B), as in
                        `get_mla_metadata_info_v1(batch_size, ...)`.
     fill_impl:         "scan" | "pallas" (walk only) | "fused" (walk and everything after
-                       it in one Pallas program) | "auto" (pallas on GPU).
+                       it in one Pallas program) | "auto" (fused on GPU, scan elsewhere).
 
     Returns a WorkPlan (kind="decode", block_size=page_size) whose buffers have the shapes of
     `mla_decode_plan_sizes(batch_size, config)`. Unused tails are zero (AITER leaves them
