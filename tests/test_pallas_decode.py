@@ -238,14 +238,14 @@ def test_split_rule():
 def test_kv_rows_forms_agree_bitwise():
     """The launcher's "lens" form (table_start + kv_lens) and mla_decode's in-kernel forms."""
     rng = np.random.default_rng(11)
-    lens = np.array([70, 0, 129])
-    p = make_problem(rng, batch=3, heads=16, s_q=1, page_size=1, lens=lens, max_pages=130)
+    lens = np.array([40, 0, 70])
+    p = make_problem(rng, batch=3, heads=16, s_q=1, page_size=1, lens=lens, max_pages=80)
     indptr = p["kv_indptr"]
-    kv_lens = KVRows(p["kv_indices"], indptr[:-1], indptr[1:] - indptr[:-1], 1, 130)
-    kv_indptr = KVRows(p["kv_indices"], indptr, None, 1, 130)
+    kv_lens = KVRows(p["kv_indices"], indptr[:-1], indptr[1:] - indptr[:-1], 1, 80)
+    kv_indptr = KVRows(p["kv_indices"], indptr, None, 1, 80)
     assert (kv_lens.form, kv_indptr.form) == ("lens", "indptr")
     for ns in (1, 3):
-        o_csr, l_csr = run_csr(p, s_q=1, num_splits=ns, capacity=130)
+        o_csr, l_csr = run_csr(p, s_q=1, num_splits=ns, capacity=80)
         # mla_decode_rows is the decode kernel alone: [B, S, rows_pad, 512] + [B, S, rows_pad]
         parts = [mla_decode_rows(p["q"], p["pool"], kv, sm_scale=SCALE, num_splits=ns,
                                  interpret=True) for kv in (kv_lens, kv_indptr)]
