@@ -318,7 +318,8 @@ def main(argv=None):
         os.environ["FUNCMLA_XLA_DUMP_KEEP"] = keep
         try:
             got = _xla_kernels.xla_kernels(
-                *plan.source, {c.name: len(c.operands) + len(c.results) for c in plan.calls},
+                *plan.source, {c.name: (len(c.operands) + len(c.results), 32 * c.num_warps)
+                               for c in plan.calls},
                 L.compile_ptx)
         finally:
             del os.environ["FUNCMLA_XLA_DUMP_KEEP"]

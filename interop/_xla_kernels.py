@@ -31,7 +31,8 @@ import struct
 import tempfile
 from typing import Any, Callable, Sequence
 
-__all__ = ["XlaKernel", "xla_kernels", "elf_images", "pass_log_shared_bytes", "ptx_entries"]
+__all__ = ["XlaKernel", "xla_kernels", "elf_images", "pass_log_shared_bytes", "ptx_entries",
+           "ptx_block", "ptx_from_blob"]
 
 _DUMP_OPTION_SETS: tuple[dict, ...] = (
     {"xla_dump_emitter_re": "triton-fusion"},
@@ -159,12 +160,27 @@ def _serialized_executable(compiled) -> bytes | None:
         return None
 
 
-def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, int],
+def ptx_block(ptx: str, entry: str) -> tuple[int, int, int] | None:
+    """The `.maxntid` / `.reqntid` block shape declared for `entry` (None if none is)."""
+    m = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\(.*?\)(.*?)\{", ptx, re.S)
+    if not m:
+        return None
+    d = re.search(r"\.(?:maxntid|reqntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?",
+                  m.group(1))
+    if not d:
+        return None
+    return tuple(int(v) if v else 1 for v in d.groups())
+
+
+def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, tuple[int, int | None]],
                 compile_ptx: Callable[[str], tuple[bytes, str]]) -> dict[str, XlaKernel]:
     """Compile `fn` at `avals` with XLA (this process's default backend must be the GPU) and
-    return {name: kernel} for each Pallas call `name` in `wants` (value: how many buffer
-    pointers it takes), all from the one executable.
+    return {name: kernel} for each Pallas call `name` in `wants`, all from the one executable.
 
+    wants[name] = (buffer pointers it takes, threads per block or None). A kernel is found by
+    its name (XLA names it after the Pallas call, `_N` added when the name repeats); failing
+    that, by its signature: the one entry, not otherwise taken, with that many 64-bit
+    parameters and that block size (if several qualify, none is taken).
     compile_ptx(ptx) -> (image, how): used only where the executable holds no cubin for it.
     Raises RuntimeError naming what was not found.
     """
@@ -183,26 +199,45 @@ def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, int],
         logs = glob.glob(os.path.join(tmp, "**", "*.triton-passes.log"), recursive=True)
         blob = _serialized_executable(compiled)
         images = elf_images(blob) if blob is not None else []
-        out = {}
-        for name, num_buffers in wants.items():
+        if blob is not None:  # the executable's own PTX (the only PTX if none was dumped)
+            for entry, value in ptx_from_blob(blob, "").items():
+                found.setdefault(entry, value)
+
+        def fits(entry: str, num_buffers: int, threads: int | None) -> bool:
+            ptx, params = found[entry]
+            block = ptx_block(ptx, entry)
+            return (len(params) == num_buffers and all(".u64" in p or ".b64" in p
+                                                       for p in params)
+                    and (threads is None or block is None or block == (threads, 1, 1)))
+
+        out, taken = {}, set()
+        for name, want in wants.items():
+            num_buffers, threads = want if isinstance(want, tuple) else (want, None)
             pattern = re.compile(re.escape(name) + r"(_\d+)?")
             matches = sorted((e for e in found if pattern.fullmatch(e)), key=len)
-            if not matches and blob is not None:  # no PTX dumped: the executable's own PTX
-                for entry, value in ptx_from_blob(blob, name).items():
-                    found.setdefault(entry, value)
-                matches = sorted((e for e in found if pattern.fullmatch(e)), key=len)
+            how_found = "by name"
+            if not matches:
+                named = {e for e in found if any(re.fullmatch(re.escape(n) + r"(_\d+)?", e)
+                                                 for n in wants)}
+                sig = [e for e in found if e not in taken and e not in named
+                       and fits(e, num_buffers, threads)]
+                if len(sig) == 1:
+                    matches, how_found = sig, "by signature (no entry carries its name)"
             if not matches:
                 listing = sorted(os.listdir(tmp))
                 raise RuntimeError(
-                    f"XLA's PTX has no kernel named {name!r} (entries: {sorted(found)[:8]}; "
-                    f"{len(ptx_files)} .ptx files dumped, options {dump_opts}, {dump_errors}; "
-                    f"dump directory: {len(listing)} files, {listing[:40]})")
+                    f"XLA's PTX has no kernel named {name!r} and no single kernel with its "
+                    f"signature (entries: {sorted(found)[:8]}; {len(ptx_files)} .ptx files "
+                    f"dumped, options {dump_opts}, {dump_errors}; dump directory: "
+                    f"{len(listing)} files, {listing[:40]})")
             entry = matches[0]
             ptx, params = found[entry]
-            if len(params) != num_buffers or not all((".u64" in p or ".b64" in p)
-                                                     for p in params):
-                raise RuntimeError(f"XLA's kernel {entry} takes {len(params)} parameters "
-                                   f"({params[:3]}...); expected {num_buffers} 64-bit pointers")
+            if not fits(entry, num_buffers, threads):
+                raise RuntimeError(
+                    f"XLA's kernel {entry} takes {len(params)} parameters ({params[:3]}...) "
+                    f"with block {ptx_block(ptx, entry)}; expected {num_buffers} 64-bit "
+                    f"pointers and {threads} threads")
+            taken.add(entry)
             shared, shared_from = None, (f"not found ({len(logs)} pass logs; dump options "
                                          f"{dump_opts})")
             for path in logs:
@@ -221,7 +256,8 @@ def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, int],
                        f"none of the {len(images)} cubins in the serialized executable defines it")
                 image, how = compile_ptx(ptx)
                 image_from = f"{how} on XLA's PTX ({why})"
-            out[name] = XlaKernel(name=name, entry=entry, image=image, image_from=image_from,
+            out[name] = XlaKernel(name=name, entry=entry, image=image,
+                                  image_from=f"{image_from}; found {how_found}",
                                   num_params=len(params), shared_mem_bytes=shared,
                                   shared_mem_from=shared_from, ptx=ptx)
         return out

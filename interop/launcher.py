@@ -503,7 +503,8 @@ def _xla_images(plan: "DecodePlan") -> dict[str, CompiledImage]:
     fn, avals = plan.source
     calls = plan.calls
     got = _xla_kernels.xla_kernels(
-        fn, avals, {c.name: len(c.operands) + len(c.results) for c in calls}, compile_ptx)
+        fn, avals, {c.name: (len(c.operands) + len(c.results), 32 * c.num_warps)
+                    for c in calls}, compile_ptx)
     out = {}
     for c in calls:
         k = got[c.name]

@@ -609,6 +609,14 @@ def test_ptx_is_found_inside_a_serialized_executable():
     assert _xla_kernels.ptx_from_blob(blob, "funcmla_merge") == {}
 
 
+def test_ptx_block_reads_the_declared_block():
+    assert _xla_kernels.ptx_block(PTX, "mla_decode_ps1_m16_kv64") == (128, 1, 1)
+    assert _xla_kernels.ptx_block(PTX.replace(".reqntid 128", ".maxntid 256, 1, 1"),
+                                  "mla_decode_ps1_m16_kv64") == (256, 1, 1)
+    assert _xla_kernels.ptx_block(PTX.replace(".reqntid 128\n", ""),
+                                  "mla_decode_ps1_m16_kv64") is None
+
+
 def test_ptx_entries_lists_every_kernel():
     two = PTX + PTX.replace("mla_decode_ps1_m16_kv64", "funcmla_merge_s2_d512")
     got = _xla_kernels.ptx_entries(two)
@@ -655,8 +663,15 @@ def test_xla_route_takes_xlas_cubin_symbol_params_and_shared_memory(monkeypatch,
     assert mer.image == b"IMG" and mer.shared_mem_bytes is None and len(ptxas) == 1
     with pytest.raises(RuntimeError, match="expected 5 64-bit pointers"):
         _xla_kernels.xla_kernels(None, (), {"mla_decode_ps1_m16_kv64": 5}, None)
-    with pytest.raises(RuntimeError, match="no kernel named 'other'"):
-        _xla_kernels.xla_kernels(None, (), {"other": 3}, None)
+    # a kernel XLA did not name after the Pallas call: the one entry with its signature
+    other = _xla_kernels.xla_kernels(None, (), {"other": (3, 128)}, None)["other"]
+    assert other.entry == "mla_decode_ps1_m16_kv64" and "by signature" in other.image_from
+    with pytest.raises(RuntimeError, match="no kernel named 'other'"):  # block differs
+        _xla_kernels.xla_kernels(None, (), {"other": (3, 256)}, None)
+    with pytest.raises(RuntimeError, match="no kernel named 'y'"):  # the only one is taken
+        _xla_kernels.xla_kernels(None, (), {"x": (3, None), "y": (3, None)}, None)
+    with pytest.raises(RuntimeError, match="128"):  # named, but launched with another block
+        _xla_kernels.xla_kernels(None, (), {"mla_decode_ps1_m16_kv64": (3, 64)}, None)
 
 
 def test_xla_route_reads_ptx_from_the_executable_when_none_is_dumped(monkeypatch, tmp_path):
