@@ -18,7 +18,6 @@ import struct
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -52,8 +51,8 @@ def _field(num: int, value) -> bytes:
 
 def _kernel_call(params: list[bytes], *, name="k", ptx="PTX", warps=4, smem=1024,
                  grid=(3, 2, 5), num_ctas=None) -> bytes:
-    kernel = (_field(1, name.encode()) + _field(2, warps) + _field(3, smem) + _field(4, ptx.encode())
-              + _field(5, b"ttir") + _field(6, 90))
+    kernel = (_field(1, name.encode()) + _field(2, warps) + _field(3, smem)
+              + _field(4, ptx.encode()) + _field(5, b"ttir") + _field(6, 90))
     if num_ctas is not None:
         kernel += _field(10, num_ctas)
     call = _field(1, kernel) + _field(2, grid[0]) + _field(3, grid[1]) + _field(4, grid[2])
