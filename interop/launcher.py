@@ -44,6 +44,7 @@ import functools
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -865,6 +866,7 @@ def launcher_unavailable_reason(device=None) -> str | None:
 # Pointer slots of a decode program (interop/_launch.py). Per call: the two index tensors in
 # argument order (x, y), q, kv_pool, out, lse. Fixed: scratch buffers and a null pointer.
 _X, _Y, _Q, _KV, _OUT, _LSE = range(6)
+_BAD_ARGUMENT = -1  # = _launch.BAD_ARGUMENT: a check in C refused an argument
 _OPART, _LPART, _QPAD, _OUTPAD, _LSEPAD, _NULL = range(6, 12)
 
 
@@ -1041,11 +1043,15 @@ class _DecodeLauncherBase:
                 pack, buf, mask, run_checked, ref = hot
                 stream = self._stream(self.device_index)
                 with self._lock:
-                    pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl)
-                    rc = run_checked(ref)
-                    if rc > 0:
-                        self._launch_failed(rc, mask, ref)
-                if rc == 0 or rc > 0:
+                    try:
+                        pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl)
+                    except (struct.error, TypeError):  # a subclass's _cdata is no address
+                        rc = _BAD_ARGUMENT
+                    else:
+                        rc = run_checked(ref)
+                        if rc > 0:
+                            self._launch_failed(rc, mask, ref)
+                if rc >= 0:
                     return out, lse
                 # a check failed in C (nothing launched): the Python checks name the argument
         return self._call_python(q, kv_pool, x, y, out, lse)

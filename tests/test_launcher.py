@@ -481,6 +481,12 @@ def test_launcher_wires_pointers_in_kernel_order(splits, ps, native, c_checks):
     first_of_call = rec.launches[-1 if splits == 1 else -2][5]
     assert first_of_call[2] == q2.data_ptr()
 
+    class Sub(torch.Tensor):  # a tensor subclass (its _cdata goes through __torch_function__)
+        pass
+
+    lau(q2.as_subclass(Sub), kv, x, y, out=out2, lse=lse2)
+    assert rec.launches[-1 if splits == 1 else -2][5][2] == q2.data_ptr()
+
 
 @needs_lowering
 @pytest.mark.parametrize("c_checks", [True, False])
