@@ -14,9 +14,12 @@ the jitted function holding the call, on this process's GPU backend, and takes f
   module after XLA's Triton passes, from the pass log XLA writes when its Triton emitter dump is
   enabled (`xla_dump_emitter_re=triton-fusion`, or `xla_dump_hlo_pass_re=triton-fusion-emitter`
   on older XLA);
-* the image: the cubin embedded in the serialized executable (the bytes XLA loads), found as the
-  ELF image (EM_CUDA) defining the symbol; if the executable cannot be serialized, ptxas on
-  XLA's PTX (same PTX, possibly another ptxas than XLA's).
+* the image: the cubin embedded in the serialized executable (the bytes XLA loads; jaxlib 0.11.2
+  Snappy-compresses it, `snappy_decompress`), found as the ELF image (EM_CUDA) defining the
+  symbol; if the executable cannot be serialized, ptxas on
+  XLA's PTX (same PTX, possibly another ptxas than XLA's). Where neither a dump nor the
+  executable holds PTX (jaxlib 0.11.2 on the H200), symbols and parameters are read from the
+  cubin's own `.text.<kernel>` / `.nv.info.<kernel>` sections (`cubin_entries`).
 Grid and block are the custom call's (grid, 32 * num_warps), as XLA launches them.
 """
 
@@ -32,7 +35,8 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 __all__ = ["XlaKernel", "xla_kernels", "elf_images", "pass_log_shared_bytes", "ptx_entries",
-           "ptx_block", "ptx_from_blob"]
+           "ptx_block", "ptx_from_blob", "cubin_entries", "snappy_decompress",
+           "executable_payloads"]
 
 _DUMP_OPTION_SETS: tuple[dict, ...] = (
     {"xla_dump_emitter_re": "triton-fusion"},
@@ -88,6 +92,76 @@ def elf_images(blob: bytes) -> list[bytes]:
             if ok and end <= len(blob) - pos:
                 out.append(bytes(blob[pos:pos + end]))
         pos = blob.find(b"\x7fELF", pos + 4)
+    return out
+
+
+_EIATTR_KPARAM_INFO = 0x17
+_EIATTR_CBANK_PARAM_SIZE = 0x19
+_EIATTR_MAX_THREADS = 0x05
+_EIATTR_REQNTID = 0x10
+
+
+def _elf_sections(image: bytes) -> dict[str, bytes]:
+    """{section name: contents} of a little-endian 64-bit ELF image."""
+    shoff = struct.unpack_from("<Q", image, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", image, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", image, shoff + i * shentsize) for i in range(shnum)]
+    strtab_off, strtab_size = heads[shstrndx][4], heads[shstrndx][5]
+    strtab = image[strtab_off:strtab_off + strtab_size]
+    out = {}
+    for name_off, sh_type, _flags, _addr, offset, size in heads:
+        name = strtab[name_off:strtab.index(b"\0", name_off)].decode(errors="replace")
+        out[name] = b"" if sh_type == 8 else image[offset:offset + size]  # 8: SHT_NOBITS
+    return out
+
+
+def _nv_info(data: bytes):
+    """(attribute, value bytes) records of an `.nv.info.<kernel>` section."""
+    pos = 0
+    while pos + 4 <= len(data):
+        fmt, attr = data[pos], data[pos + 1]
+        if fmt == 0x04:  # EIFMT_SVAL: u16 size, then the value
+            size = struct.unpack_from("<H", data, pos + 2)[0]
+            yield attr, data[pos + 4:pos + 4 + size]
+            pos += 4 + size
+        else:  # EIFMT_NVAL / BVAL / HVAL: a 2-byte value in a 4-byte record
+            yield attr, data[pos + 2:pos + 4]
+            pos += 4
+
+
+def cubin_entries(image: bytes) -> dict[str, tuple[list[str], tuple[int, int, int] | None]]:
+    """{kernel: (parameter declarations, block or None)} read from a cubin's own sections.
+
+    Kernels are the `.text.<name>` sections. Parameters come from `.nv.info.<name>`: one
+    EIATTR_KPARAM_INFO record per parameter (ordinal, offset, size in its top 14 bits), else
+    the parameter bank size in 8-byte slots; they are rendered as PTX-style declarations
+    (`.param .u64 p<i>` for 8-byte ones) so that PTX and cubin entries compare alike. For
+    executables that embed no PTX (jaxlib 0.11.2 on the H200 dumps none either)."""
+    secs = _elf_sections(image)
+    out = {}
+    for sec in secs:
+        if not sec.startswith(".text."):
+            continue
+        name = sec[len(".text."):]
+        params: dict[int, int] = {}
+        bank, block = None, None
+        for attr, val in _nv_info(secs.get(".nv.info." + name, b"")):
+            if attr == _EIATTR_KPARAM_INFO and len(val) >= 12:
+                _index, ordinal, _offset, flags = struct.unpack_from("<IHHI", val)
+                params[ordinal] = flags >> 18
+            elif attr == _EIATTR_CBANK_PARAM_SIZE:
+                bank = struct.unpack_from("<H", val)[0]
+            elif attr in (_EIATTR_MAX_THREADS, _EIATTR_REQNTID) and len(val) >= 12:
+                block = struct.unpack_from("<III", val)
+        if params:
+            sizes = [params[i] for i in sorted(params)]
+        elif bank is not None:
+            sizes = [8] * (bank // 8)
+        else:
+            continue
+        decls = [f".param .u64 p{i}" if sz == 8 else f".param .b8 p{i}[{sz}]"
+                 for i, sz in enumerate(sizes)]
+        out[name] = (decls, block)
     return out
 
 
@@ -151,6 +225,84 @@ def ptx_from_blob(blob: bytes, entry_prefix: str) -> dict[str, tuple[str, list[s
     return out
 
 
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 35:
+            raise ValueError("varint too long")
+
+
+def snappy_decompress(buf: bytes, start: int = 0) -> bytes:
+    """Raw Snappy block format (preamble: uncompressed length as a varint; then literals and
+    back-copies). XLA compresses the executables it serializes; the cubins are inside.
+    Raises ValueError on anything that is not a well-formed block."""
+    try:
+        total, pos = _varint(buf, start)
+    except IndexError as err:
+        raise ValueError("truncated preamble") from err
+    if total > 64 * len(buf) + 1024:
+        raise ValueError(f"implausible length {total}")
+    out = bytearray()
+    while len(out) < total:
+        if pos >= len(buf):
+            raise ValueError("truncated block")
+        tag = buf[pos]
+        kind = tag & 3
+        if kind == 0:  # literal
+            n = tag >> 2
+            pos += 1
+            if n >= 60:
+                extra = n - 59
+                n = int.from_bytes(buf[pos:pos + extra], "little")
+                pos += extra
+            n += 1
+            if pos + n > len(buf):
+                raise ValueError("literal past the end")
+            out += buf[pos:pos + n]
+            pos += n
+            continue
+        if kind == 1:
+            n = 4 + ((tag >> 2) & 7)
+            offset = ((tag >> 5) << 8) | buf[pos + 1]
+            pos += 2
+        elif kind == 2:
+            n = 1 + (tag >> 2)
+            offset = int.from_bytes(buf[pos + 1:pos + 3], "little")
+            pos += 3
+        else:
+            n = 1 + (tag >> 2)
+            offset = int.from_bytes(buf[pos + 1:pos + 5], "little")
+            pos += 5
+        if offset == 0 or offset > len(out):
+            raise ValueError("bad back-reference")
+        for _ in range(n):  # copies may overlap their own output
+            out.append(out[-offset])
+    if len(out) != total:
+        raise ValueError("length mismatch")
+    return bytes(out)
+
+
+def executable_payloads(blob: bytes) -> list[bytes]:
+    """`blob` and, where a Snappy block starts in its first 4 KiB (after a header), its
+    contents."""
+    out = [blob]
+    for start in range(0, min(4096, len(blob))):
+        try:
+            data = snappy_decompress(blob, start)
+        except (ValueError, IndexError):
+            continue
+        if b"\x7fELF" in data:
+            out.append(data)
+            break
+    return out
+
+
 def _serialized_executable(compiled) -> bytes | None:
     try:
         from jax.experimental.serialize_executable import serialize
@@ -198,14 +350,25 @@ def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, tuple[int, 
                 found.setdefault(entry, (text, params))
         logs = glob.glob(os.path.join(tmp, "**", "*.triton-passes.log"), recursive=True)
         blob = _serialized_executable(compiled)
-        images = elf_images(blob) if blob is not None else []
+        images = ([img for data in executable_payloads(blob) for img in elf_images(data)]
+                  if blob is not None else [])
         if blob is not None:  # the executable's own PTX (the only PTX if none was dumped)
             for entry, value in ptx_from_blob(blob, "").items():
                 found.setdefault(entry, value)
+        cubin_blocks: dict[str, tuple[int, int, int] | None] = {}
+        for img in images:  # no PTX anywhere: the cubins' own symbols and parameter info
+            try:
+                entries = cubin_entries(img)
+            except (struct.error, IndexError, ValueError):
+                continue
+            for entry, (params, block) in entries.items():
+                if entry not in found:
+                    found[entry] = ("", params)
+                    cubin_blocks[entry] = block
 
         def fits(entry: str, num_buffers: int, threads: int | None) -> bool:
             ptx, params = found[entry]
-            block = ptx_block(ptx, entry)
+            block = ptx_block(ptx, entry) if ptx else cubin_blocks.get(entry)
             return (len(params) == num_buffers and all(".u64" in p or ".b64" in p
                                                        for p in params)
                     and (threads is None or block is None or block == (threads, 1, 1)))

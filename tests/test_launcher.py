@@ -594,6 +594,86 @@ def test_elf_images_are_cut_out_of_a_blob():
     assert _xla_kernels.elf_images(a[:-10]) == []  # truncated: not taken
 
 
+def _cubin_with_info(kernels: dict) -> bytes:
+    """A minimal cubin with `.text.<k>` and `.nv.info.<k>` sections: kernels maps a name to
+    (parameter sizes in bytes, block or None), written as EIATTR_KPARAM_INFO records (size in
+    the top 14 bits), EIATTR_CBANK_PARAM_SIZE and EIATTR_MAX_THREADS."""
+    names, bodies = [""], [b""]
+    for name, (sizes, block) in kernels.items():
+        info = b""
+        for i, size in enumerate(sizes):
+            info += bytes([0x04, 0x17]) + struct.pack("<HIHHI", 12, 0, i, 8 * i,
+                                                      (size << 18) | 0x1F000)
+        info += bytes([0x03, 0x19]) + struct.pack("<H", sum(sizes))
+        if block:
+            info += bytes([0x04, 0x05]) + struct.pack("<HIII", 12, *block)
+        names += [".text." + name, ".nv.info." + name]
+        bodies += [b"\0" * 16, info]
+    names.append(".shstrtab")
+    strtab = b"".join(n.encode() + b"\0" for n in names)
+    bodies.append(strtab)
+    name_offs = [strtab.index(n.encode() + b"\0") if n else 0 for n in names]
+    data, offs = b"", []
+    for body in bodies:
+        offs.append(64 + len(data))
+        data += body
+    hdr = bytearray(64)
+    hdr[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<HH", hdr, 16, 2, 190)
+    struct.pack_into("<Q", hdr, 0x28, 64 + len(data))
+    struct.pack_into("<HHH", hdr, 0x3A, 64, len(names), len(names) - 1)
+    table = b"".join(struct.pack("<IIQQQQIIQQ", name_offs[i], 3 if n == ".shstrtab" else
+                                 (0 if i == 0 else 1), 0, 0, offs[i], len(bodies[i]), 0, 0, 1, 0)
+                     for i, n in enumerate(names))
+    return bytes(hdr) + data + table
+
+
+def test_cubin_entries_read_symbols_and_parameters_from_the_sections():
+    img = _cubin_with_info({"mla_decode_ps1_m16_kv64": ([8] * 6, (128, 1, 1)),
+                            "funcmla_merge_s4_d64": ([8] * 4, None),
+                            "odd": ([8, 4], None)})
+    got = _xla_kernels.cubin_entries(img)
+    assert sorted(got) == ["funcmla_merge_s4_d64", "mla_decode_ps1_m16_kv64", "odd"]
+    params, block = got["mla_decode_ps1_m16_kv64"]
+    assert len(params) == 6 and all(".u64" in p for p in params) and block == (128, 1, 1)
+    assert got["funcmla_merge_s4_d64"] == ([f".param .u64 p{i}" for i in range(4)], None)
+    assert got["odd"][0] == [".param .u64 p0", ".param .b8 p1[4]"]
+    assert _xla_kernels.elf_images(b"hdr" + img + b"tail") == [img]
+
+
+def _snappy_literal_block(data: bytes) -> bytes:
+    """`data` as a valid Snappy block of literals only (60 = one extra length byte)."""
+    out, n = bytearray(), len(data)
+    while True:  # preamble: uncompressed length, little-endian base-128
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            break
+    for i in range(0, len(data), 256):
+        chunk = data[i:i + 256]
+        out += bytes([60 << 2, len(chunk) - 1]) + chunk
+    return bytes(out)
+
+
+def test_snappy_blocks_decode_with_literals_and_overlapping_copies():
+    # "abcd" literal, then a 1-byte-offset copy of 8 from 4 back (overlaps its own output)
+    assert _xla_kernels.snappy_decompress(b"\x0c\x0cabcd\x11\x04") == b"abcd" * 3
+    # 2-byte-offset copy (kind 2) of 3 bytes from 2 back
+    assert _xla_kernels.snappy_decompress(b"\x05\x04xy\x0a\x02\x00") == b"xyxyx"
+    for bad in (b"\x08\x0cabcd\x01\x09",   # offset past the output
+                b"\x08\x0cab",               # truncated literal
+                b"\x05\x0cabcd"):            # longer than announced
+        with pytest.raises(ValueError):
+            _xla_kernels.snappy_decompress(bad)
+    cubin = _cubin_with_info({"k": ([8] * 3, None)})
+    blob = b"\x0a\x07header" + _snappy_literal_block(b"proto" + cubin + b"more")
+    payloads = _xla_kernels.executable_payloads(blob)
+    assert len(payloads) == 2 and cubin in payloads[1]
+    assert [_xla_kernels.cubin_entries(i) for i in _xla_kernels.elf_images(payloads[1])] == \
+        [{"k": ([f".param .u64 p{i}" for i in range(3)], None)}]
+    assert _xla_kernels.executable_payloads(b"no snappy here") == [b"no snappy here"]
+
+
 def test_pass_log_takes_the_last_shared_allocation(tmp_path):
     log = tmp_path / "m.k.triton-passes.log"
     log.write_text('// -----// IR Dump\nmodule attributes {"ttg.num-warps" = 4 : i32} {}\n'
