@@ -18,9 +18,9 @@ count are done vectorised beforehand, `fill_inputs`) and records the state befor
 (`fill_tiles`: a `lax.scan`, or one Pallas program, `decode_fill_pallas.py`). From those states
 `fill_step` derives, for all tiles at once, the start cluster, the end of the first fragment,
 the number of fragments and whether the causal tail rule merged the last fragment. Everything
-else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`. On a GPU the
-default (`fill_impl="fused"`) runs the walk and everything after it as ONE Pallas program
-(`decode_fused_pallas.py`): XLA's form of that tail is ~19 kernels of 1-2 us each.
+else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`. On a GPU, up to
+512 tile slots, the default (`fill_impl="fused"`) runs the walk and everything after it as ONE
+Pallas program (`decode_fused_pallas.py`): XLA's form of that tail is ~19 kernels of 1-2 us.
 
 Parallel vs serial. AITER runs a "parallel" planner when `max_seqlen_qo == 1`, no qo split, no
 head folding, `page_size == 1` and the batch fits in LDS, and a "serial" one otherwise. They
@@ -500,9 +500,18 @@ def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-def default_fill_impl() -> str:
-    """What fill_impl="auto" runs: the fused Pallas program on a GPU, the scan elsewhere."""
-    return "fused" if _on_gpu() else "scan"
+# Up to this many tile slots the fused program wins on the H200 (kernel time per plan, profiler,
+# mi300x-h16: 64 slots 14.3 vs 24.7 us, 256 slots 34.1 vs 38.7 us); beyond it its one-warp
+# vector phases lose to XLA's kernels (1024 slots: 100.8 vs 87.1 us).
+FUSED_MAX_SLOTS = 512
+
+
+def default_fill_impl(num_slots: int = 1) -> str:
+    """What fill_impl="auto" runs: on a GPU the fused Pallas program up to FUSED_MAX_SLOTS tile
+    slots, else the Pallas walk with XLA's tail; the scan elsewhere."""
+    if not _on_gpu():
+        return "scan"
+    return "fused" if num_slots <= FUSED_MAX_SLOTS else "pallas"
 
 
 def fill_tiles(tiles, payload, bpc, *, params: FillParams, fill_impl: str = "auto"):
@@ -614,7 +623,7 @@ def plan_mla_decode(
     batch_size:        request capacity the buffers are sized for (>= B; default B), as in
                        `get_mla_metadata_info_v1(batch_size, ...)`.
     fill_impl:         "scan" | "pallas" (walk only) | "fused" (walk and everything after
-                       it in one Pallas program) | "auto" (fused on GPU, scan elsewhere).
+                       it in one Pallas program) | "auto" (`default_fill_impl`).
 
     Returns a WorkPlan (kind="decode", block_size=page_size) whose buffers have the shapes of
     `mla_decode_plan_sizes(batch_size, config)`. Unused tails are zero (AITER leaves them
@@ -656,7 +665,7 @@ def plan_mla_decode(
                         tail_rule=page1 and thr > 1, empty_slots=not cfg.all_slots_valid)
     tiles = fill_inputs(jnp.where(valid, n, -1), e_min, payload, bpc, params=params)
     if fill_impl == "auto":
-        fill_impl = default_fill_impl()
+        fill_impl = default_fill_impl(num_slots)
     if fill_impl == "fused":
         return _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, params=params,
                                 cfg=cfg, sizes=sizes)
