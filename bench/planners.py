@@ -16,12 +16,17 @@ measures:
     jax.profiler trace (CUPTI), with the kernels listed one by one in the log;
   * oracle_us: the NumPy serial oracle (plan_mla_decode_reference) on the host, the baseline;
   * match: the plan equals the oracle field by field.
-Fill implementations: "scan" (lax.scan) and "pallas" (one Pallas program; compiled with the
-Triton backend on GPU, interpret mode elsewhere, so --fills scan is the CPU default).
+Fill implementations: "scan" (lax.scan), "pallas" (the walk as one Pallas program, the rest in
+XLA) and "fused" (walk, derivation and every output in one Pallas program); the Pallas ones are
+compiled with the Triton backend on GPU and run in interpret mode elsewhere, so --fills scan is
+the CPU default.
 
-Usage: python bench/planners.py [--out out/] [--batches 1,16,64,256,1024] [--fills scan,pallas]
-       [--configs mi300x-h16,...] [--check]  (--check: also compare pallas vs scan vs oracle on
-       extra configs, ragged qo, zero-length KV).
+Usage: python bench/planners.py [--out out/] [--batches 1,16,64,256,1024]
+       [--fills scan,pallas,fused] [--configs mi300x-h16,...] [--planners decode,prefill]
+       [--check [--check-fills fused]] [--fill-only] [--profile-batches 256]
+       (--check: also compare the fills with the oracle on extra configs, ragged qo,
+       zero-length KV; --fill-only: time the walk alone, with/without prefetch;
+       --profile-batches: per-kernel device times from a profiler trace, GPU only).
 Writes planners.json and planners.png under --out.
 """
 
