@@ -12,8 +12,9 @@ measures:
   * device_us: device time per plan, estimated as (T(K) - T(1)) / (K - 1) where T(K) is the wall
     time of one jitted function running K plans back to back, each fed from the previous
     (so XLA can neither merge nor reorder them); dispatch cancels out;
-  * device_busy_us (--profile-batches, GPU): the sum of the plan's kernel durations from a
-    jax.profiler trace (CUPTI), with the kernels listed one by one in the log;
+  * device_busy_us / device_span_us (--profile-batches, GPU): from a jax.profiler trace
+    (CUPTI), the sum of the plan's kernel durations and the median span from its first kernel's
+    start to its last kernel's end (gaps included), with the kernels listed in the log;
   * oracle_us: the NumPy serial oracle (plan_mla_decode_reference) on the host, the baseline;
   * match: the plan equals the oracle field by field.
 Fill implementations: "scan" (lax.scan), "pallas" (the walk as one Pallas program, the rest in
@@ -182,7 +183,8 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                     prof = _try(f"profile {name} B={batch} {fill}", device_kernel_times, fn)
                     if prof:
                         log(f"profile {name} B={batch} {fill}: {prof['kernels_per_call']:.1f} "
-                            f"kernels/call, busy {prof['busy_us_per_call']:.1f} us/call")
+                            f"kernels/call, busy {prof['busy_us_per_call']:.1f} us/call, "
+                            f"span {prof['span_us']:.1f} us")
                         for kern in prof["kernels"][:12]:
                             log(f"    {kern['total_us_per_call']:7.2f} us/call "
                                 f"x{kern['per_call']:.0f}  {kern['name'][:90]}")
@@ -193,6 +195,7 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                            speedup_vs_oracle=oracle_s / host_s, compile_s=compile_s,
                            match=_plans_equal(got, ref),
                            device_busy_us=prof["busy_us_per_call"] if prof else None,
+                           device_span_us=prof["span_us"] if prof else None,
                            profile=prof)
                 rows.append(row)
                 log(f"decode {name:22s} B={batch:5d} {fill:6s} host {row['host_us']:9.1f} us"
@@ -462,11 +465,12 @@ def main(argv=None):
               r.get("num_works", ""), r["host_us"],
               "" if r.get("device_us") is None else r["device_us"],
               "" if r.get("device_busy_us") is None else r["device_busy_us"],
+              "" if r.get("device_span_us") is None else r["device_span_us"],
               r.get("oracle_us", ""), r.get("speedup_vs_oracle", ""), r.get("match", "")]
              for r in payload["rows"]]
     _print_table(f"work planners on {env['device']} (us; median)",
                  ["planner", "config", "batch", "fill", "tiles", "works", "host us",
-                  "device us", "kernels us", "oracle us", "oracle/host", "match"], table)
+                  "device us", "kernels us", "span us", "oracle us", "oracle/host", "match"], table)
     save()
     log("wrote", json_path)
     png = _plot(payload["rows"], os.path.join(args.out, "planners.png"))

@@ -63,13 +63,11 @@ def device_kernel_times(fn: Callable[[], object], *, reps: int = 20) -> dict | N
     """Per-kernel device time of `fn()` (which must block), from a JAX profiler trace.
 
     Runs `fn` `reps` times under `jax.profiler.trace`, reads the Perfetto JSON it writes and
-    keeps the complete events of the GPU device's streams (CUPTI kernel and memcpy records).
-    Returns {"kernels_per_call", "busy_us_per_call" (sum of kernel durations / reps),
-    "kernels": [{"name", "per_call", "median_us"}...] sorted by time}, or None when the trace
-    holds no device events (CPU backend, or no CUPTI)."""
+    keeps the complete events of the GPU device's streams (CUPTI kernel and memcpy records);
+    see `trace_kernel_stats` for what is returned. None when the trace holds no device events
+    (CPU backend, or no CUPTI)."""
     import gzip
     import tempfile
-    from collections import defaultdict
 
     fn()
     with tempfile.TemporaryDirectory() as d:
@@ -83,18 +81,42 @@ def device_kernel_times(fn: Callable[[], object], *, reps: int = 20) -> dict | N
         with gzip.open(paths[0]) as f:
             trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return trace_kernel_stats(events, reps)
+
+
+def trace_kernel_stats(events: list[dict], reps: int) -> dict | None:
+    """Kernel statistics of `reps` blocking calls from Chrome/Perfetto trace events.
+
+    Device events are the complete ("X") events of processes named "/device:GPU...". Returns
+    {"kernels_per_call", "busy_us_per_call" (sum of kernel durations / reps), "span_us" (median
+    over calls of last kernel end - first kernel start: the device time a caller waits for,
+    gaps between kernels included), "kernels": [{"name", "per_call", "median_us",
+    "total_us_per_call"}...] by total time}, or None without device events. Calls are told
+    apart by the reps - 1 largest gaps between consecutive kernels (the host round trips)."""
+    from collections import defaultdict
+
     device_pids = {e["pid"] for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"
                    and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-    durs: dict[str, list[float]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
-            durs[e["name"]].append(float(e["dur"]))
-    if not durs:
+    kern = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
+                  if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e)
+    if not kern:
         return None
+    durs: dict[str, list[float]] = defaultdict(list)
+    for _, dur, name in kern:
+        durs[name].append(dur)
+    gaps = sorted(range(1, len(kern)), key=lambda i: kern[i][0] - (kern[i - 1][0] +
+                                                                   kern[i - 1][1]))
+    cuts = sorted(gaps[len(gaps) - (reps - 1):]) if reps > 1 and len(gaps) >= reps - 1 else []
+    spans, start = [], 0
+    for cut in cuts + [len(kern)]:
+        group = kern[start:cut]
+        spans.append(max(t + d for t, d, _ in group) - group[0][0])
+        start = cut
     kernels = sorted(({"name": name, "per_call": len(v) / reps,
                        "median_us": statistics.median(v), "total_us_per_call": sum(v) / reps}
                       for name, v in durs.items()), key=lambda k: -k["total_us_per_call"])
-    return {"kernels_per_call": sum(len(v) for v in durs.values()) / reps,
-            "busy_us_per_call": sum(sum(v) for v in durs.values()) / reps,
+    return {"kernels_per_call": len(kern) / reps,
+            "busy_us_per_call": sum(d for _, d, _ in kern) / reps,
+            "span_us": statistics.median(spans),
             "kernels": kernels}
