@@ -419,6 +419,41 @@ def test_fill_advance_is_the_carry_of_fill_step(params, seed, ov):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
+@functools.lru_cache(maxsize=None)
+def _advance_jit(params):
+    return jax.jit(lambda cu, r, t, p, b: fill_advance(params, p, b, cu, r, tuple(t.T)))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31), ov=st.sampled_from([1, 4, 16]))
+def test_fill_advance_closed_form_for_nonempty_tiles(parallel, seed, ov):
+    # docs/planner_notes.md: for n >= 1 blocks (no tail rule) the three cases of the walk are
+    # one rotation modulo bpc, remain' = (max-ish(remain) - ov - n) mod bpc, and the cluster
+    # advances by the abandon flag plus the clusters the tile's data crosses.
+    rng = np.random.default_rng(seed)
+    bpc = int(rng.integers(ov + 1, 700))
+    payload = bpc + ov
+    params = FillParams(ov, parallel, tail_rule=False, empty_slots=False)
+    s = 256
+    n = rng.integers(1, 4 * bpc + 2, s)
+    remain = rng.integers(0, bpc + 1, s)  # reachable: [0, bpc], and payload (fresh)
+    remain[rng.random(s) < 0.15] = payload
+    cu = rng.integers(0, 300, s)
+    tiles = fill_inputs(jnp.asarray(n, jnp.int32), jnp.full((s,), NEVER, jnp.int32),
+                        jnp.int32(payload), jnp.int32(bpc), params=params)
+    got_cu, got_r = _advance_jit(params)(jnp.asarray(cu, jnp.int32),
+                                         jnp.asarray(remain, jnp.int32), tiles,
+                                         jnp.int32(payload), jnp.int32(bpc))
+    abandon = remain <= ov
+    rho = np.where(abandon, ov, remain)
+    want_r = (rho - ov - n) % bpc
+    p0 = np.where(abandon | (remain == payload), -ov, bpc - remain)
+    want_cu = cu + abandon + np.maximum(0, (p0 + n + ov - 1) // bpc)
+    np.testing.assert_array_equal(np.asarray(got_r), want_r)
+    np.testing.assert_array_equal(np.asarray(got_cu), want_cu)
+
+
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm"), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["mi300x_h128_bf16_fold8", "h16_mtp4_gran1_tail",
                                   "gfx950_h64_fp8_mtp4_ragged_qo"])
