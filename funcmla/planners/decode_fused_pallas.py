@@ -2,8 +2,8 @@
 
 Why. On the H200 the XLA form of the planner's tail (`fill_step`, three prefix sums, three
 `searchsorted`, gathers and scatters into five buffers) compiles to about 19 kernels of 1-2 us
-each: more device time than the sequential walk itself. Here a single program (one thread block,
-Triton backend on GPU, interpret mode elsewhere) does all of it:
+each: more device time than the sequential walk itself. Here a single program (one thread block
+of one warp by default, Triton backend on GPU, interpret mode elsewhere) does all of it:
 
 1. **walk** the tiles in order (`decode_fill_pallas.walk_tiles`; every warp runs the same scalar
    walk) and write the state before each tile to a scratch output;
@@ -16,7 +16,8 @@ Triton backend on GPU, interpret mode elsewhere) does all of it:
    fragments of the next tile; the reduce maps likewise search the partial and valid-tile counts.
 
 Every element of every output is written (unused tails get zero), so nothing is initialised
-first. The outputs equal the XLA path's bit for bit (tests/test_planner_decode.py).
+first. The outputs equal the NumPy oracle's, field by field (tests/test_planner_decode.py in
+interpret mode; `bench/planners.py --check` compiled on a GPU).
 """
 
 from __future__ import annotations
