@@ -603,14 +603,18 @@ class FuncMLAAttnBackend:
                        layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:
         """Write this step's latent rows, then attend -> [T, H * v_head_dim] in q's dtype."""
-        if save_kv_cache and k is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
-        return self._attend(q, layer, causal=True)
+        return self._save_and_attend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                        layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:
         """Absorbed extend (bottom-right causal over prefix + new tokens)."""
+        return self._save_and_attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _save_and_attend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                         save_kv_cache: bool) -> torch.Tensor:
+        """SGLang's order for both modes: store the step's latent rows (out_cache_loc), then
+        attend bottom-right causal over everything the metadata lists."""
         if save_kv_cache and k is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         return self._attend(q, layer, causal=True)

@@ -386,13 +386,17 @@ def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bo
         if counts[check] <= max_per_check:
             out.append(msg)
 
+    def report_start_and_order(check: str, name: str, arr: np.ndarray):
+        """`name`[0] == 0 and non-decreasing (the same wording as the traced checks)."""
+        if arr[0] != 0:
+            report(check + "0", f"{name}[0] = {arr[0]} must be 0")
+        for i in np.nonzero(arr[1:] < arr[:-1])[0]:
+            report(check + "mono", f"{name} must be non-decreasing: {name}[{i + 1}] = "
+                                   f"{arr[i + 1]} < {name}[{i}] = {arr[i]}")
+
     if kv_indptr[0] != 0:
         report("kv0", f"kv_indptr[0] = {kv_indptr[0]} must be 0 (plans index kv_indices relative to it)")
-    if wp[0] != 0:
-        report("wp0", f"work_indptr[0] = {wp[0]} must be 0")
-    for c in np.nonzero(wp[1:] < wp[:-1])[0]:
-        report("wpmono", f"work_indptr must be non-decreasing: work_indptr[{c + 1}] = {wp[c + 1]} < "
-                         f"work_indptr[{c}] = {wp[c]}")
+    report_start_and_order("wp", "work_indptr", wp)
     if wp[-1] > plan.max_work:
         report("wpmax", f"work_indptr[-1] = {wp[-1]} exceeds max_work = {plan.max_work} (rows of work_info)")
     if num_works != wp[-1]:
@@ -484,11 +488,7 @@ def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bo
     for r, h in zip(*np.nonzero(cover != 1)):
         report("rows", f"row {r}, head {h} is covered by {cover[r, h]} tiles (must be exactly 1)")
 
-    if ri[0] != 0:
-        report("ri0", f"reduce_indptr[0] = {ri[0]} must be 0")
-    for g in np.nonzero(ri[1:] < ri[:-1])[0]:
-        report("rimono", f"reduce_indptr must be non-decreasing: reduce_indptr[{g + 1}] = {ri[g + 1]} < "
-                         f"reduce_indptr[{g}] = {ri[g]}")
+    report_start_and_order("ri", "reduce_indptr", ri)
     if ri[-1] != num_partials or ri[-1] > len(pmap):
         report("rilast", f"reduce_indptr[-1] = {ri[-1]} differs from num_partials = {num_partials} or "
                          f"exceeds len(reduce_partial_map) = {len(pmap)}")
