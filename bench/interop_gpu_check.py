@@ -176,14 +176,20 @@ def check_cuda_graph(dev):
         print(f"  graph replay tokens={int(seq.sum()):5d} max rel err {err:.2e} "
               f"same buffers {same}")
     overflow = {}
+
+    def expect_overflow(label, replay):
+        """Run a replay that must be refused; record the error text (or that it was missed)."""
+        try:
+            replay()
+        except CudaGraphBufferOverflow as err:
+            overflow[label] = str(err)
+            return True
+        overflow[label] = "NOT DETECTED"
+        return False
+
     too_long = torch.tensor([MAX_CTX + 1] + [1] * (bs - 1), dtype=torch.int32)
-    try:
-        backend.init_forward_metadata_replay_cuda_graph(bs, rpi, too_long.to(dev), 0, None,
-                                                        ForwardMode.DECODE, None, too_long)
-        overflow["too_long"] = "NOT DETECTED"
-        ok = False
-    except CudaGraphBufferOverflow as err:
-        overflow["too_long"] = str(err)
+    ok &= expect_overflow("too_long", lambda: backend.init_forward_metadata_replay_cuda_graph(
+        bs, rpi, too_long.to(dev), 0, None, ForwardMode.DECODE, None, too_long))
     _, _, legacy = _setup(rng, [10] * bs, [1] * bs, 64, dev, attention_backend="reference",
                           legacy_block_granular_kv_indices=True)
     legacy.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
@@ -191,13 +197,9 @@ def check_cuda_graph(dev):
     legacy.init_forward_metadata_capture_cuda_graph(bs, bs, rpi, small.to(dev), None,
                                                     ForwardMode.DECODE, None)
     seq = torch.full((bs,), 100, dtype=torch.int32)
-    try:
-        legacy.init_forward_metadata_replay_cuda_graph(bs, rpi, seq.to(dev), 800, None,
-                                                       ForwardMode.DECODE, None, seq)
-        overflow["seed_block_granular"] = "NOT DETECTED"
-        ok = False
-    except CudaGraphBufferOverflow as err:
-        overflow["seed_block_granular"] = str(err)
+    ok &= expect_overflow("seed_block_granular",
+                          lambda: legacy.init_forward_metadata_replay_cuda_graph(
+                              bs, rpi, seq.to(dev), 800, None, ForwardMode.DECODE, None, seq))
     for k, v in overflow.items():
         print(f"  overflow {k}: {v}")
     return dict(replays=replays, overflow=overflow), ok

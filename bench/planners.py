@@ -126,6 +126,17 @@ def _try(what, fn, *a, **kw):
         return None
 
 
+def _first_then_median(what, fn, reps):
+    """Run fn once (the compile; a failure is logged and gives None), then time it: returns
+    (first result, seconds of the first call, median seconds of the later calls)."""
+    t0 = time.perf_counter()
+    got = _try(what, fn)
+    if got is None:
+        return None
+    compile_s = time.perf_counter() - t0
+    return got, compile_s, median_time_s(fn, reps=reps, min_time_s=0.05)
+
+
 def _chained(cfg, fill_impl, k):
     """k plans back to back in one jit, each input depending (trivially) on the previous plan."""
 
@@ -168,12 +179,10 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                     return jax.block_until_ready(
                         plan_mla_decode_jit(*args, config=cfg, fill_impl=fill))
 
-                t0 = time.perf_counter()
-                got = _try(f"decode {name} B={batch} {fill}", fn)
-                if got is None:
+                timed = _first_then_median(f"decode {name} B={batch} {fill}", fn, reps)
+                if timed is None:
                     continue
-                compile_s = time.perf_counter() - t0
-                host_s = median_time_s(fn, reps=reps, min_time_s=0.05)
+                got, compile_s, host_s = timed
                 dev_us = None
                 if device_time and (device_time_batches is None or batch in device_time_batches):
                     dev_us = _try(f"device time {name} B={batch} {fill}", _device_time_us,
@@ -336,12 +345,10 @@ def bench_prefill(batches=(1, 16, 64, 256, 1024), configs=None, reps=20):
             def fn():
                 return jax.block_until_ready(plan_ps_prefill(*args, config=cfg))
 
-            t0 = time.perf_counter()
-            got = _try(f"prefill {name} B={batch}", fn)
-            if got is None:
+            timed = _first_then_median(f"prefill {name} B={batch}", fn, reps)
+            if timed is None:
                 continue
-            compile_s = time.perf_counter() - t0
-            host_s = median_time_s(fn, reps=reps, min_time_s=0.05)
+            got, compile_s, host_s = timed
             match = all(np.array_equal(np.asarray(getattr(got, f)), ref[f]) for f in PLAN_FIELDS)
             row = dict(planner="prefill", config=name, batch=batch, fill="jit",
                        tiles=ps_prefill_plan_sizes(batch, cfg.max_qlen, config=cfg).num_tiles,
