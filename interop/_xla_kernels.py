@@ -350,8 +350,9 @@ def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, tuple[int, 
                 found.setdefault(entry, (text, params))
         logs = glob.glob(os.path.join(tmp, "**", "*.triton-passes.log"), recursive=True)
         blob = _serialized_executable(compiled)
-        images = ([img for data in executable_payloads(blob) for img in elf_images(data)]
-                  if blob is not None else [])
+        images = elf_images(blob) if blob is not None else []
+        if blob is not None and not images:  # compressed (jaxlib 0.11.2): look inside
+            images = [img for data in executable_payloads(blob)[1:] for img in elf_images(data)]
         if blob is not None:  # the executable's own PTX (the only PTX if none was dumped)
             for entry, value in ptx_from_blob(blob, "").items():
                 found.setdefault(entry, value)
