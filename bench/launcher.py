@@ -318,8 +318,8 @@ def main(argv=None):
         os.environ["FUNCMLA_XLA_DUMP_KEEP"] = keep
         try:
             got = _xla_kernels.xla_kernels(
-                *plan.source, {c.name: (len(c.operands) + len(c.results), 32 * c.num_warps)
-                               for c in plan.calls},
+                *plan.source, {c.name: (len(c.operands) + len(c.results), 32 * c.num_warps,
+                                        tuple(c.grid)) for c in plan.calls},
                 L.compile_ptx)
         finally:
             del os.environ["FUNCMLA_XLA_DUMP_KEEP"]
@@ -329,6 +329,7 @@ def main(argv=None):
                          os.path.getsize(os.path.join(root, f))) for f in files]
         info["xla_dump_listing"] = sorted(listing)[:80]
         info["xla_probe"] = {k: {"entry": v.entry, "image_from": v.image_from,
+                                 "grid": v.grid, "block": v.block,
                                  "num_params": v.num_params, "image_bytes": len(v.image),
                                  "shared_mem_bytes": v.shared_mem_bytes,
                                  "shared_mem_from": v.shared_mem_from,
@@ -383,7 +384,9 @@ def main(argv=None):
             res[name] = r
             log(("PASS " if r["ok"] else "FAIL ") + name, r)
         RESULTS["checks"]["bitwise"] = res
-        RESULTS["verdicts"]["bitwise"] = all(r["ok"] for r in res.values())
+        RESULTS["verdicts"]["bitwise"] = bool(res) and all(r["ok"] for r in res.values())
+        RESULTS["verdicts"]["xla_route"] = bool(res) and all(r["route"] == "xla"
+                                                             for r in res.values())
 
     bitwise()
 
@@ -516,6 +519,10 @@ def main(argv=None):
                 lau(qs[i], kvs[i & 3], x, y, out=outs[i], lse=lses[i])
 
             T[f"launcher_61_layers[{tag}]"] = host_us(layer_call, n, sync)
+            side = torch.cuda.Stream(dev)
+            with torch.cuda.stream(side):  # torch's current stream is a created one, not 0
+                T[f"launcher_side_stream[{tag}]"] = host_us(
+                    lambda: lau(q, kv, x, y, out=out, lse=lse), n, sync)
             ct = L.DecodeLauncher(lau.plan, dev, native=False)
             T[f"launcher_ctypes[{tag}]"] = host_us(
                 lambda: ct(q, kv, x, y, out=out, lse=lse), n, sync)
@@ -565,6 +572,41 @@ def main(argv=None):
         log("best launcher median", best)
 
     timings()
+
+    @section("driver floor: cuLaunchKernel of an empty kernel (same program path)")
+    def driver_floor():
+        from funcmla.interop import _cuda_driver as cd
+
+        n, T = args.calls, RESULTS["timings_us"]
+        drv = cd.driver()
+        params = ", ".join(f".param .u64 p{i}" for i in range(6))
+        ptx = (".version 8.0\n.target sm_90\n.address_size 64\n"
+               f".visible .entry funcmla_empty({params})\n{{\n\tret;\n}}\n")
+        _module, fn = drv.load_function(ptx.encode() + b"\0", "funcmla_empty", 0)
+        smem = 168960  # the decode kernel's (B=32, H=16) dynamic shared memory
+        drv.set_function_attribute(fn, cd.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        buf = torch.zeros(64, device=dev)
+        side = torch.cuda.Stream(dev)
+        shapes_ = {"g1": ((1, 1, 1), 0), "decode_shape": ((1, 4, 32), smem)}
+        for stream_name, stream in (("default", 0), ("side", side.cuda_stream)):
+            for shape_name, (grid, sm) in shapes_.items():
+                for nk in (1, 2):
+                    ks = [_launch.ProgramKernel("empty", fn, grid, (128, 1, 1), sm, [0] * 6)
+                          for _ in range(nk)]
+                    prog = _launch.LaunchProgram(ks, 1, {}, drv.launch_address)
+                    prog.pack(prog.buffer, 0, stream, (1 << nk) - 1, buf.data_ptr())
+                    key = f"empty_kernel_x{nk}[{shape_name},{stream_name}_stream]"
+                    T[key] = host_us(lambda: prog.run(prog.ref), n, sync)
+                    log(f"{key:48s} {T[key]:9.2f} us")
+        lau = launchers["timing_split"]
+        p = lau.program
+        for stream_name, stream in (("default", 0), ("side", side.cuda_stream)):
+            p.pack(p.buffer, 0, stream, 3, *[p.slot(i) for i in range(p.per_call)])
+            key = f"program_run_split[{stream_name}_stream]"
+            T[key] = host_us(lambda: p.run(p.ref), n, sync)
+            log(f"{key:48s} {T[key]:9.2f} us")
+
+    driver_floor()
 
     path = OUT_PATH[0]
     save()

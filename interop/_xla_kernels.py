@@ -4,23 +4,24 @@ jax lowers a Pallas call on the Triton lowering to an XLA custom call holding Tr
 compiles that IR with its own bundled Triton and LLVM into the executable's module. Compiling
 the same IR with another Triton (the `triton` package) gives different machine code (seen on the
 H200: 2 to 298 bf16 ulp apart). To launch exactly what XLA launches, `xla_kernels` has XLA compile
-the jitted function holding the call, on this process's GPU backend, and takes from it:
+the jitted function holding the call, on this process's GPU backend, and reads the executable:
 
-* the kernel symbol and its parameters: from the PTX XLA dumps (`xla_dump_to`); XLA names the
-  kernel after the Pallas call (with a `_N` suffix if the name repeats) and passes the custom
-  call's buffers, operands then results, one pointer each (Triton's two scratch pointers are
-  replaced by null constants inside the kernel, so they are not parameters);
-* the dynamic shared memory XLA launches it with: the `ttg.shared` attribute of the Triton
-  module after XLA's Triton passes, from the pass log XLA writes when its Triton emitter dump is
-  enabled (`xla_dump_emitter_re=triton-fusion`, or `xla_dump_hlo_pass_re=triton-fusion-emitter`
-  on older XLA);
-* the image: the cubin embedded in the serialized executable (the bytes XLA loads; jaxlib 0.11.2
-  Snappy-compresses it, `snappy_decompress`), found as the ELF image (EM_CUDA) defining the
-  symbol; if the executable cannot be serialized, ptxas on
-  XLA's PTX (same PTX, possibly another ptxas than XLA's). Where neither a dump nor the
-  executable holds PTX (jaxlib 0.11.2 on the H200), symbols and parameters are read from the
-  cubin's own `.text.<kernel>` / `.nv.info.<kernel>` sections (`cubin_entries`).
-Grid and block are the custom call's (grid, 32 * num_warps), as XLA launches them.
+* jaxlib 0.11.2 (H200, CUDA 13): `LoadedExecutable.serialize()` is a small header and a Riegeli
+  file (`riegeli_records`: 64 KiB blocks, simple chunks, Snappy-compressed) whose executable
+  record is itself a Riegeli file holding `xla.gpu.GpuExecutableProto`. Its thunks record each
+  kernel launch: the symbol (XLA names the kernel after the Pallas call, `_N` added if the name
+  repeats), the cubin defining it (one per Triton kernel), grid, block and dynamic shared memory
+  (`launch_specs`). Parameters: one pointer per buffer, operands then results (Triton's two
+  scratch pointers are null constants inside the kernel, so they are not parameters), read from
+  the cubin's `.nv.info.<kernel>` section (`cubin_entries`). All of this matched XLA's own
+  launches captured with CUPTI on the H200 (2026-11-30), and the launcher's outputs on these
+  kernels were bit-identical to the executable's.
+* older jaxlibs (no launch records): XLA compiles again with `xla_dump_to`; symbol and parameters
+  from the PTX it dumps (or the PTX inside the executable), dynamic shared memory from
+  `ttg.shared` in its Triton pass log (`xla_dump_emitter_re=triton-fusion`, or
+  `xla_dump_hlo_pass_re=triton-fusion-emitter`), the image from the cubin in the serialized
+  executable, else ptxas on XLA's PTX. Grid and block are then the custom call's (grid,
+  32 * num_warps), as XLA launches them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["XlaKernel", "xla_kernels", "elf_images", "pass_log_shared_bytes", "ptx_entries",
            "ptx_block", "ptx_from_blob", "cubin_entries", "snappy_decompress",
-           "executable_payloads"]
+           "riegeli_records", "executable_records", "launch_specs", "executable_launches",
+           "XlaLaunch"]
 
 _DUMP_OPTION_SETS: tuple[dict, ...] = (
     {"xla_dump_emitter_re": "triton-fusion"},
@@ -60,7 +62,9 @@ class XlaKernel:
     num_params: int
     shared_mem_bytes: int | None  # None: XLA's figure was not found
     shared_mem_from: str
-    ptx: str
+    ptx: str                      # "" where XLA's PTX was not needed (or not found)
+    grid: tuple[int, ...] | None = None   # as XLA launches it, where the executable says
+    block: tuple[int, ...] | None = None
 
 
 def ptx_entries(ptx: str) -> dict[str, list[str]]:
@@ -288,28 +292,224 @@ def snappy_decompress(buf: bytes, start: int = 0) -> bytes:
     return bytes(out)
 
 
-def executable_payloads(blob: bytes) -> list[bytes]:
-    """`blob` and, where a Snappy block starts in its first 4 KiB (after a header), its
-    contents."""
-    out = [blob]
-    for start in range(0, min(4096, len(blob))):
-        try:
-            data = snappy_decompress(blob, start)
-        except (ValueError, IndexError):
-            continue
-        if b"\x7fELF" in data:
-            out.append(data)
-            break
+_RIEGELI_START = bytes.fromhex(  # every Riegeli file's first 64 bytes: block header + signature
+    "83af70d10d884a3f00000000000000004000000000000000"
+    "91bac23c9287e1a90000000000000000e19f13c0e9b1c372"
+    "73000000000000000000000000000000")
+_BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
+
+
+def _riegeli_span(f: bytes, pos: int, n: int) -> tuple[bytes, int]:
+    """n logical bytes of Riegeli file `f` from file position pos (block headers, 24 bytes at
+    every 64 KiB boundary, skipped) and the file position after them."""
+    out = bytearray()
+    while n:
+        if pos % _BLOCK < _BLOCK_HEADER:
+            pos += _BLOCK_HEADER - pos % _BLOCK
+        take = min(n, _BLOCK - pos % _BLOCK)
+        piece = f[pos:pos + take]
+        if len(piece) < take:
+            raise ValueError(f"Riegeli file truncated at byte {pos + len(piece)}")
+        out += piece
+        pos, n = pos + take, n - take
+    return bytes(out), pos
+
+
+def _riegeli_block(data: bytes, compression: int) -> bytes:
+    if compression == 0:
+        return data
+    if compression != 0x73:  # 's'
+        raise ValueError(f"Riegeli chunk compressed with {chr(compression)!r} (only "
+                         "uncompressed and Snappy chunks are read)")
+    size, pos = _varint(data, 0)
+    out = snappy_decompress(data, pos)
+    if len(out) != size:
+        raise ValueError(f"Snappy block of {len(out)} bytes where {size} were announced")
     return out
 
 
+def riegeli_records(f: bytes, *, trailing_ok: bool = False) -> list[bytes]:
+    """The records of a Riegeli file (the container XLA serializes executables into): simple
+    chunks, uncompressed or Snappy-compressed; signature, metadata and padding chunks skipped.
+    Checksums are not verified. Raises ValueError on anything else (transposed chunks, other
+    compressions, truncation, sizes that do not add up). trailing_ok: `f` may continue past the
+    file (e.g. the rest of a pickle); reading stops at the first chunk header that does not fit
+    or names no chunk type."""
+    if not f.startswith(_RIEGELI_START):
+        raise ValueError("not a Riegeli file (no Riegeli signature at its start)")
+    records, pos = [], 0
+    while True:
+        if pos % _BLOCK < _BLOCK_HEADER:
+            pos += _BLOCK_HEADER - pos % _BLOCK
+        if pos >= len(f):
+            return records
+        begin = pos
+        try:
+            header, pos = _riegeli_span(f, pos, _CHUNK_HEADER)
+            _hash, data_size, _data_hash, type_and_count, decoded = struct.unpack("<5Q", header)
+            kind, count = type_and_count & 0xFF, type_and_count >> 8
+            if trailing_ok and kind not in (0x73, 0x6D, 0x70, 0x72, 0x74):
+                return records
+            data, pos = _riegeli_span(f, pos, data_size)
+        except ValueError:
+            if trailing_ok and records:
+                return records
+            raise
+        pos = max(pos, begin + count)
+        if kind in (0x73, 0x6D, 0x70):  # 's'ignature, 'm'etadata, 'p'adding
+            continue
+        if kind != 0x72:  # 'r': simple chunk
+            raise ValueError(f"Riegeli chunk of type {chr(kind)!r} at byte {begin} (only simple "
+                             "chunks are read)")
+        sizes_size, p = _varint(data, 1)
+        sizes = _riegeli_block(data[p:p + sizes_size], data[0])
+        values = _riegeli_block(data[p + sizes_size:], data[0])
+        lengths, q = [], 0
+        while q < len(sizes):
+            n, q = _varint(sizes, q)
+            lengths.append(n)
+        if len(lengths) != count or sum(lengths) != len(values) or len(values) != decoded:
+            raise ValueError(f"Riegeli chunk at byte {begin}: {len(lengths)} record sizes "
+                             f"summing to {sum(lengths)} for {count} records of {decoded} bytes "
+                             f"({len(values)} decoded)")
+        at = 0
+        for n in lengths:
+            records.append(values[at:at + n])
+            at += n
+
+
+def executable_records(blob: bytes) -> list[bytes]:
+    """The innermost records of the Riegeli file in `blob` (a serialized PJRT executable:
+    jaxlib 0.11.2 writes the executable-and-options record into one Riegeli file and the GPU
+    executable proto into another inside it); [] where `blob` holds no Riegeli file."""
+    at = blob.find(_RIEGELI_START)
+    if at < 0:
+        return []
+    out = []
+    for rec in riegeli_records(blob[at:], trailing_ok=True):
+        out += executable_records(rec) if rec.startswith(_RIEGELI_START) else [rec]
+    return out
+
+
+def _proto(buf: bytes) -> list[tuple[int, int, Any]] | None:
+    """(field, wire type, value) of a protobuf message, or None if `buf` is not one."""
+    out, pos = [], 0
+    try:
+        while pos < len(buf):
+            key, pos = _varint(buf, pos)
+            field, wire = key >> 3, key & 7
+            if field == 0:
+                return None
+            if wire == 0:
+                value, pos = _varint(buf, pos)
+            elif wire == 2:
+                n, pos = _varint(buf, pos)
+                if pos + n > len(buf):
+                    return None
+                value, pos = buf[pos:pos + n], pos + n
+            elif wire in (1, 5):
+                size = 8 if wire == 1 else 4
+                if pos + size > len(buf):
+                    return None
+                value, pos = buf[pos:pos + size], pos + size
+            else:
+                return None
+            out.append((field, wire, value))
+    except (IndexError, ValueError):
+        return None
+    return out
+
+
+def _dim3(buf: bytes, depth: int = 0) -> tuple[int, int, int] | None:
+    """x, y, z of a message holding varint fields 1-3 (directly or as its one submessage)."""
+    msg = _proto(buf)
+    if not msg:
+        return None
+    if all(w == 0 and f in (1, 2, 3) for f, w, _ in msg):
+        got = {f: v for f, _, v in msg}
+        return got.get(1, 0), got.get(2, 0), got.get(3, 0)
+    subs = [v for _, w, v in msg if w == 2]
+    if depth < 2 and len(subs) == 1 and len(msg) == 1:
+        return _dim3(subs[0], depth + 1)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaLaunch:
+    """One kernel launch recorded in XLA's GPU executable: symbol, the cubin defining it, and
+    the grid, block and dynamic shared memory XLA launches it with."""
+
+    entry: str
+    image: bytes
+    grid: tuple[int, int, int] | None
+    block: tuple[int, int, int] | None
+    shared_mem_bytes: int
+
+
+_IDENT = re.compile(r"[A-Za-z_$][\w$.]*")
+
+
+def _cubins_in(buf: bytes, depth: int = 0) -> list[bytes]:
+    if buf.startswith(b"\x7fELF"):
+        return elf_images(buf)[:1]
+    msg = _proto(buf) if depth < 3 else None
+    return [img for _, w, v in msg or () if w == 2 for img in _cubins_in(v, depth + 1)]
+
+
+def launch_specs(record: bytes, depth: int = 0) -> list[XlaLaunch]:
+    """Every kernel launch spec in a GPU executable proto (jaxlib 0.11.2's
+    `xla.gpu.GpuExecutableProto`): a message whose field 1 is the kernel's symbol, field 2 holds
+    the cubin defining that symbol, fields 3 / 4 the grid / block (x, y, z) and field 6 the
+    dynamic shared memory in bytes (absent: 0). Read by shape, not by a compiled schema."""
+    msg = _proto(record) if depth < 12 else None
+    if not msg:
+        return []
+    fields: dict[int, list] = {}
+    for f, w, v in msg:
+        fields.setdefault(f, []).append((w, v))
+    name = fields.get(1, [(None, b"")])[0]
+    if name[0] == 2 and len(fields.get(2, ())) == 1 and fields[2][0][0] == 2:
+        text = name[1].decode("ascii", errors="replace")
+        if _IDENT.fullmatch(text):
+            needle = b"\0" + name[1] + b"\0"
+            images = [img for img in _cubins_in(fields[2][0][1]) if needle in img]
+            if images:
+                dims = [_dim3(fields[k][0][1]) if fields.get(k) and fields[k][0][0] == 2
+                        else None for k in (3, 4)]
+                shared = fields.get(6, [(0, 0)])[0]
+                return [XlaLaunch(text, images[0], dims[0], dims[1],
+                                  shared[1] if shared[0] == 0 else 0)]
+    out = []
+    for _, w, v in msg:
+        if w == 2 and len(v) > 8 and not v.startswith(b"\x7fELF"):
+            out += launch_specs(v, depth + 1)
+    return out
+
+
+def executable_launches(blob: bytes) -> list[XlaLaunch]:
+    """Every kernel launch spec in a serialized executable (see `launch_specs`)."""
+    return [spec for rec in executable_records(blob) for spec in launch_specs(rec)]
+
+
 def _serialized_executable(compiled) -> bytes | None:
+    """The executable as PJRT serializes it (the runtime executable's own bytes; else jax's
+    pickle, which embeds them), or None where this backend cannot serialize it."""
+    try:
+        return bytes(compiled.runtime_executable().serialize())
+    except Exception:  # noqa: BLE001 - try jax's wrapper
+        pass
     try:
         from jax.experimental.serialize_executable import serialize
 
         return serialize(compiled)[0]
     except Exception:  # noqa: BLE001 - not serializable on this backend/version
         return None
+
+
+def _compile(fn: Callable, avals: Sequence[Any]):
+    import jax
+
+    return jax.jit(fn).trace(*avals).lower().compile()
 
 
 def ptx_block(ptx: str, entry: str) -> tuple[int, int, int] | None:
@@ -324,18 +524,96 @@ def ptx_block(ptx: str, entry: str) -> tuple[int, int, int] | None:
     return tuple(int(v) if v else 1 for v in d.groups())
 
 
-def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, tuple[int, int | None]],
+def _want(want) -> tuple[int, int | None, tuple[int, ...] | None]:
+    if isinstance(want, int):
+        return want, None, None
+    return (tuple(want) + (None, None))[:3]
+
+
+def _name_pattern(name: str) -> re.Pattern:
+    return re.compile(re.escape(name) + r"(_\d+)?")
+
+
+def _kernels_from_launches(launches: list[XlaLaunch], wants: dict) -> dict[str, XlaKernel]:
+    """{name: kernel} for `wants` from the launch specs of XLA's executable (see xla_kernels)."""
+    by_entry = {}
+    for spec in launches:
+        by_entry.setdefault(spec.entry, spec)
+    params = {}
+    for e, spec in by_entry.items():
+        decls = cubin_entries(spec.image).get(e)
+        params[e] = decls[0] if decls else None
+
+    def fits(e, num_buffers, threads, grid):
+        spec, decls = by_entry[e], params[e]
+        return (decls is not None and len(decls) == num_buffers
+                and all(".u64" in d for d in decls)
+                and (threads is None or spec.block == (threads, 1, 1))
+                and (grid is None or spec.grid == tuple(grid)))
+
+    out, taken = {}, set()
+    named = {e for e in by_entry if any(_name_pattern(n).fullmatch(e) for n in wants)}
+    for name, want in wants.items():
+        num_buffers, threads, grid = _want(want)
+        matches = sorted((e for e in by_entry if _name_pattern(name).fullmatch(e)), key=len)
+        how_found = "by name"
+        if not matches:
+            sig = [e for e in by_entry if e not in taken and e not in named
+                   and fits(e, num_buffers, threads, grid)]
+            if len(sig) == 1:
+                matches, how_found = sig, "by signature (no kernel carries its name)"
+        if not matches:
+            raise RuntimeError(
+                f"XLA's executable launches no kernel named {name!r} and no single kernel with "
+                f"its signature ({num_buffers} pointers, block {threads}, grid {grid}); it "
+                f"launches {[(s.entry, s.grid, s.block) for s in launches][:8]}")
+        entry = matches[0]
+        spec = by_entry[entry]
+        if not fits(entry, num_buffers, threads, grid):
+            decls = params[entry]
+            raise RuntimeError(
+                f"XLA's kernel {entry} takes {None if decls is None else len(decls)} "
+                f"parameters ({(decls or [])[:3]}...) and is launched with grid {spec.grid}, "
+                f"block {spec.block}; expected {num_buffers} 64-bit pointers, block "
+                f"{threads} and grid {grid}")
+        taken.add(entry)
+        out[name] = XlaKernel(
+            name=name, entry=entry, image=spec.image,
+            image_from=f"cubin from XLA's serialized executable (its kernel launch); found "
+                       f"{how_found}",
+            num_params=len(params[entry]), shared_mem_bytes=spec.shared_mem_bytes,
+            shared_mem_from="XLA's kernel launch in the serialized executable", ptx="",
+            grid=spec.grid, block=spec.block)
+    return out
+
+
+def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, tuple],
                 compile_ptx: Callable[[str], tuple[bytes, str]]) -> dict[str, XlaKernel]:
     """Compile `fn` at `avals` with XLA (this process's default backend must be the GPU) and
     return {name: kernel} for each Pallas call `name` in `wants`, all from the one executable.
 
-    wants[name] = (buffer pointers it takes, threads per block or None). A kernel is found by
-    its name (XLA names it after the Pallas call, `_N` added when the name repeats); failing
-    that, by its signature: the one entry, not otherwise taken, with that many 64-bit
-    parameters and that block size (if several qualify, none is taken).
+    wants[name] = (buffer pointers it takes, threads per block or None[, grid]). Where the
+    serialized executable records its kernel launches (jaxlib 0.11.2: Riegeli records, the
+    GPU executable proto's kernel thunks), each kernel is read from there: cubin, grid, block
+    and dynamic shared memory exactly as XLA launches it (`executable_launches`). Otherwise
+    (older jaxlibs) XLA compiles again with a dump directory and the kernel's PTX, pass log and
+    cubin are read from the dump and the executable (`_kernels_from_dump`).
+    A kernel is found by its name (XLA names it after the Pallas call, `_N` added when the name
+    repeats); failing that, by its signature: the one kernel, not otherwise taken, with that
+    many 64-bit parameters, that block size (and grid); if several qualify, none is taken.
     compile_ptx(ptx) -> (image, how): used only where the executable holds no cubin for it.
-    Raises RuntimeError naming what was not found.
+    Raises RuntimeError naming what was not found or does not match.
     """
+    blob = _serialized_executable(_compile(fn, avals))
+    launches = executable_launches(blob) if blob is not None else []
+    if launches:
+        return _kernels_from_launches(launches, wants)
+    return _kernels_from_dump(fn, avals, wants, compile_ptx)
+
+
+def _kernels_from_dump(fn: Callable, avals: Sequence[Any], wants: dict,
+                       compile_ptx: Callable[[str], tuple[bytes, str]]) -> dict[str, XlaKernel]:
+    """The route for executables that record no kernel launches: see `xla_kernels`."""
     keep = os.environ.get("FUNCMLA_XLA_DUMP_KEEP")  # debugging: keep XLA's dump there
     with tempfile.TemporaryDirectory(prefix="funcmla-xla-") as tmp:
         if keep:
@@ -351,8 +629,11 @@ def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, tuple[int, 
         logs = glob.glob(os.path.join(tmp, "**", "*.triton-passes.log"), recursive=True)
         blob = _serialized_executable(compiled)
         images = elf_images(blob) if blob is not None else []
-        if blob is not None and not images:  # compressed (jaxlib 0.11.2): look inside
-            images = [img for data in executable_payloads(blob)[1:] for img in elf_images(data)]
+        if blob is not None and not images:  # in (compressed) Riegeli records: look inside
+            try:
+                images = [img for rec in executable_records(blob) for img in elf_images(rec)]
+            except ValueError:
+                images = []
         if blob is not None:  # the executable's own PTX (the only PTX if none was dumped)
             for entry, value in ptx_from_blob(blob, "").items():
                 found.setdefault(entry, value)
@@ -376,7 +657,7 @@ def xla_kernels(fn: Callable, avals: Sequence[Any], wants: dict[str, tuple[int, 
 
         out, taken = {}, set()
         for name, want in wants.items():
-            num_buffers, threads = want if isinstance(want, tuple) else (want, None)
+            num_buffers, threads, _grid = _want(want)
             pattern = re.compile(re.escape(name) + r"(_\d+)?")
             matches = sorted((e for e in found if pattern.fullmatch(e)), key=len)
             how_found = "by name"

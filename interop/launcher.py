@@ -10,10 +10,11 @@ The mechanism (evidence, alternatives and H200 numbers in docs/torch_launcher.md
    the merge kernel (`funcmla.attention.pallas.merge`) when it splits the KV.
 2. **Compile**, by one of two routes (`kernel_route`):
    * "xla" (default where JAX has a GPU backend in this process): XLA compiles that same jitted
-     JAX path and the launcher takes XLA's own result for each kernel: the cubin from the
-     serialized executable, the symbol and parameters from XLA's PTX, the dynamic shared memory
-     from XLA's Triton pass log (`interop/_xla_kernels.py`). The launcher then runs the machine
-     code `mla_decode` runs, so outputs are bit-identical.
+     JAX path and the launcher takes XLA's own result for each kernel from the serialized
+     executable: cubin, symbol, grid, block and dynamic shared memory as XLA launches them
+     (jaxlib 0.11.2; older jaxlibs: XLA's dumped PTX and Triton pass log,
+     `interop/_xla_kernels.py`). The launcher then runs the machine code `mla_decode` runs, so
+     outputs are bit-identical.
    * "triton" (fallback; no GPU backend needed): the Triton IR is compiled with the `triton`
      package (3.6 on the H200 image), or PTX with ptxas. Same kernels, but another Triton
      compiles them to other machine code: not bit-identical to XLA's (2-298 bf16 ulp seen).
@@ -504,7 +505,7 @@ def _xla_images(plan: "DecodePlan") -> dict[str, CompiledImage]:
     fn, avals = plan.source
     calls = plan.calls
     got = _xla_kernels.xla_kernels(
-        fn, avals, {c.name: (len(c.operands) + len(c.results), 32 * c.num_warps)
+        fn, avals, {c.name: (len(c.operands) + len(c.results), 32 * c.num_warps, tuple(c.grid))
                     for c in calls}, compile_ptx)
     out = {}
     for c in calls:

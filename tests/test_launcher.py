@@ -665,13 +665,125 @@ def test_snappy_blocks_decode_with_literals_and_overlapping_copies():
                 b"\x05\x0cabcd"):            # longer than announced
         with pytest.raises(ValueError):
             _xla_kernels.snappy_decompress(bad)
-    cubin = _cubin_with_info({"k": ([8] * 3, None)})
-    blob = b"\x0a\x07header" + _snappy_literal_block(b"proto" + cubin + b"more")
-    payloads = _xla_kernels.executable_payloads(blob)
-    assert len(payloads) == 2 and cubin in payloads[1]
-    assert [_xla_kernels.cubin_entries(i) for i in _xla_kernels.elf_images(payloads[1])] == \
-        [{"k": ([f".param .u64 p{i}" for i in range(3)], None)}]
-    assert _xla_kernels.executable_payloads(b"no snappy here") == [b"no snappy here"]
+    block = _snappy_literal_block(b"0123456789" * 30)  # 300 bytes: several literal runs
+    assert _xla_kernels.snappy_decompress(block) == b"0123456789" * 30
+
+
+_RIEGELI_START = bytes.fromhex(
+    "83af70d10d884a3f00000000000000004000000000000000"
+    "91bac23c9287e1a90000000000000000e19f13c0e9b1c372"
+    "73000000000000000000000000000000")
+
+
+def _riegeli_file(chunks: list[tuple[list[bytes], str]], *, kind: int = 0x72) -> bytes:
+    """A Riegeli file of simple chunks, each (records, compression "" or "s"), hashes zero, with
+    a 24-byte block header at every 64 KiB boundary (as Riegeli writes them)."""
+    logical = bytearray(_RIEGELI_START[24:])  # the signature chunk
+    for records, compression in chunks:
+        sizes = b"".join(_varint(len(r)) for r in records)
+        values = b"".join(records)
+        if compression == "s":
+            sizes = _varint(len(sizes)) + _snappy_literal_block(sizes)
+            values = _varint(len(values)) + _snappy_literal_block(values)
+        data = bytes([0x73 if compression == "s" else 0]) + _varint(len(sizes)) + sizes + values
+        logical += struct.pack("<5Q", 0, len(data), 0, kind | len(records) << 8,
+                               sum(map(len, records))) + data
+    out, pos = bytearray(), 0
+    while pos < len(logical):
+        out += _RIEGELI_START[:24] if not out else bytes(24)  # block header
+        out += logical[pos:pos + 65536 - 24]
+        pos += 65536 - 24
+    return bytes(out)
+
+
+def test_riegeli_records_read_simple_chunks_across_block_boundaries():
+    big = bytes(range(256)) * 300  # 76800 bytes: the file spans two 64 KiB blocks
+    f = _riegeli_file([([b"meta", b"", b"x" * 200], "s"), ([big, b"tail"], "")])
+    assert len(f) > 65536
+    assert _xla_kernels.riegeli_records(f) == [b"meta", b"", b"x" * 200, big, b"tail"]
+    inner = _riegeli_file([([b"gpu-executable-proto"], "s")])
+    outer = b"\x05header" + _riegeli_file([([b"type", inner, b"options"], "s")])
+    assert _xla_kernels.executable_records(outer) == [b"type", b"gpu-executable-proto",
+                                                      b"options"]
+    assert _xla_kernels.executable_records(b"no riegeli") == []
+    # a file inside a longer blob (jax's pickle): reading stops where the file ends
+    assert _xla_kernels.executable_records(b"head" + inner + b"\x94\x8c\x05trail") == \
+        [b"gpu-executable-proto"]
+    with pytest.raises(ValueError, match="not a Riegeli file"):
+        _xla_kernels.riegeli_records(b"x" + f)
+    with pytest.raises(ValueError, match="truncated"):
+        _xla_kernels.riegeli_records(f[:-10])
+    with pytest.raises(ValueError, match="type 't'"):  # transposed chunks are not read
+        _xla_kernels.riegeli_records(_riegeli_file([([b"r"], "")], kind=0x74))
+    zstd = bytearray(_riegeli_file([([b"abc"], "")]))
+    zstd[64 + 40] = 0x7A  # compression byte of the chunk: 'z'
+    with pytest.raises(ValueError, match="compressed with 'z'"):
+        _xla_kernels.riegeli_records(bytes(zstd))
+    lying = bytearray(_riegeli_file([([b"abc", b"de"], "")]))
+    lying[64 + 25] = 3  # the header announces 3 records; the sizes list holds 2
+    with pytest.raises(ValueError, match="2 record sizes"):
+        _xla_kernels.riegeli_records(bytes(lying))
+
+
+# Serialized executables captured on the H200 (jax/jaxlib 0.11.2, CUDA 13, 2026-11-30):
+# `compiled.runtime_executable().serialize()` of (a) a one-kernel Pallas probe (128 floats,
+# x * 2 + 1, 4 warps) and (b) mla_decode for B=32, H=16, 1024-token CSR, 4 splits (decode +
+# merge). The grid, block and shared memory below are what CUPTI recorded XLA launching
+# (cuLaunchKernelEx) in the same run; launching these cubins from the launcher gave outputs
+# bit-identical to the executable's.
+_DATA = __import__("pathlib").Path(__file__).parent / "data"
+
+
+def test_launch_specs_of_real_jaxlib_0112_executables():
+    probe = (_DATA / "xla_executable_probe_jaxlib0112.bin").read_bytes()
+    [k] = _xla_kernels.executable_launches(probe)
+    assert (k.entry, k.grid, k.block, k.shared_mem_bytes) == ("probe_kernel", (1, 1, 1),
+                                                              (128, 1, 1), 0)
+    assert _xla_kernels.cubin_entries(k.image)["probe_kernel"][0] == \
+        [".param .u64 p0", ".param .u64 p1"]
+    split = (_DATA / "xla_executable_decode_split_jaxlib0112.bin").read_bytes()
+    got = {k.entry: k for k in _xla_kernels.executable_launches(split)}
+    dec, mer = got["mla_decode_ps1_m16_kv64"], got["funcmla_merge_s4_d64"]
+    assert (dec.grid, dec.block, dec.shared_mem_bytes) == ((1, 4, 32), (128, 1, 1), 168960)
+    assert (mer.grid, mer.block, mer.shared_mem_bytes) == ((32, 1, 8), (128, 1, 1), 0)
+    assert dec.image[:4] == mer.image[:4] == b"\x7fELF" and dec.image != mer.image
+    assert _xla_kernels.elf_images(dec.image) == [dec.image]  # a whole image, cut exactly
+    assert list(_xla_kernels.cubin_entries(dec.image)) == ["mla_decode_ps1_m16_kv64"]
+    assert len(_xla_kernels.cubin_entries(mer.image)["funcmla_merge_s4_d64"][0]) == 4
+    # jax's pickle around the same bytes reads the same
+    wrapped = b"\x80\x05\x95" + split + b"\x94\x85\x94."
+    assert [k.entry for k in _xla_kernels.executable_launches(wrapped)] == list(got)
+
+
+def test_xla_route_takes_kernels_from_the_executables_launches(monkeypatch):
+    split = (_DATA / "xla_executable_decode_split_jaxlib0112.bin").read_bytes()
+    monkeypatch.setattr(_xla_kernels, "_compile", lambda fn, avals: object())
+    monkeypatch.setattr(_xla_kernels, "_serialized_executable", lambda c: split)
+
+    def no_dump(*a):
+        raise AssertionError("the dump route must not run when the executable has launches")
+
+    monkeypatch.setattr(_xla_kernels, "_compile_with_dump", no_dump)
+    wants = {"mla_decode_ps1_m16_kv64": (6, 128, (1, 4, 32)),
+             "funcmla_merge_s4_d64": (4, 128, (32, 1, 8))}
+    got = _xla_kernels.xla_kernels(None, (), wants, None)
+    dec, mer = got["mla_decode_ps1_m16_kv64"], got["funcmla_merge_s4_d64"]
+    assert (dec.entry, dec.num_params, dec.shared_mem_bytes, dec.grid) == (
+        "mla_decode_ps1_m16_kv64", 6, 168960, (1, 4, 32))
+    assert (mer.num_params, mer.shared_mem_bytes, mer.block) == (4, 0, (128, 1, 1))
+    assert "kernel launch" in dec.image_from and "kernel launch" in dec.shared_mem_from
+    # unnamed kernel: the one launch with its signature
+    other = _xla_kernels.xla_kernels(None, (), {"other": (4, 128, (32, 1, 8))}, None)["other"]
+    assert other.entry == "funcmla_merge_s4_d64" and "by signature" in other.image_from
+    with pytest.raises(RuntimeError, match="no kernel named 'other'"):  # grid differs
+        _xla_kernels.xla_kernels(None, (), {"other": (4, 128, (32, 2, 8))}, None)
+    with pytest.raises(RuntimeError, match="grid"):  # named, but XLA launches another grid
+        _xla_kernels.xla_kernels(None, (), {"mla_decode_ps1_m16_kv64": (6, 128, (1, 2, 32))},
+                                 None)
+    with pytest.raises(RuntimeError, match="expected 5 64-bit pointers"):
+        _xla_kernels.xla_kernels(None, (), {"mla_decode_ps1_m16_kv64": 5}, None)
+    with pytest.raises(RuntimeError, match="block 256"):
+        _xla_kernels.xla_kernels(None, (), {"funcmla_merge_s4_d64": (4, 256)}, None)
 
 
 def test_pass_log_takes_the_last_shared_allocation(tmp_path):
@@ -726,6 +838,7 @@ def _fake_xla(monkeypatch, tmp_path, *, blob, log_shared, dump_ptx=True):
                         f"module attributes {{ttg.shared = {log_shared} : i32}}\n")
         return object(), {"xla_dump_emitter_re": "triton-fusion"}, []
 
+    monkeypatch.setattr(_xla_kernels, "_compile", lambda fn, avals: object())
     monkeypatch.setattr(_xla_kernels, "_compile_with_dump", compile_with_dump)
     monkeypatch.setattr(_xla_kernels, "_serialized_executable", lambda c: blob)
     return two
