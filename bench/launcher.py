@@ -14,15 +14,21 @@ launch queue never fills and GPU time never leaks into host time.
   graph_replay_61          replay of a 61-layer graph (one decode per layer), per replay
   launcher[c]              the launcher, out/lse given, the same tensors every call
   launcher_61_layers[c]    the launcher over 61 layers' q/kv_pool/out/lse in turn (a step)
+  launcher_side_stream[c]  the launcher with torch's current stream a created one (not 0)
   launcher_alloc[c]        the launcher allocating out/lse
   launcher_ctypes[c]       the launcher with the pure-ctypes launch path (no C helper)
   launcher_pychecks[c]     the launcher with the argument checks in Python (C helper launches)
   launcher_no_driver[c]    the launcher's whole host path against a no-op cuLaunchKernel
   program_run[c]           one foreign call launching the program's kernels (driver cost)
+  empty_kernel_x{1,2}[shape,stream]  the same program path launching an empty kernel (`ret;`,
+                           six pointers) once / twice: grid 1 or the decode's launch shape,
+                           stream 0 or a created stream (the driver's floor per launch)
+  program_run_split[stream]  the split program's two launches on stream 0 / a created stream
 c: "s1" one split (decode kernel only: one launch), "split" (decode + merge: two launches).
 
 Checks (PASS/FAIL, all in the JSON): bitwise (launcher == mla_decode via DLPack, out and lse,
-for B 1/32/128, heads 16/128, split and unsplit, page size 1 and 64, padded rows); graph61 (61
+for B 1/32/128, heads 16/128, split and unsplit, page size 1 and 64, padded rows; verdict
+xla_route: every launcher ran XLA's own cubins); graph61 (61
 calls captured once, replayed twice with new q and new metadata == uncaptured calls, and
 layer 0 == the JAX path); misuse (12 kinds raise LauncherArgumentError, outputs untouched).
 
@@ -614,7 +620,12 @@ def main(argv=None):
         from bench.timing import print_table
 
         base = RESULTS["timings_us"].get("torch_add_128")
-        rows = [[k, v, (v / base) if base else float("nan")]
+        try:
+            from rich.markup import escape  # "[s1]" would read as markup
+        except ImportError:
+            def escape(text):
+                return text
+        rows = [[escape(k), v, (v / base) if base else float("nan")]
                 for k, v in RESULTS["timings_us"].items()]
         print_table("host time per call (median, us)", ["path", "us", "x torch_add_128"], rows)
     except Exception as err:  # noqa: BLE001

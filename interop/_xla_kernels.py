@@ -244,7 +244,7 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 def snappy_decompress(buf: bytes, start: int = 0) -> bytes:
     """Raw Snappy block format (preamble: uncompressed length as a varint; then literals and
-    back-copies). XLA compresses the executables it serializes; the cubins are inside.
+    back-copies): the compression of the Riegeli chunks XLA serializes executables into.
     Raises ValueError on anything that is not a well-formed block."""
     try:
         total, pos = _varint(buf, start)

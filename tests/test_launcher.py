@@ -4,8 +4,9 @@ CPU (always): the protobuf and PTX readers against hand-built inputs, the kernel
 the JAX path's CUDA lowering against the decode kernel's grid and signature, plan caching,
 config validation, argument checks (every misuse names the argument and launches nothing), the
 pointer wiring of whole decode calls through the real launch program (the C helper and the
-pure-ctypes path, with a recording cuLaunchKernel stand-in), and the XLA-route readers (ELF
-images, Triton pass logs) on hand-built inputs.
+pure-ctypes path, with a recording cuLaunchKernel stand-in), and the XLA-route readers: Riegeli
+records and kernel launches of two executables serialized on the H200 (tests/data/), and
+hand-built Riegeli files, ELF images, PTX and Triton pass logs.
 GPU (skipped without CUDA torch + JAX GPU): bit-identity with `mla_decode` (token CSR and page
 table, split and unsplit), CUDA-graph capture and replay with new data, misuse on the device.
 """
