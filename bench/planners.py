@@ -15,12 +15,17 @@ measures:
   * device_busy_us / device_span_us (--profile-batches, GPU): from a jax.profiler trace
     (CUPTI), the sum of the plan's kernel durations and the median span from its first kernel's
     start to its last kernel's end (gaps included), with the kernels listed in the log;
+  * device_primed_us (--profile-batches, GPU): that span again with every call queued behind a
+    long spin kernel (bench.timing.queue_prime), so that all the plan's kernels are queued
+    before the first one starts: the device's own time, without the host's launch gaps (what
+    a serving step sees when the host runs ahead of the GPU);
   * oracle_us: the NumPy serial oracle (plan_mla_decode_reference) on the host, the baseline;
   * match: the plan equals the oracle field by field.
 Fill implementations: "scan" (lax.scan), "pallas" (the walk as one Pallas program, the rest in
-XLA) and "fused" (walk, derivation and every output in one Pallas program); the Pallas ones are
-compiled with the Triton backend on GPU and run in interpret mode elsewhere, so --fills scan is
-the CPU default.
+XLA) and "fused" (the walk, then derivation and every output, as two Pallas programs); the
+Pallas ones are compiled with the Triton backend on GPU and run in interpret mode elsewhere, so
+--fills scan is the CPU default. A suffix picks the Pallas walk: "fused/tiles" (one step per
+tile), "fused/chase" (the chase over events), none: "auto".
 
 Usage: python bench/planners.py [--out out/] [--batches 1,16,64,256,1024]
        [--fills scan,pallas,fused] [--configs mi300x-h16,...] [--planners decode,prefill]
@@ -137,23 +142,24 @@ def _first_then_median(what, fn, reps):
     return got, compile_s, median_time_s(fn, reps=reps, min_time_s=0.05)
 
 
-def _chained(cfg, fill_impl, k):
+def _chained(cfg, fill_impl, k, walk="auto"):
     """k plans back to back in one jit, each input depending (trivially) on the previous plan."""
 
     def run(qo, kv, last):
         dep = jnp.int32(0)
         plan = None
         for _ in range(k):
-            plan = plan_mla_decode(qo, kv + dep, last, config=cfg, fill_impl=fill_impl)
+            plan = plan_mla_decode(qo, kv + dep, last, config=cfg, fill_impl=fill_impl,
+                                   walk=walk)
             dep = jnp.minimum(plan.num_works, 0)  # always 0, opaque to XLA
         return plan
 
     return jax.jit(run)
 
 
-def _device_time_us(cfg, fill_impl, args, k=4, reps=10):
-    one = _chained(cfg, fill_impl, 1)
-    many = _chained(cfg, fill_impl, k)
+def _device_time_us(cfg, fill_impl, args, k=4, reps=10, walk="auto"):
+    one = _chained(cfg, fill_impl, 1, walk)
+    many = _chained(cfg, fill_impl, k, walk)
     jax.block_until_ready(one(*args))
     jax.block_until_ready(many(*args))
     t1 = median_time_s(lambda: jax.block_until_ready(one(*args)), reps=reps, min_time_s=0.05)
@@ -175,9 +181,11 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                 reps=3 if batch >= 256 else 7)
             args = tuple(jnp.asarray(x) for x in (qo, kv, last))
             for fill in fills:
-                def fn(fill=fill):
+                impl, _, walk = fill.partition("/")
+
+                def fn(impl=impl, walk=walk or "auto"):
                     return jax.block_until_ready(
-                        plan_mla_decode_jit(*args, config=cfg, fill_impl=fill))
+                        plan_mla_decode_jit(*args, config=cfg, fill_impl=impl, walk=walk))
 
                 timed = _first_then_median(f"decode {name} B={batch} {fill}", fn, reps)
                 if timed is None:
@@ -186,14 +194,17 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                 dev_us = None
                 if device_time and (device_time_batches is None or batch in device_time_batches):
                     dev_us = _try(f"device time {name} B={batch} {fill}", _device_time_us,
-                                  cfg, fill, args)
-                prof = None
+                                  cfg, impl, args, walk=walk or "auto")
+                prof = primed = None
                 if batch in profile_batches:
                     prof = _try(f"profile {name} B={batch} {fill}", device_kernel_times, fn)
+                    primed = _try(f"primed profile {name} B={batch} {fill}",
+                                  device_kernel_times, fn, primed=True)
                     if prof:
                         log(f"profile {name} B={batch} {fill}: {prof['kernels_per_call']:.1f} "
                             f"kernels/call, busy {prof['busy_us_per_call']:.1f} us/call, "
-                            f"span {prof['span_us']:.1f} us")
+                            f"span {prof['span_us']:.1f} us, primed span "
+                            f"{primed['span_us'] if primed else float('nan'):.1f} us")
                         for kern in prof["kernels"][:12]:
                             log(f"    {kern['total_us_per_call']:7.2f} us/call "
                                 f"x{kern['per_call']:.0f}  {kern['name'][:90]}")
@@ -205,7 +216,8 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                            match=_plans_equal(got, ref),
                            device_busy_us=prof["busy_us_per_call"] if prof else None,
                            device_span_us=prof["span_us"] if prof else None,
-                           profile=prof)
+                           device_primed_us=primed["span_us"] if primed else None,
+                           profile=prof, primed_profile=primed)
                 rows.append(row)
                 log(f"decode {name:22s} B={batch:5d} {fill:6s} host {row['host_us']:9.1f} us"
                     f"  device {dev_us if dev_us is None else round(dev_us, 1)} us"
@@ -224,9 +236,12 @@ def check_decode(fills=("scan", "pallas"), batches=(7, 300)):
                 ref = plan_mla_decode_reference(qo, kv, last, config=cfg)
                 args = tuple(jnp.asarray(x) for x in (qo, kv, last))
                 for fill in fills:
+                    impl, _, walk = fill.partition("/")
                     got = _try(f"check {name} B={batch} {fill}", plan_mla_decode_jit, *args,
-                               config=cfg, fill_impl=fill)
-                    ok = got is not None and _plans_equal(got, ref)
+                               config=cfg, fill_impl=impl, walk=walk or "auto")
+                    if got is None:  # refused (e.g. walk "chase" with the tail rule): logged
+                        continue
+                    ok = _plans_equal(got, ref)
                     rows.append(dict(config=name, batch=batch, seed=seed, fill=fill, match=ok))
                     if not ok:
                         log(f"MISMATCH {name} B={batch} seed={seed} fill={fill}")
@@ -473,11 +488,12 @@ def main(argv=None):
               "" if r.get("device_us") is None else r["device_us"],
               "" if r.get("device_busy_us") is None else r["device_busy_us"],
               "" if r.get("device_span_us") is None else r["device_span_us"],
+              "" if r.get("device_primed_us") is None else r["device_primed_us"],
               r.get("oracle_us", ""), r.get("speedup_vs_oracle", ""), r.get("match", "")]
              for r in payload["rows"]]
     _print_table(f"work planners on {env['device']} (us; median)",
                  ["planner", "config", "batch", "fill", "tiles", "works", "host us",
-                  "device us", "kernels us", "span us", "oracle us", "oracle/host", "match"], table)
+                  "device us", "kernels us", "span us", "primed us", "oracle us", "oracle/host", "match"], table)
     save()
     log("wrote", json_path)
     png = _plot(payload["rows"], os.path.join(args.out, "planners.png"))

@@ -59,20 +59,48 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     Console().print(table)
 
 
-def device_kernel_times(fn: Callable[[], object], *, reps: int = 20) -> dict | None:
+PRIME_KERNEL = "bench_queue_prime"
+
+
+def queue_prime(iters: int = 100_000) -> Callable[[], object]:
+    """A jitted call (not blocking) whose single GPU kernel, named PRIME_KERNEL, spins for about
+    `iters` dependent multiply-adds (~0.2 ms on an H200 at 100k): run before a call, it keeps the
+    stream busy until the host has queued all of that call's kernels, so the call's span shows
+    device time only, not the host's launch gaps. GPU (Triton backend) only."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    def spin(x_ref, o_ref):
+        o_ref[...] = lax.fori_loop(0, iters, lambda i, v: v * 0.999 + 1e-3, x_ref[...])
+
+    call = jax.jit(pl.pallas_call(spin, out_shape=jax.ShapeDtypeStruct((32,), jnp.float32),
+                                  name=PRIME_KERNEL))
+    x = jnp.ones((32,), jnp.float32)
+    jax.block_until_ready(call(x))
+    return lambda: call(x)
+
+
+def device_kernel_times(fn: Callable[[], object], *, reps: int = 20,
+                        primed: bool = False) -> dict | None:
     """Per-kernel device time of `fn()` (which must block), from a JAX profiler trace.
 
     Runs `fn` `reps` times under `jax.profiler.trace`, reads the Perfetto JSON it writes and
     keeps the complete events of the GPU device's streams (CUPTI kernel and memcpy records);
-    see `trace_kernel_stats` for what is returned. None when the trace holds no device events
+    see `trace_kernel_stats` for what is returned. primed: each call is queued behind a
+    `queue_prime` kernel (left out of the statistics), so that "span_us" is the device's time
+    for the call with every kernel already queued. None when the trace holds no device events
     (CPU backend, or no CUPTI)."""
     import gzip
     import tempfile
 
+    prime = queue_prime() if primed else None
     fn()
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(reps):
+                if prime is not None:
+                    prime()
                 fn()
         paths = [os.path.join(root, f) for root, _, files in os.walk(d) for f in files
                  if f.endswith("perfetto_trace.json.gz")]
@@ -81,10 +109,11 @@ def device_kernel_times(fn: Callable[[], object], *, reps: int = 20) -> dict | N
         with gzip.open(paths[0]) as f:
             trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return trace_kernel_stats(events, reps)
+    return trace_kernel_stats(events, reps, prime_name=PRIME_KERNEL if primed else None)
 
 
-def trace_kernel_stats(events: list[dict], reps: int) -> dict | None:
+def trace_kernel_stats(events: list[dict], reps: int, *,
+                       prime_name: str | None = None) -> dict | None:
     """Kernel statistics of `reps` blocking calls from Chrome/Perfetto trace events.
 
     Device events are the complete ("X") events of processes named "/device:GPU...". Returns
@@ -92,7 +121,9 @@ def trace_kernel_stats(events: list[dict], reps: int) -> dict | None:
     over calls of last kernel end - first kernel start: the device time a caller waits for,
     gaps between kernels included), "kernels": [{"name", "per_call", "median_us",
     "total_us_per_call"}...] by total time}, or None without device events. Calls are told
-    apart by the reps - 1 largest gaps between consecutive kernels (the host round trips)."""
+    apart by the reps - 1 largest gaps between consecutive kernels (the host round trips), or,
+    with `prime_name`, by the kernels whose name contains it (one before each call; they are
+    left out of every figure)."""
     from collections import defaultdict
 
     device_pids = {e["pid"] for e in events
@@ -100,19 +131,31 @@ def trace_kernel_stats(events: list[dict], reps: int) -> dict | None:
                    and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
     kern = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
                   if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e)
+    if prime_name is not None:
+        groups, cur = [], None
+        for k in kern:
+            if prime_name in k[2]:
+                cur = []
+                groups.append(cur)
+            elif cur is not None:
+                cur.append(k)
+        groups = [g for g in groups if g]
+        kern = [k for g in groups for k in g]
     if not kern:
         return None
     durs: dict[str, list[float]] = defaultdict(list)
     for _, dur, name in kern:
         durs[name].append(dur)
-    gaps = sorted(range(1, len(kern)), key=lambda i: kern[i][0] - (kern[i - 1][0] +
-                                                                   kern[i - 1][1]))
-    cuts = sorted(gaps[len(gaps) - (reps - 1):]) if reps > 1 and len(gaps) >= reps - 1 else []
-    spans, start = [], 0
-    for cut in cuts + [len(kern)]:
-        group = kern[start:cut]
-        spans.append(max(t + d for t, d, _ in group) - group[0][0])
-        start = cut
+    if prime_name is None:
+        gaps = sorted(range(1, len(kern)), key=lambda i: kern[i][0] - (kern[i - 1][0] +
+                                                                       kern[i - 1][1]))
+        cuts = sorted(gaps[len(gaps) - (reps - 1):]) if reps > 1 and len(gaps) >= reps - 1 \
+            else []
+        groups, start = [], 0
+        for cut in cuts + [len(kern)]:
+            groups.append(kern[start:cut])
+            start = cut
+    spans = [max(t + d for t, d, _ in group) - group[0][0] for group in groups]
     kernels = sorted(({"name": name, "per_call": len(v) / reps,
                        "median_us": statistics.median(v), "total_us_per_call": sum(v) / reps}
                       for name, v in durs.items()), key=lambda k: -k["total_us_per_call"])

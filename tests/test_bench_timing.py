@@ -38,3 +38,18 @@ def test_unsorted_events_and_a_single_call():
 
 def test_no_device_events():
     assert trace_kernel_stats(_trace([]), reps=5) is None
+
+
+def test_primed_calls_are_cut_at_the_prime_kernels():
+    # Each call is queued behind a long prime kernel: calls are split there, primes left out.
+    # The gap inside call 2 (20 us) is larger than the gap between calls' kernels and the next
+    # prime, so cutting at the largest gaps would split it wrongly.
+    calls = [[(0.0, 500.0, "bench_queue_prime_kernel"), (500.5, 2.0, "prep"),
+              (503.0, 5.0, "main")],
+             [(509.0, 500.0, "bench_queue_prime_kernel"), (1009.5, 2.0, "prep"),
+              (1031.5, 5.0, "main")]]
+    got = trace_kernel_stats(_trace(calls), reps=2, prime_name="bench_queue_prime")
+    assert got["kernels_per_call"] == 2
+    assert got["busy_us_per_call"] == pytest.approx(7.0)
+    assert got["span_us"] == pytest.approx((7.5 + 27.0) / 2)
+    assert {k["name"] for k in got["kernels"]} == {"prep", "main"}

@@ -24,6 +24,7 @@ from funcmla.planners.decode import (
     fill_tiles_scan,
     plan_mla_decode_jit,
 )
+from funcmla.planners.decode_chase import chase_states
 from funcmla.planners.decode_fill_pallas import fill_tiles_pallas
 from funcmla.planners.decode_sizes import mla_decode_plan_sizes
 from funcmla.planners.oracle_decode import plan_mla_decode_reference
@@ -452,6 +453,71 @@ def test_fill_advance_closed_form_for_nonempty_tiles(parallel, seed, ov):
     want_cu = cu + abandon + np.maximum(0, (p0 + n + ov - 1) // bpc)
     np.testing.assert_array_equal(np.asarray(got_r), want_r)
     np.testing.assert_array_equal(np.asarray(got_cu), want_cu)
+
+
+@functools.lru_cache(maxsize=None)
+def _chase_jit(params):
+    return jax.jit(lambda n, p, b: chase_states(n, p, b, params=params))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**31), ov=st.sampled_from([0, 1, 4, 16]),
+       size=st.sampled_from([1, 7, 64, 300]), hi=st.sampled_from([1, 5, 100, 4000]),
+       p_zero=st.sampled_from([0.0, 0.1, 0.5]), p_empty=st.sampled_from([0.0, 0.2]),
+       clusters=st.sampled_from([1, 8, 80, 304]))
+def test_chase_equals_the_tile_walk(parallel, seed, ov, size, hi, p_zero, p_empty, clusters):
+    # The chase over events (decode_chase) gives the walk's state before every tile: empty
+    # slots, zero-length tiles under both zero-KV rules, few and many clusters.
+    rng = np.random.default_rng(seed)
+    n = rng.integers(1, hi + 1, size)
+    n[rng.random(size) < p_zero] = 0
+    n[rng.random(size) < p_empty] = -1
+    payload = -(-int(np.where(n >= 0, n + ov, 0).sum()) // clusters) + ov
+    bpc = payload - ov
+    if bpc <= ov:  # the chase's precondition; make the clusters wider instead
+        bpc = ov + 1 + int(rng.integers(0, 8))
+        payload = bpc + ov
+    params = FillParams(ov, parallel, tail_rule=False, empty_slots=True)
+    nj = jnp.asarray(n, jnp.int32)
+    tiles = fill_inputs(nj, jnp.full((size,), NEVER, jnp.int32), jnp.int32(payload),
+                        jnp.int32(bpc), params=params)
+    want = np.asarray(_fills(params, 4)[0](tiles, jnp.int32(payload), jnp.int32(bpc)))
+    cu, remain = _chase_jit(params)(nj, jnp.int32(payload), jnp.int32(bpc))
+    np.testing.assert_array_equal(np.asarray(cu), want[:, 0])
+    np.testing.assert_array_equal(np.asarray(remain), want[:, 1])
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_walk(params, walk):
+    return jax.jit(lambda t, p, b: fill_tiles_pallas(t, p, b, params=params, walk=walk,
+                                                     interpret=True))
+
+
+@pytest.mark.parametrize("walk", ["chase", "auto"])
+@settings(max_examples=4)
+@given(seed=st.integers(0, 2**31))
+def test_pallas_chase_matches_scan(walk, seed):
+    # The chase inside the Pallas walk kernel (interpret mode): forced, and chosen at run time
+    # (lax.cond on bpc: either branch, depending on the drawn payload).
+    rng = np.random.default_rng(seed)
+    params = FillParams(16, True, tail_rule=False, empty_slots=True)
+    tiles, payload, bpc = random_tiles(rng, 22, 16, params)
+    want = np.asarray(_fills(params, 4)[0](tiles, payload, bpc))
+    got = np.asarray(_pallas_walk(params, walk)(tiles, payload, bpc))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_chase_refused_where_it_cannot_run():
+    tiles = jnp.zeros((4, 8), jnp.int32)
+    with pytest.raises(ValueError, match="tail rule"):
+        fill_tiles_pallas(tiles, jnp.int32(20), jnp.int32(4), params=FillParams(16, True),
+                          walk="chase", interpret=True)
+    with pytest.raises(ValueError, match="walk must be one of"):
+        fill_tiles_pallas(tiles, jnp.int32(20), jnp.int32(4), params=FillParams(16, True),
+                          walk="parallel", interpret=True)
+    with pytest.raises(ValueError, match="tail-merge rule"):
+        chase_states(jnp.zeros((4,), jnp.int32), 20, 4, params=FillParams(16, True))
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm"), reason="needs a GPU")

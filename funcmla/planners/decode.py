@@ -15,12 +15,13 @@ and a tile that does not fit is cut into split-KV fragments. Only the walk over 
 sequential; it carries only `(cu, R)` = (current cluster, payload left) with a short,
 branch-free and division-free step (`fill_advance`; divisions by the runtime blocks-per-cluster
 count are done vectorised beforehand, `fill_inputs`) and records the state before each tile
-(`fill_tiles`: a `lax.scan`, or one Pallas program, `decode_fill_pallas.py`). From those states
+(`fill_tiles`: a `lax.scan`, or one Pallas program, `decode_fill_pallas.py`, which where it pays
+off runs a chase over the rare *events* of the walk instead, `decode_chase.py`). From those states
 `fill_step` derives, for all tiles at once, the start cluster, the end of the first fragment,
 the number of fragments and whether the causal tail rule merged the last fragment. Everything
 else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`. On a GPU, up to
-512 tile slots, the default (`fill_impl="fused"`) runs the walk and everything after it as ONE
-Pallas program (`decode_fused_pallas.py`): XLA's form of that tail is ~19 kernels of 1-2 us.
+512 tile slots, the default (`fill_impl="fused"`) runs the walk and everything after it as two
+Pallas programs (`decode_fused_pallas.py`): XLA's form of that tail is ~19 kernels of 1-2 us.
 
 Parallel vs serial. AITER runs a "parallel" planner when `max_seqlen_qo == 1`, no qo split, no
 head folding, `page_size == 1` and the batch fits in LDS, and a "serial" one otherwise. They
@@ -514,9 +515,11 @@ def default_fill_impl(num_slots: int = 1) -> str:
     return "fused" if num_slots <= FUSED_MAX_SLOTS else "pallas"
 
 
-def fill_tiles(tiles, payload, bpc, *, params: FillParams, fill_impl: str = "auto"):
+def fill_tiles(tiles, payload, bpc, *, params: FillParams, fill_impl: str = "auto",
+               walk: str = "auto"):
     """The walk: "scan", "pallas" (interpret mode off-GPU) or "auto" (pallas on GPU).
-    tiles: int32 [S, 8] (TILE_FIELDS) -> int32 [S, 2] (FILL_STATE_FIELDS, before each tile)."""
+    tiles: int32 [S, 8] (TILE_FIELDS) -> int32 [S, 2] (FILL_STATE_FIELDS, before each tile).
+    walk: how the Pallas fill gets there (`decode_fill_pallas.walk_or_chase`)."""
     if fill_impl == "auto":
         fill_impl = "pallas" if _on_gpu() else "scan"
     if fill_impl == "scan":
@@ -524,7 +527,7 @@ def fill_tiles(tiles, payload, bpc, *, params: FillParams, fill_impl: str = "aut
     if fill_impl == "pallas":
         from funcmla.planners.decode_fill_pallas import fill_tiles_pallas
 
-        return fill_tiles_pallas(tiles, payload, bpc, params=params)
+        return fill_tiles_pallas(tiles, payload, bpc, params=params, walk=walk)
     raise ValueError(f"fill_impl must be 'scan', 'pallas' or 'auto', got {fill_impl!r}")
 
 
@@ -612,6 +615,7 @@ def plan_mla_decode(
     config: DecodePlanConfig,
     batch_size: int | None = None,
     fill_impl: str = "auto",
+    walk: str = "auto",
 ) -> WorkPlan:
     """AITER `get_mla_metadata_v1` (fast mode) as a pure function. jit with config, batch_size
     and fill_impl static.
@@ -622,8 +626,11 @@ def plan_mla_decode(
     kv_last_page_lens: int32 [B]   tokens in each request's last page (page_size > 1 only).
     batch_size:        request capacity the buffers are sized for (>= B; default B), as in
                        `get_mla_metadata_info_v1(batch_size, ...)`.
-    fill_impl:         "scan" | "pallas" (walk only) | "fused" (walk and everything after
-                       it in one Pallas program) | "auto" (`default_fill_impl`).
+    fill_impl:         "scan" | "pallas" (walk only) | "fused" (walk, then everything after
+                       it, as two Pallas programs) | "auto" (`default_fill_impl`).
+    walk:              for the Pallas fills: "auto" (the chase over events where it pays
+                       off, decided in the kernel) | "chase" | "tiles" (one step per tile);
+                       see `decode_fill_pallas.walk_or_chase`. Same plan either way.
 
     Returns a WorkPlan (kind="decode", block_size=page_size) whose buffers have the shapes of
     `mla_decode_plan_sizes(batch_size, config)`. Unused tails are zero (AITER leaves them
@@ -668,8 +675,8 @@ def plan_mla_decode(
         fill_impl = default_fill_impl(num_slots)
     if fill_impl == "fused":
         return _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, params=params,
-                                cfg=cfg, sizes=sizes)
-    states = fill_tiles(tiles, payload, bpc, params=params, fill_impl=fill_impl)
+                                cfg=cfg, sizes=sizes, walk=walk)
+    states = fill_tiles(tiles, payload, bpc, params=params, fill_impl=fill_impl, walk=walk)
     _, _, (c0, f, m, _) = fill_step(params, payload, bpc, states[:, 0], states[:, 1],
                                     tuple(tiles.T))
 
@@ -749,8 +756,8 @@ def plan_mla_decode(
     )
 
 
-def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg, sizes):
-    """The walk and everything after it as one Pallas program (decode_fused_pallas)."""
+def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg, sizes, walk):
+    """The walk and everything after it as Pallas programs (decode_fused_pallas)."""
     from funcmla.planners.decode_fused_pallas import plan_tail_pallas
 
     lpl = (jnp.zeros_like(tl["req"]) if cfg.page_size == 1
@@ -761,13 +768,13 @@ def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg,
     (work_indptr, work_info, reduce_indptr, reduce_final_map, reduce_partial_map, num_works,
      num_partials, _) = plan_tail_pallas(
         tiles, info, payload, bpc, params=params, sizes=sizes, page_size=cfg.page_size,
-        kv_granularity=cfg.kv_granularity, all_slots_valid=cfg.all_slots_valid)
+        kv_granularity=cfg.kv_granularity, all_slots_valid=cfg.all_slots_valid, walk=walk)
     return WorkPlan(work_indptr=work_indptr, work_info=work_info, reduce_indptr=reduce_indptr,
                     reduce_final_map=reduce_final_map, reduce_partial_map=reduce_partial_map,
                     num_works=num_works, num_partials=num_partials, kind="decode",
                     block_size=cfg.page_size)
 
 
-# `plan_mla_decode` under `jax.jit` (config, batch_size and fill_impl static).
+# `plan_mla_decode` under `jax.jit` (config, batch_size, fill_impl and walk static).
 plan_mla_decode_jit = jax.jit(plan_mla_decode,
-                              static_argnames=("config", "batch_size", "fill_impl"))
+                              static_argnames=("config", "batch_size", "fill_impl", "walk"))

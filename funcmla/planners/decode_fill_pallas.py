@@ -1,11 +1,16 @@
 """The decode planner's sequential fill as ONE Pallas program (Triton backend on GPU).
 
-A single program walks the qo tiles in order, carrying `(cu, remain)` in registers, and writes
-the state before each tile (see `funcmla.planners.decode.fill_advance`, which it shares with
-the `lax.scan` fallback, so both run the same arithmetic). Tiles are visited in chunks of `chunk`:
-the chunk's inputs are loaded as independent scalar loads (so their latencies overlap), one
-chunk ahead of the walk (software pipelining), then the chunk's steps run unrolled; only the
-carry is sequential.
+Two ways to the same states (the state before each tile, `FILL_STATE_FIELDS`):
+
+* the *tile walk*: a single program walks the qo tiles in order, carrying `(cu, remain)` in
+  registers (`funcmla.planners.decode.fill_advance`, shared with the `lax.scan` fallback, so
+  both run the same arithmetic). Tiles are visited in chunks of `chunk`: the chunk's inputs are
+  loaded as independent scalar loads (so their latencies overlap), one chunk ahead of the walk
+  (software pipelining), then the chunk's steps run unrolled; only the carry is sequential.
+* the *chase* (`decode_chase.chase_states`): one round of vector work per event (a cluster
+  abandoned, a zero-length tile that does not fit) instead of one step per tile. It holds all
+  tiles in registers, so it runs up to CHASE_MAX_SLOTS slots, without the tail-merge rule, and
+  when `chase_pays_off(bpc, overhead)` (decided at run time, in the kernel).
 
 The Triton backend is deprecated in JAX 0.11 (still shipped); it is the simplest way to run a
 scalar loop over global int32 arrays in one GPU thread block. Off-GPU the same kernel runs in
@@ -23,10 +28,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from funcmla.planners.decode import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
+from funcmla.planners.decode_chase import chase_pays_off, chase_states
 
-__all__ = ["fill_tiles_pallas", "walk_tiles", "DEFAULT_CHUNK"]
+__all__ = ["fill_tiles_pallas", "walk_tiles", "walk_or_chase", "chase_allowed", "DEFAULT_CHUNK",
+           "CHASE_MAX_SLOTS", "WALKS"]
 
 DEFAULT_CHUNK = 16
+# The chase keeps ~6 int32 vectors of the padded slot count in one warp's registers (16 values
+# per lane each at 512).
+CHASE_MAX_SLOTS = 512
+WALKS = ("auto", "chase", "tiles")
+
+
+def chase_allowed(params: FillParams, num_slots_padded: int) -> bool:
+    """Static part of the choice: the chase can run (no tail rule, power-of-two slot count up to
+    CHASE_MAX_SLOTS, as Triton needs power-of-two vectors)."""
+    s = num_slots_padded
+    return (not params.tail_rule) and s <= CHASE_MAX_SLOTS and s & (s - 1) == 0
 
 
 def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
@@ -67,27 +85,65 @@ def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: i
     lax.fori_loop(0, num_chunks, body_pf, (jnp.int32(0), payload, load(0)))
 
 
+def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
+                  num_chunks: int, walk: str = "auto", prefetch: bool = True) -> None:
+    """Kernel body: states before each of the first `num_chunks * chunk` rows of `tiles_ref`
+    into `out_ref`, by the tile walk or the chase. walk: "tiles"; "chase" (only where
+    `chase_allowed`, the caller checks; at run time the tile walk still runs where the chase's
+    precondition bpc > overhead fails); "auto" (the chase where allowed and, at run time,
+    `chase_pays_off`)."""
+    def tiles():
+        walk_tiles(payload, bpc, tiles_ref, out_ref, params=params, chunk=chunk,
+                   num_chunks=num_chunks, prefetch=prefetch)
+
+    def chase():
+        cu, remain = chase_states(tiles_ref[:, 0], payload, bpc, params=params)
+        out_ref[:, 0] = cu
+        out_ref[:, 1] = remain
+
+    if walk == "tiles" or (walk == "auto" and not chase_allowed(params, tiles_ref.shape[0])):
+        tiles()
+    elif walk == "chase":
+        lax.cond(bpc > params.overhead, chase, tiles)
+    else:
+        lax.cond(chase_pays_off(bpc, params.overhead), chase, tiles)
+
+
 def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-                 prefetch: bool):
-    walk_tiles(scalars_ref[0], scalars_ref[1], tiles_ref, out_ref, params=params, chunk=chunk,
-               num_chunks=tiles_ref.shape[0] // chunk, prefetch=prefetch)
+                 prefetch: bool, walk: str):
+    walk_or_chase(scalars_ref[0], scalars_ref[1], tiles_ref, out_ref, params=params, chunk=chunk,
+                  num_chunks=tiles_ref.shape[0] // chunk, walk=walk, prefetch=prefetch)
 
 
 def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def padded_slots(num_slots: int, chunk: int = DEFAULT_CHUNK) -> int:
+    """Rows the walk kernel runs over: a power of two up to CHASE_MAX_SLOTS (the chase's
+    vectors), a multiple of `chunk` beyond."""
+    if num_slots <= CHASE_MAX_SLOTS:
+        return max(chunk, 1 << max(0, (num_slots - 1).bit_length()))
+    return -(-num_slots // chunk) * chunk
+
+
 def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                       params: FillParams, chunk: int = DEFAULT_CHUNK, prefetch: bool = True,
-                      interpret: bool | None = None) -> jax.Array:
+                      walk: str = "auto", interpret: bool | None = None) -> jax.Array:
     """The walk in one Pallas program. tiles: int32 [S, 8] (TILE_FIELDS) -> int32 [S, 2]
     (FILL_STATE_FIELDS, before each tile). `prefetch`: load chunk i + 1 while walking chunk i.
-    `interpret=None`: compiled (Triton) on GPU, interpreted elsewhere."""
+    walk: "auto" | "chase" | "tiles" (see `walk_or_chase`; "chase" raises where the chase cannot
+    run). `interpret=None`: compiled (Triton) on GPU, interpreted elsewhere."""
     if interpret is None:
         interpret = not _on_gpu()
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     num_slots = tiles.shape[0]
     chunk = max(1, min(chunk, num_slots))
-    padded = -(-num_slots // chunk) * chunk
+    padded = padded_slots(num_slots, chunk)
+    if walk == "chase" and not chase_allowed(params, padded):
+        raise ValueError(f"walk='chase' needs no tail rule and <= {CHASE_MAX_SLOTS} slots "
+                         f"(tail_rule={params.tail_rule}, slots={num_slots})")
     if padded != num_slots:  # empty slots (n = -1) leave the carry unchanged
         pad = jnp.zeros((padded - num_slots, tiles.shape[1]), jnp.int32).at[:, 0].set(-1)
         tiles = jnp.concatenate([tiles, pad])
@@ -98,7 +154,8 @@ def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
 
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=1, num_stages=1)
     call = pl.pallas_call(
-        functools.partial(_fill_kernel, params=params, chunk=chunk, prefetch=prefetch),
+        functools.partial(_fill_kernel, params=params, chunk=chunk, prefetch=prefetch,
+                          walk=walk),
         out_shape=jax.ShapeDtypeStruct((padded, len(FILL_STATE_FIELDS)), jnp.int32),
         grid=(1,),
         interpret=interpret,

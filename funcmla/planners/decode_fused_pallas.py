@@ -1,23 +1,26 @@
-"""The decode planner after its prologue as ONE Pallas program: walk, derive, emit.
+"""The decode planner after its prologue as two Pallas programs: walk, then derive and emit.
 
 Why. On the H200 the XLA form of the planner's tail (`fill_step`, three prefix sums, three
 `searchsorted`, gathers and scatters into five buffers) compiles to about 19 kernels of 1-2 us
-each: more device time than the sequential walk itself. Here a single program (one thread block
-of one warp by default, Triton backend on GPU, interpret mode elsewhere) does all of it:
+each: more device time than the sequential walk itself. Here:
 
-1. **walk** the tiles in order (`decode_fill_pallas.walk_tiles`; every warp runs the same scalar
-   walk) and write the state before each tile to a scratch output;
-2. barrier; **derive**, in vector chunks over the tiles: `(c0, f, m)` with `fill_step` (the same
-   function the XLA path runs) and the running sums (works, partials, partial rows, valid tiles),
-   into a second scratch output `derived` [8, S_p];
+1. **walk** (`decode_fill_pallas.walk_or_chase`, one warp): the state before each tile, by the
+   chase over events where it pays off, else the tile walk;
+2. **derive** (second program, four warps by default), in vector chunks over the tiles:
+   `(c0, f, m)` with `fill_step` (the same function the XLA path runs) and the running sums
+   (works, partials, partial rows, valid tiles), into a scratch output `derived` [8, S_p];
 3. barrier; **emit** every buffer of the plan in vector chunks. A work finds its tile by a binary
    search over the running work count (gathers from `derived`), then reads the tile's fields;
    `work_indptr[c + 1]` = works of the tiles that end on or before cluster `c` plus the leading
    fragments of the next tile; the reduce maps likewise search the partial and valid-tile counts.
 
-Every element of every output is written (unused tails get zero), so nothing is initialised
-first. The outputs equal the NumPy oracle's, field by field (tests/test_planner_decode.py in
-interpret mode; `bench/planners.py --check` compiled on a GPU).
+The walk is a separate program because it is a single warp's scalar (or reduction-bound) work,
+while derive and emit are throughput-bound vector work that wants more warps (one single-warp
+program for all three took 29.8 us at batch 256 on the H200, where the walk alone took 15).
+Every element of every output
+is written (unused tails get zero), so nothing is initialised first. The outputs equal the NumPy
+oracle's, field by field (tests/test_planner_decode.py in interpret mode; `bench/planners.py
+--check` compiled on a GPU).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from funcmla.planners.decode import FillParams, fill_step
-from funcmla.planners.decode_fill_pallas import DEFAULT_CHUNK, walk_tiles
+from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, padded_slots
 from funcmla.planners.decode_sizes import DecodePlanSizes
 
 __all__ = ["INFO_FIELDS", "DERIVED_FIELDS", "plan_tail_pallas"]
@@ -68,8 +71,8 @@ def _search(gather, n: int, v, *, strict: bool):
     return lo
 
 
-def _tail_kernel(scalars_ref, slots_ref,
-                 states_ref, derived_ref, work_info_ref, work_indptr_ref, reduce_indptr_ref,
+def _emit_kernel(scalars_ref, slots_ref, states_ref,
+                 derived_ref, work_info_ref, work_indptr_ref, reduce_indptr_ref,
                  reduce_final_map_ref, reduce_partial_map_ref, num_works_ref, num_partials_ref, *,
                  params: FillParams, num_slots: int, sizes: DecodePlanSizes, page_size: int,
                  kv_granularity: int, all_slots_valid: bool, interpret: bool):
@@ -83,11 +86,6 @@ def _tail_kernel(scalars_ref, slots_ref,
     def barrier():
         if not interpret:  # interpret mode runs sequentially
             pltriton.debug_barrier()
-
-    # 1. The walk: states before each tile.
-    walk_tiles(payload, bpc, slots_ref, states_ref, params=params, chunk=DEFAULT_CHUNK,
-               num_chunks=-(-S // DEFAULT_CHUNK))
-    barrier()
 
     # 2. Derive placement and running sums, chunk by chunk.
     ch = min(VECTOR_BLOCK, s_p)
@@ -222,15 +220,16 @@ def _tail_kernel(scalars_ref, slots_ref,
 def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                      params: FillParams, sizes: DecodePlanSizes, page_size: int,
                      kv_granularity: int, all_slots_valid: bool,
-                     interpret: bool | None = None, num_warps: int = 1):
-    """Walk + derive + emit in one Pallas program.
+                     interpret: bool | None = None, num_warps: int = 4, walk: str = "auto"):
+    """Walk, then derive + emit, as Pallas programs.
 
     tiles: int32 [S, 8] (decode.TILE_FIELDS, n = -1 for empty slots); info: int32 [S, 9]
     (INFO_FIELDS); payload, bpc: int32 scalars (blocks). Returns (work_indptr, work_info,
     reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
     shapes of `sizes`, plus the walk's states [S, 2] for checking.
-    num_warps: 1 by default; every warp runs the scalar walk, and on the H200 four warps made
-    it 1.4x slower (122 -> 177 us for 2048 tiles) while the vector phases gained little.
+    The walk runs in its own one-warp program (`fill_tiles_pallas`), derive + emit in a second
+    program of `num_warps` warps. walk: "auto" | "chase" | "tiles"
+    (`decode_fill_pallas.walk_or_chase`).
     """
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
@@ -238,18 +237,20 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     if tiles.shape != (num_slots, _INFO) or info.shape != (num_slots, len(INFO_FIELDS)):
         raise ValueError(f"tiles / info must have shapes ({num_slots}, {_INFO}) / "
                          f"({num_slots}, {len(INFO_FIELDS)}), got {tiles.shape} / {info.shape}")
-    # One input array: XLA builds it in one fusion, the kernel reads rows and columns of it.
+    # One input array: XLA builds it in one fusion, the kernels read rows and columns of it.
     slots = jnp.concatenate([tiles, info], axis=1).astype(jnp.int32)
-    ch = min(VECTOR_BLOCK, _pow2_at_least(max(num_slots, DEFAULT_CHUNK)))
-    s_p = -(-num_slots // ch) * ch
+    s_p = padded_slots(num_slots)
+    if s_p > VECTOR_BLOCK:
+        s_p = -(-num_slots // VECTOR_BLOCK) * VECTOR_BLOCK
     if s_p != num_slots:
         pad = s_p - num_slots
         slots = jnp.concatenate(
             [slots, jnp.zeros((pad, slots.shape[1]), jnp.int32).at[:, 0].set(-1)])
-    scalars = jnp.stack([jnp.asarray(payload, jnp.int32), jnp.asarray(bpc, jnp.int32)])
+    payload = jnp.asarray(payload, jnp.int32)
+    bpc = jnp.asarray(bpc, jnp.int32)
+    scalars = jnp.stack([payload, bpc])
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     out_shape = (
-        sds(s_p, 2),
         sds(len(DERIVED_FIELDS), s_p),
         sds(sizes.max_work, 8),
         sds(sizes.num_cu + 1),
@@ -259,19 +260,22 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
         sds(1),  # num_works, num_partials: separate outputs, so that reading them is free
         sds(1),
     )
+    states = fill_tiles_pallas(slots, payload, bpc, params=params, walk=walk,
+                               interpret=interpret)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     kernel = functools.partial(
-        _tail_kernel, params=params, num_slots=num_slots, sizes=sizes, page_size=page_size,
+        _emit_kernel, params=params, num_slots=num_slots, sizes=sizes, page_size=page_size,
         kv_granularity=kv_granularity, all_slots_valid=all_slots_valid, interpret=interpret)
-    call = pl.pallas_call(kernel, out_shape=out_shape, grid=(1,), interpret=interpret,
-                          name="mla_decode_plan", **kwargs)
+    call = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=(1,), interpret=interpret,
+                          name="mla_decode_plan_emit", **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
-        (states, _, work_info, work_indptr, reduce_indptr, reduce_final_map,
-         reduce_partial_map, num_works, num_partials) = call(scalars, slots)
+        outs = call(scalars, slots, states)
+    (_, work_info, work_indptr, reduce_indptr, reduce_final_map, reduce_partial_map,
+     num_works, num_partials) = outs
     return (work_indptr, work_info, reduce_indptr, reduce_final_map, reduce_partial_map,
             num_works.reshape(()), num_partials.reshape(()), states[:num_slots])
