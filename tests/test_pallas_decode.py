@@ -339,3 +339,27 @@ def test_gpu_kernel_matches_reference(heads, s_q, page_size):
     else:
         out, lse = run_pages(p, s_q=s_q, page_size=page_size, interpret=False)
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
+
+
+# ------------------------------------------------------------------------------- benchmark
+
+def test_bench_device_stats_spans_and_kernel_medians():
+    """bench/decode.py's device time: runs are equal slices of the events; the span per call
+    counts the gaps between kernels of a run but not the gap between runs."""
+    from bench.decode import device_stats
+
+    events, t = [], 0.0
+    for run in range(2):
+        for call in range(4):
+            dec = 10.0 + call  # 10, 11, 12, 13 us
+            events.append((t, dec, "mla_decode_ps1_m16_kv64"))
+            events.append((t + dec + 1.0, 2.0, "funcmla_merge_s4_d64"))
+            t += dec + 4.0  # 1 us gap after the merge
+        t += 5000.0  # host time between runs: not device time
+    st = device_stats(events, calls=4, runs=2)
+    assert st["decode_us"] == 11.5 and st["merge_us"] == 2.0
+    assert st["kernels_per_call"] == 2.0
+    # one run: 4 calls of (dec + 4) us minus the trailing 1 us gap after the last merge
+    assert st["span_us"] == pytest.approx((46.0 + 16.0 - 1.0) / 4)
+    assert st["busy_us"] == pytest.approx((46.0 + 8.0) / 4)
+    assert device_stats([], calls=4, runs=2) is None

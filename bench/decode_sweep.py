@@ -1,0 +1,250 @@
+"""Tiling / split sweep of the Pallas decode kernel with CUPTI device times (one GPU call).
+
+For each case (heads, batch, ctx, page size) the data (pool copies, q, metadata) and the float32
+reference are made once; then every candidate (DecodeKernelConfig, num_splits) is
+
+  * compiled as one jit of `n` `mla_decode` calls on distinct (q, pool copy) pairs and timed by
+    wall clock (median of `--reps`, as bench/decode.py does);
+  * checked: the first call's output against the float32 reference (relative error, lse error);
+  * profiled: all candidates of a case run once more inside one jax.profiler trace, separated by
+    a marker kernel; per candidate the median CUPTI duration of the decode kernel and of the
+    merge kernel, their sum per call, and the device span per call (first kernel start to last
+    kernel end of one jit run / n: the device time a caller of n back-to-back calls sees,
+    host gaps included).
+
+Also: the HBM copy ceiling (as bench/decode.py) and the per-launch host floor (a jit of 32
+launches of a tiny Pallas kernel). Writes sweep.json under --out after every case.
+
+    python -m bench.decode_sweep --out out/ --time-limit 250
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.decode import (  # noqa: E402
+    MARK,
+    D,
+    DV,
+    SM_SCALE,
+    _marker_jit,
+    _ref_fn,
+    device_stats,
+    hbm_ceiling,
+    log,
+    make_case,
+    rel_err,
+    torch_copy_ceiling,
+    trace_device_events,
+)
+from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
+from funcmla.attention.pallas.decode_common import (  # noqa: E402
+    choose_num_splits,
+    num_row_blocks,
+)
+
+C = DecodeKernelConfig
+INTERPRET = False  # --dry: Pallas interpret mode (CPU), tiny cases
+
+
+def segment_stats(evs, n_calls: int, runs: int) -> dict:
+    st = device_stats(evs, n_calls, runs) or dict(span_us=0.0, decode_us=0.0, merge_us=0.0,
+                                                   kernels=[])
+    return dict(decode_us=st["decode_us"], merge_us=st["merge_us"],
+                device_us=st["decode_us"] + st["merge_us"], span_us_per_call=st["span_us"],
+                kernels=st["kernels"])
+
+
+def _mark(x):
+    return _marker_jit(x, INTERPRET)
+
+
+def host_floor(n=32, reps=5) -> float:
+    """Wall seconds per launch of a jit of n tiny Pallas launches (the host's dispatch floor)."""
+    xs = [jnp.full((16, 128), float(i), jnp.float32) for i in range(n)]
+    f = jax.jit(lambda a: [_mark(x) for x in a])
+    jax.block_until_ready(f(xs))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(xs))
+        ts.append((time.perf_counter() - t0) / n)
+    return statistics.median(ts)
+
+
+def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
+    kv_bytes = b * ctx * D * 2
+    copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
+    n = max(copies, 32 if kv_bytes < 64e6 else 8)
+    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, ps, 1, copies, n)
+    ref_o, ref_l = _ref_fn(qs[0], pools[0], slot_mat, 1)
+    args = [(qs[i], pools[i % copies], meta) for i in range(n)]
+    mkl = dict(max_kv_len=ctx) if ps == 1 else {}
+    nbytes = kv_bytes + qs[0].size * 2 + b * h * DV * 2
+    flops = 2 * b * h * ctx * (D + DV)
+    out, fns = [], []
+    for name, cfg, ns in variants:
+        if time.perf_counter() > deadline:
+            log(f"   (time limit) skipped H{h} B{b} L{ctx} p{ps} {name}")
+            continue
+        bm = cfg.resolved_block_m(h)
+        rule = choose_num_splits(b, num_row_blocks(h, bm), ctx, cfg, bm)
+        ns_eff = rule if ns is None else ns
+        kern = (lambda c, s: lambda q, p, m: mla_decode(q, p, **m, **mkl, sm_scale=SM_SCALE,
+                                                         num_splits=s, config=c,
+                                                         interpret=INTERPRET))(cfg, ns_eff)
+        jf = jax.jit(lambda all_args, k=kern: [k(*a) for a in all_args])
+        r = dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=ps, num_splits=ns_eff,
+                 rule_splits=rule, block_m=bm, block_kv=cfg.block_kv,
+                 num_warps=cfg.resolved_num_warps(bm), num_stages=cfg.resolved_num_stages(bm),
+                 config=dataclasses.asdict(cfg), calls=n, copies=copies)
+        try:
+            t0 = time.perf_counter()
+            res = jax.block_until_ready(jf(args))
+            r["compile_s"] = time.perf_counter() - t0
+            o, lse = res[0]
+            r["rel_err"] = rel_err(o, ref_o)
+            r["lse_max_abs_err"] = float(jnp.max(jnp.abs(lse - ref_l)))
+            del res, o, lse
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(jf(args))
+                ts.append((time.perf_counter() - t0) / n)
+            t = statistics.median(ts)
+            r.update(wall_us=t * 1e6, wall_us_min=min(ts) * 1e6, wall_us_max=max(ts) * 1e6,
+                     wall_pct_ceiling=100 * nbytes / t / ceiling)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+            r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            log(f"   {name}: FAILED {r['error']}")
+            out.append(r)
+            continue
+        out.append(r)
+        fns.append((r, jf))
+    # device times: every compiled variant once more (2 runs), separated by a marker kernel
+    x = jnp.zeros((16, 128), jnp.float32)
+    jax.block_until_ready(_mark(x))
+
+    def body():
+        for _, jf in fns:
+            jax.block_until_ready(_mark(x))
+            jax.block_until_ready(jf(args))
+            jax.block_until_ready(jf(args))
+        jax.block_until_ready(_mark(x))
+
+    try:
+        evs = trace_device_events(body)
+    except Exception as e:  # noqa: BLE001
+        log(f"   trace failed: {type(e).__name__}: {str(e)[:300]}")
+        evs = []
+    marks = [i for i, e in enumerate(evs) if MARK in e[2]]
+    for k, (r, _) in enumerate(fns):
+        if k + 1 < len(marks):
+            seg = [e for e in evs[marks[k] + 1:marks[k + 1]] if MARK not in e[2]]
+            st = segment_stats(seg, n, 2)
+            r.update(st)
+            if st["device_us"] > 0:
+                r["device_pct_ceiling"] = 100 * nbytes / (st["device_us"] * 1e-6) / ceiling
+                r["device_tflops"] = flops / (st["device_us"] * 1e-6) / 1e12
+                r["span_pct_ceiling"] = 100 * nbytes / (st["span_us_per_call"] * 1e-6) / ceiling
+    for r in out:
+        if "error" in r:
+            continue
+        log(f"   H{h} B{b} L{ctx} p{ps} {r['variant']:>14} ns={r['num_splits']:>3} "
+            f"(rule {r['rule_splits']}): wall {r['wall_us']:7.1f} us ({r['wall_pct_ceiling']:4.1f}%)"
+            f" | device dec {r.get('decode_us', 0):7.1f} + merge {r.get('merge_us', 0):5.1f} = "
+            f"{r.get('device_us', 0):7.1f} us ({r.get('device_pct_ceiling', 0):4.1f}%, "
+            f"{r.get('device_tflops', 0):5.1f} TF) span {r.get('span_us_per_call', 0):7.1f} | "
+            f"err {r['rel_err']:.1e} | compile {r['compile_s']:.1f}s")
+    del pools, qs, ref_o, ref_l, args, fns
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--time-limit", type=float, default=250.0)
+    ap.add_argument("--dry", action="store_true", help="CPU interpret mode, tiny cases")
+    a = ap.parse_args(argv)
+    global INTERPRET
+    INTERPRET = a.dry
+    t_start = time.perf_counter()
+    deadline = t_start + a.time_limit
+    os.makedirs(a.out, exist_ok=True)
+    res = dict(jax=jax.__version__, device=str(jax.devices()[0]), cases=[])
+
+    def dump():
+        res["wall_s"] = time.perf_counter() - t_start
+        with open(os.path.join(a.out, "sweep.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+    res["host_floor_us_per_launch"] = host_floor() * 1e6
+    log(f"host floor: {res['host_floor_us_per_launch']:.1f} us per launch (jit of 32 tiny)")
+    cj = hbm_ceiling(gib=0.01 if a.dry else 4.0, reps=5)
+    try:
+        ct = None if a.dry else torch_copy_ceiling(reps=5)
+    except Exception:  # noqa: BLE001
+        ct = None
+    ceiling = max(cj, ct or 0.0)
+    res.update(copy_jax_gbps=cj / 1e9, copy_torch_gbps=None if ct is None else ct / 1e9,
+               ceiling_gbps=ceiling / 1e9)
+    log(f"ceiling {ceiling / 1e9:.0f} GB/s (jax {cj / 1e9:.0f}, torch {(ct or 0) / 1e9:.0f})")
+    dump()
+    w4s5, w8s5, w8s3, w4s3 = (C(), C(num_warps=8, num_stages=5), C(num_warps=8, num_stages=3),
+                              C(num_stages=3))
+    cases = [
+        ((16, 32, 4096, 1), [("w4s5", w4s5, 4), ("w4s5", w4s5, 8), ("w8s5", w8s5, 2),
+                             ("w8s5", w8s5, 4), ("w8s5", w8s5, 8), ("w8s3", w8s3, 4),
+                             ("w8s3", w8s3, 8), ("w8s3", w8s3, 16), ("w4s3", w4s3, 8),
+                             ("w8kv128s3", C(num_warps=8, num_stages=3, block_kv=128), 4)]),
+        ((16, 128, 4096, 1), [("w4s5", w4s5, 1), ("w8s5", w8s5, 1), ("w8s5", w8s5, 2),
+                              ("w8s3", w8s3, 1), ("w8s3", w8s3, 2), ("w4s3", w4s3, 2)]),
+        ((16, 32, 4096, 64), [("w4s5", w4s5, 4), ("w8s5", w8s5, 4), ("w8s5", w8s5, 8),
+                              ("w8s3", w8s3, 8)]),
+        ((16, 1, 4096, 1), [("w4s5", w4s5, 64), ("w4s5", w4s5, 32), ("w8s5", w8s5, 64),
+                            ("w8s5", w8s5, 32), ("w8s3", w8s3, 64)]),
+        ((16, 128, 4096, 64), [("w4s5", w4s5, 1), ("w8s5", w8s5, 1), ("w8s3", w8s3, 1),
+                               ("w8s3", w8s3, 2)]),
+        ((16, 32, 16384, 1), [("w4s5", w4s5, 4), ("w8s5", w8s5, 4), ("w8s5", w8s5, 8),
+                              ("w8s3", w8s3, 8)]),
+        ((16, 128, 16384, 1), [("w4s5", w4s5, 1), ("w8s5", w8s5, 1), ("w8s3", w8s3, 1),
+                               ("w8s3", w8s3, 2)]),
+        ((128, 32, 4096, 64), [("m64", C(), None), ("m32w8s5", C(block_m=32), None)]),
+        ((128, 128, 4096, 64), [("m64", C(), None), ("m32w8s5", C(block_m=32), None)]),
+    ]
+    if a.dry:
+        cases = [((16, 2, 256, 1), [("w4s5", w4s5, 2), ("w8s3", w8s3, None)]),
+                 ((16, 2, 256, 64), [("w8s5", w8s5, 1)])]
+    key = jax.random.PRNGKey(0)
+    for i, ((h, b, ctx, ps), variants) in enumerate(cases):
+        if time.perf_counter() > deadline:
+            log(f"(time limit) skipped case H{h} B{b} L{ctx} p{ps}")
+            continue
+        log(f"== H{h} B{b} L{ctx} p{ps}")
+        try:
+            res["cases"] += run_case(jax.random.fold_in(key, i), h, b, ctx, ps, variants,
+                                     a.reps, ceiling, deadline)
+        except Exception as e:  # noqa: BLE001
+            log(f"   case failed: {type(e).__name__}: {str(e)[:400]}")
+        dump()
+    dump()
+    log(f"done in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
