@@ -68,14 +68,13 @@ def chase_states(n: jax.Array, payload, bpc, *, params: FillParams):
     w = jnp.where(n >= 0, n + ov, 0)
     q = jnp.cumsum(w) - w  # exclusive prefix sum of the costs
     qm = q % bpc
-
-    def segment(k, sigma, qk):
-        """s mod bpc and the remain of every tile for the anchor at k."""
-        x = qm - qk % bpc + sigma % bpc  # in (-bpc, 2 bpc)
-        xm = jnp.where(x < 0, x + bpc, jnp.where(x >= bpc, x - bpc, x))
-        s = sigma + q - qk
-        remain = jnp.where(s <= ov, payload - s, jnp.where(xm <= ov, ov - xm, ov - xm + bpc))
-        return s, remain
+    # With s > overhead (else remain = payload - s > overhead: never an event), remain <= ov
+    # iff s mod bpc <= overhead, and then remain = overhead - s mod bpc. So a non-empty tile is an
+    # event iff lo <= s mod bpc <= overhead with lo = 0, a zero-length one with lo = 1 (remain
+    # < overhead), an empty slot never (lo = bpc).
+    lo_mod = jnp.where(n >= 1, 0, jnp.where(n == 0, 1, bpc))
+    key_t = 2 * idx + (n == 0).astype(i32)  # first event and its kind in one min-reduction
+    never = jnp.iinfo(jnp.int32).max
 
     def cond(carry):
         return carry[0] < S
@@ -84,20 +83,22 @@ def chase_states(n: jax.Array, payload, bpc, *, params: FillParams):
         # The anchor is at k; its states are recorded from lo on (lo = k + 1 after an abandon:
         # the state recorded before the abandoning tile is the one that abandons).
         k, lo, c, sigma, qk, base, seg_c = carry
-        s, remain = segment(k, sigma, qk)
-        after = idx >= k
-        event = after & (((n >= 1) & (remain <= ov)) | ((n == 0) & (remain < ov)))
-        e = jnp.min(jnp.where(event, idx, S))
+        x = qm + (sigma % bpc - qk % bpc)  # s mod bpc, up to one wrap: x in (-bpc, 2 bpc)
+        xm = jnp.where(x < 0, x + bpc, jnp.where(x >= bpc, x - bpc, x))
+        s = q + (sigma - qk)
+        event = (idx >= k) & (s > ov) & (xm >= lo_mod) & (xm <= ov)
+        # Two independent reductions: the first event (with its kind) and its s (s does not
+        # decrease along the tiles, so the smallest s among events is the first event's).
+        key = jnp.min(jnp.where(event, key_t, 2 * S))
+        s_e = jnp.min(jnp.where(event, s, never))
+        e = key // 2
         mine = (idx >= lo) & (idx <= e)
         base = jnp.where(mine, sigma - qk, base)
         seg_c = jnp.where(mine, c, seg_c)
-        # The event tile's state, then the next anchor.
-        hit = idx == e
-        q_e = jnp.sum(jnp.where(hit, q, 0))
-        n_e = jnp.sum(jnp.where(hit, n, 0))
-        s_e = sigma + q_e - qk
+        # The event tile's state, then the next anchor (unused when there is no event, e = S).
+        q_e = s_e - sigma + qk
         cu_e = c + jnp.maximum(0, (s_e - ov - 1) // bpc)
-        abandon = n_e >= 1
+        abandon = key % 2 == 0
         zero_c, zero_r = (cu_e, i32(0)) if params.parallel else (cu_e + 1, bpc)
         k2 = jnp.where(abandon, e, e + 1)
         c2 = jnp.where(abandon, cu_e + 1, zero_c)

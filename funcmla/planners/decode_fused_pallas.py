@@ -51,6 +51,8 @@ DERIVED_FIELDS = ("c0", "f", "m", "works_incl", "red_incl", "partial_excl", "val
 (_C0, _F, _M, _WORKS_INCL, _RED_INCL, _PARTIAL_EXCL, _VALID_INCL, _LAST_CLUSTER) = range(8)
 
 VECTOR_BLOCK = 512  # elements per vector chunk (power of two, as Triton requires)
+UNROLL_CHUNKS = 4  # emission phases of up to this many chunks are unrolled (see `blocks`)
+EMIT_WARPS = 4  # warps of the derive + emit program
 
 
 def _pow2_at_least(n: int) -> int:
@@ -130,8 +132,18 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         return slots_ref[ix, _INFO + r]
 
     def blocks(size: int, body):
-        """Run body(base, idx, mask) over [0, size) in vector chunks (masked tail)."""
+        """Run body(base, idx, mask, eb) over [0, size) in vector chunks (masked tail). Up to
+        UNROLL_CHUNKS chunks are unrolled, so that the emission phases below form one
+        straight-line block: their binary searches (chains of dependent gathers) are
+        independent of each other and overlap instead of running one after the other."""
         eb = min(VECTOR_BLOCK, _pow2_at_least(size))
+        nb = -(-size // eb)
+        if nb <= UNROLL_CHUNKS:
+            for bi in range(nb):
+                base = i32(bi * eb)  # a traced start: the last chunk may overhang (masked)
+                idx = base + lax.iota(i32, eb)
+                body(base, idx, idx < size, eb)
+            return
 
         def loop_body(bi, c):
             base = bi * eb
@@ -139,7 +151,7 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
             body(base, idx, idx < size, eb)
             return c
 
-        lax.fori_loop(0, -(-size // eb), loop_body, 0)
+        lax.fori_loop(0, nb, loop_body, 0)
 
     def store(ref, base, eb, col, val, mask):
         at = ref.at[pl.ds(base, eb)] if col is None else ref.at[pl.ds(base, eb), jnp.int32(col)]
@@ -220,7 +232,8 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
 def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                      params: FillParams, sizes: DecodePlanSizes, page_size: int,
                      kv_granularity: int, all_slots_valid: bool,
-                     interpret: bool | None = None, num_warps: int = 4, walk: str = "auto"):
+                     interpret: bool | None = None, num_warps: int | None = None,
+                     walk: str = "auto"):
     """Walk, then derive + emit, as Pallas programs.
 
     tiles: int32 [S, 8] (decode.TILE_FIELDS, n = -1 for empty slots); info: int32 [S, 9]
@@ -228,11 +241,12 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
     shapes of `sizes`, plus the walk's states [S, 2] for checking.
     The walk runs in its own one-warp program (`fill_tiles_pallas`), derive + emit in a second
-    program of `num_warps` warps. walk: "auto" | "chase" | "tiles"
+    program of `num_warps` warps (default EMIT_WARPS). walk: "auto" | "chase" | "tiles"
     (`decode_fill_pallas.walk_or_chase`).
     """
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
+    num_warps = EMIT_WARPS if num_warps is None else num_warps
     num_slots = tiles.shape[0]
     if tiles.shape != (num_slots, _INFO) or info.shape != (num_slots, len(INFO_FIELDS)):
         raise ValueError(f"tiles / info must have shapes ({num_slots}, {_INFO}) / "
