@@ -181,10 +181,15 @@ def _marker_jit(x, interpret):
                           name=MARK, interpret=interpret)(x)
 
 
+_MARK_INPUT: list = []
+
+
 def _marker():
-    """One tiny kernel named MARK (separates jobs in a device trace)."""
-    x = jnp.zeros((16, 128), jnp.float32)
-    jax.block_until_ready(_marker_jit(x, jax.devices()[0].platform != "gpu"))
+    """One tiny kernel named MARK (separates jobs in a device trace). Its input is made once,
+    outside any trace, so that a marker adds exactly one kernel to a trace (no fill or copy)."""
+    if not _MARK_INPUT:
+        _MARK_INPUT.append(jax.block_until_ready(jnp.zeros((16, 128), jnp.float32)))
+    jax.block_until_ready(_marker_jit(_MARK_INPUT[0], jax.devices()[0].platform != "gpu"))
 
 
 def trace_device_events(fn) -> list[tuple[float, float, str]]:
@@ -211,7 +216,8 @@ def trace_device_events(fn) -> list[tuple[float, float, str]]:
 
 def device_stats(events, calls: int, runs: int) -> dict | None:
     """Device time of `runs` back-to-back runs of a jit of `calls` calls, from their events
-    (every run launches the same kernels, so run k is the k-th equal slice):
+    (runs are told apart by the runs - 1 largest gaps between consecutive events: the host
+    round trips between runs):
 
       span_us      per call: median over runs of (last end - first start) / calls, i.e. the
                    device time per call when calls are issued back to back (gaps included);
@@ -221,12 +227,16 @@ def device_stats(events, calls: int, runs: int) -> dict | None:
     None without events."""
     if not events or calls <= 0 or runs <= 0:
         return None
-    per_run = len(events) // runs
-    spans = []
-    for k in range(runs):
-        chunk = events[k * per_run:(k + 1) * per_run]
+    events = sorted(events)
+    gaps = sorted(range(1, len(events)),
+                  key=lambda i: events[i][0] - (events[i - 1][0] + events[i - 1][1]))
+    cuts = sorted(gaps[len(gaps) - (runs - 1):]) if runs > 1 else []
+    spans, start = [], 0
+    for cut in cuts + [len(events)]:
+        chunk = events[start:cut]
         if chunk:
             spans.append((max(t + d for t, d, _ in chunk) - chunk[0][0]) / calls)
+        start = cut
     by_name: dict[str, list[float]] = {}
     for _, d, name in events:
         by_name.setdefault(name, []).append(d)

@@ -363,3 +363,9 @@ def test_bench_device_stats_spans_and_kernel_medians():
     assert st["span_us"] == pytest.approx((46.0 + 16.0 - 1.0) / 4)
     assert st["busy_us"] == pytest.approx((46.0 + 8.0) / 4)
     assert device_stats([], calls=4, runs=2) is None
+    # runs are split at the host gaps, not by count: an extra event inside run 2 (a copy)
+    # stays in run 2 and does not pull run 2's first kernel into run 1
+    extra = events + [(events[-1][0] + 2.5, 0.5, "MemcpyD2D")]
+    st2 = device_stats(extra, calls=4, runs=2)
+    assert st2["span_us"] == pytest.approx(st["span_us"] + 0.25 / 2)  # run 2 ends 1 us later
+    assert st2["decode_us"] == 11.5

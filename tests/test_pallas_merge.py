@@ -92,22 +92,20 @@ def test_block_d_rule():
     assert merge_block_d(128, 16, 512) == 128  # 128 * 2 = 256 < 264 <= 128 * 4
     assert merge_block_d(128, 128, 512) == 512  # 1024 programs at full width
     assert merge_block_d(1, 16, 32) == 32  # never wider than the row
-    # below 64 columns only while one program would read > 64 KB (splits x 16 rows x block_d
+    # 32 columns (not 64) when one program would read > 64 KB (splits x 16 rows x block_d
     # float32) and the grid is short of programs
-    assert merge_block_d(1, 16, 512, num_splits=64) == 16  # 32 programs of 64 KB
+    assert merge_block_d(1, 16, 512, num_splits=64) == 32  # 16 programs of 128 KB
     assert merge_block_d(1, 16, 512, num_splits=32) == 32  # 16 programs of 64 KB
     assert merge_block_d(1, 16, 512, num_splits=16) == 64  # 64 KB already
     assert merge_block_d(32, 16, 512, num_splits=4) == 64  # 16 KB: unchanged
-    assert merge_block_d(1, 128, 512, num_splits=64) == 16  # 256 programs, floor 16
+    assert merge_block_d(1, 128, 512, num_splits=64) == 32  # 128 programs
     assert merge_block_d(8, 128, 512, num_splits=64) == 64  # 512 programs: enough
     for b, s, r in ((1, 64, 16), (1, 7, 16), (3, 40, 32), (1, 200, 128), (2, 24, 16)):
         bd = merge_block_d(b, r, 512, num_splits=s)
-        programs = lambda d: b * (r // 16) * (512 // d)  # noqa: E731
-        wants_narrower = lambda d: programs(d) < 264 and s * 16 * d * 4 > 64 * 1024  # noqa: E731
-        assert 16 <= bd <= 64 and bd & (bd - 1) == 0
-        if bd < 64:  # it was halved for the bytes, and stopped where that no longer held
-            assert wants_narrower(2 * bd)
-            assert bd == 16 or not wants_narrower(bd)
+        programs = b * (r // 16) * (512 // bd)
+        assert bd in (32, 64)
+        # 32 exactly when the 64-wide tile reads > 64 KB with the grid short of programs
+        assert (bd == 32) == (programs // 2 < 264 and s * 16 * 64 * 4 > 64 * 1024)
 
 
 def test_bad_inputs_are_named():

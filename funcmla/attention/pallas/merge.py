@@ -20,9 +20,10 @@ In interpret mode (CPU) the same sequence runs as plain float32 NumPy-semantics 
 Tiling: one program = `block_r` rows x `block_d` output columns of one sequence, all splits
 (unrolled, loads independent of each other). `block_d` shrinks (512 -> 64) until the grid has at
 least `min_programs` programs, so a batch-1 merge is spread over several multiprocessors, and
-below 64 (down to 16) while a program would still read more than 64 KB of partials: a program's
-read rate is bounded by its multiprocessor's share of the bandwidth (H200, batch 1, 64 splits:
-8 programs of 256 KB took 6.8 us).
+to 32 when a program would still read more than 64 KB of partials: a program's read rate is
+bounded by its multiprocessor's share of the bandwidth. H200, merge alone (device time, batch 1,
+16 rows, 64 splits): block_d 64 / 32 / 16 = 7.9 / 4.8 / 5.9 us; 128 rows: 9.9 / 8.4 / 11.8 us
+(narrower tiles read 64-byte row pieces and lose more than the extra programs gain).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ __all__ = ["merge_splits_pallas", "merge_block_d", "MERGE_BLOCK_R"]
 
 MERGE_BLOCK_R = 16  # rows per program; partial row counts are multiples of it (block_m >= 16)
 _MIN_BLOCK_D = 64  # narrowest tile chosen for the program count alone
-_FLOOR_BLOCK_D = 16  # narrowest tile chosen for the bytes one program reads
+_FLOOR_BLOCK_D = 32  # narrowest tile chosen for the bytes one program reads
 _MAX_PROGRAM_BYTES = 64 * 1024
 
 
@@ -85,7 +86,7 @@ def merge_block_d(batch: int, rows: int, d_v: int, min_programs: int = 264, *,
                   num_splits: int = 1) -> int:
     """Output columns per merge program: the widest power-of-two tile (<= d_v, >= 64 where d_v
     allows) that still gives `min_programs` programs, else the narrowest; then, while the grid
-    is still short of `min_programs`, halved (down to 16) as long as one program reads more than
+    is still short of `min_programs`, halved (down to 32) as long as one program reads more than
     64 KB (num_splits x 16 rows x block_d float32)."""
     def programs(bd):
         return batch * (rows // MERGE_BLOCK_R) * (d_v // bd)
