@@ -164,7 +164,8 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
         if "error" in r:
             continue
         log(f"   H{h} B{b} L{ctx} p{ps} {r['variant']:>14} ns={r['num_splits']:>3} "
-            f"(rule {r['rule_splits']}): wall {r['wall_us']:7.1f} us ({r['wall_pct_ceiling']:4.1f}%)"
+            f"(rule {r['rule_splits']}): wall {r['wall_us']:7.1f} us "
+            f"({r['wall_pct_ceiling']:4.1f}%)"
             f" | device dec {r.get('decode_us', 0):7.1f} + merge {r.get('merge_us', 0):5.1f} = "
             f"{r.get('device_us', 0):7.1f} us ({r.get('device_pct_ceiling', 0):4.1f}%, "
             f"{r.get('device_tflops', 0):5.1f} TF) span {r.get('span_us_per_call', 0):7.1f} | "
