@@ -19,9 +19,9 @@ count are done vectorised beforehand, `fill_inputs`) and records the state befor
 off runs a chase over the rare *events* of the walk instead, `decode_chase.py`). From those states
 `fill_step` derives, for all tiles at once, the start cluster, the end of the first fragment,
 the number of fragments and whether the causal tail rule merged the last fragment. Everything
-else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`. On a GPU, up to
-512 tile slots, the default (`fill_impl="fused"`) runs the walk and everything after it as two
-Pallas programs (`decode_fused_pallas.py`): XLA's form of that tail is ~19 kernels of 1-2 us.
+else (costs, prefix sums, fragment expansion, reduce maps) is vectorised `jnp`. On a GPU the
+default (`fill_impl="fused"`) runs the walk and everything after it as two Pallas programs
+(`decode_fused_pallas.py`): XLA's form of that tail is ~19 kernels of 1-2 us.
 
 Parallel vs serial. AITER runs a "parallel" planner when `max_seqlen_qo == 1`, no qo split, no
 head folding, `page_size == 1` and the batch fits in LDS, and a "serial" one otherwise. They
@@ -501,18 +501,11 @@ def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-# Up to this many tile slots the fused program wins on the H200 (kernel time per plan, profiler,
-# mi300x-h16: 64 slots 14.3 vs 24.7 us, 256 slots 34.1 vs 38.7 us); beyond it its one-warp
-# vector phases lose to XLA's kernels (1024 slots: 100.8 vs 87.1 us).
-FUSED_MAX_SLOTS = 512
-
-
-def default_fill_impl(num_slots: int = 1) -> str:
-    """What fill_impl="auto" runs: on a GPU the fused Pallas program up to FUSED_MAX_SLOTS tile
-    slots, else the Pallas walk with XLA's tail; the scan elsewhere."""
-    if not _on_gpu():
-        return "scan"
-    return "fused" if num_slots <= FUSED_MAX_SLOTS else "pallas"
+def default_fill_impl() -> str:
+    """What fill_impl="auto" runs: on a GPU the fused Pallas programs (H200, profiler, mi300x-h16
+    config: 11.0 / 14.3 / 71.0 us per plan at 64 / 256 / 1024 tile slots against 26.1 / 36.2 /
+    87.0 us for the Pallas walk with XLA's tail); the scan elsewhere."""
+    return "fused" if _on_gpu() else "scan"
 
 
 def fill_tiles(tiles, payload, bpc, *, params: FillParams, fill_impl: str = "auto",
@@ -672,7 +665,7 @@ def plan_mla_decode(
                         tail_rule=page1 and thr > 1, empty_slots=not cfg.all_slots_valid)
     tiles = fill_inputs(jnp.where(valid, n, -1), e_min, payload, bpc, params=params)
     if fill_impl == "auto":
-        fill_impl = default_fill_impl(num_slots)
+        fill_impl = default_fill_impl()
     if fill_impl == "fused":
         return _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, params=params,
                                 cfg=cfg, sizes=sizes, walk=walk)

@@ -4,22 +4,26 @@ Why. On the H200 the XLA form of the planner's tail (`fill_step`, three prefix s
 `searchsorted`, gathers and scatters into five buffers) compiles to about 19 kernels of 1-2 us
 each: more device time than the sequential walk itself. Here:
 
-1. **walk** (`decode_fill_pallas.walk_or_chase`, one warp): the state before each tile, by the
-   chase over events where it pays off, else the tile walk;
-2. **derive** (second program, four warps by default), in vector chunks over the tiles:
-   `(c0, f, m)` with `fill_step` (the same function the XLA path runs) and the running sums
-   (works, partials, partial rows, valid tiles), into a scratch output `derived` [8, S_p];
-3. barrier; **emit** every buffer of the plan in vector chunks. A work finds its tile by a binary
-   search over the running work count (gathers from `derived`), then reads the tile's fields;
-   `work_indptr[c + 1]` = works of the tiles that end on or before cluster `c` plus the leading
-   fragments of the next tile; the reduce maps likewise search the partial and valid-tile counts.
+1. **walk** (`decode_fill_pallas.walk_or_chase`, one program of one warp): the state before
+   each tile, by the chase over events where it pays off, else the tile walk;
+2. **derive** (second program, EMIT_PROGRAMS thread blocks of EMIT_WARPS warps; each block
+   derives its own copy), in vector chunks over the tiles: `(c0, f, m)` with `fill_step` (the
+   same function the XLA path runs) and the running sums (works, partials, partial rows, valid
+   tiles), into a scratch output `derived` [programs, 8, S_p];
+3. barrier; **emit** every buffer of the plan in chunks of EMIT_BLOCK outputs dealt to the
+   blocks round-robin. A work finds its tile by a binary search over the running work count
+   (gathers from `derived`), then reads the tile's fields; `work_indptr[c + 1]` = works of the
+   tiles that end on or before cluster `c` plus the leading fragments of the next tile; the
+   reduce maps likewise search the partial and valid-tile counts.
 
-The walk is a separate program because it is a single warp's scalar (or reduction-bound) work,
-while derive and emit are throughput-bound vector work that wants more warps (one single-warp
-program for all three took 29.8 us at batch 256 on the H200, where the walk alone took 15).
-Every element of every output
-is written (unused tails get zero), so nothing is initialised first. The outputs equal the NumPy
-oracle's, field by field (tests/test_planner_decode.py in interpret mode; `bench/planners.py
+The walk is a separate program because it is a single warp's scalar (or reduction-bound) work;
+the emission is bound by one block's memory pipe (scattered gathers and stores), so it is spread
+over several blocks. On the H200 (batch 256, mi300x-h16 config, profiler): one single-warp
+program for all three phases took 29.8 us; walk 7.0 us + emission in one block 11.8 us (with
+2, 4 or 8 warps alike); emission over 16 blocks 3.3 us.
+
+Every element of every output is written (unused tails get zero), so nothing is initialised
+first. The outputs equal the NumPy oracle's, field by field (tests/test_planner_decode.py in interpret mode; `bench/planners.py
 --check` compiled on a GPU).
 """
 
@@ -51,8 +55,13 @@ DERIVED_FIELDS = ("c0", "f", "m", "works_incl", "red_incl", "partial_excl", "val
 (_C0, _F, _M, _WORKS_INCL, _RED_INCL, _PARTIAL_EXCL, _VALID_INCL, _LAST_CLUSTER) = range(8)
 
 VECTOR_BLOCK = 512  # elements per vector chunk (power of two, as Triton requires)
-UNROLL_CHUNKS = 4  # emission phases of up to this many chunks are unrolled (see `blocks`)
-EMIT_WARPS = 4  # warps of the derive + emit program
+# Emission: chunks of EMIT_BLOCK outputs dealt round-robin to EMIT_PROGRAMS programs (thread
+# blocks: on the H200 one block's emission was bound by its own memory pipe, not by its warps:
+# 2, 4 and 8 warps gave 11.7-11.8 us at batch 256), unrolled up to UNROLL_CHUNKS chunks in all.
+EMIT_BLOCK = 128
+EMIT_PROGRAMS = 16
+UNROLL_CHUNKS = 64
+EMIT_WARPS = 4  # warps per derive + emit program
 
 
 def _pow2_at_least(n: int) -> int:
@@ -84,6 +93,8 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
     S = num_slots
     s_p = slots_ref.shape[0]
     payload, bpc = scalars_ref[0], scalars_ref[1]
+    pid = pl.program_id(0)  # every program derives its own copy, then emits its share
+    programs = derived_ref.shape[0]
 
     def barrier():
         if not interpret:  # interpret mode runs sequentially
@@ -114,7 +125,7 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         for row, val in ((_C0, c0), (_F, f), (_M, m), (_WORKS_INCL, works_incl),
                          (_RED_INCL, red_incl), (_PARTIAL_EXCL, partial_excl),
                          (_VALID_INCL, valid_incl), (_LAST_CLUSTER, last_cluster)):
-            derived_ref[row, pl.ds(base, ch)] = val.astype(i32)
+            derived_ref[pid, row, pl.ds(base, ch)] = val.astype(i32)
         return (works + jnp.sum(m), reds + jnp.sum(red_cnt), prows + jnp.sum(prow),
                 valids + jnp.sum(valid))
 
@@ -126,32 +137,42 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
     barrier()
 
     def row(r):
-        return lambda ix: derived_ref[r, ix]
+        return lambda ix: derived_ref[pid, r, ix]
 
     def info(r, ix):
         return slots_ref[ix, _INFO + r]
 
+    phases = []
+
     def blocks(size: int, body):
-        """Run body(base, idx, mask, eb) over [0, size) in vector chunks (masked tail). Up to
-        UNROLL_CHUNKS chunks are unrolled, so that the emission phases below form one
-        straight-line block: their binary searches (chains of dependent gathers) are
-        independent of each other and overlap instead of running one after the other."""
-        eb = min(VECTOR_BLOCK, _pow2_at_least(size))
-        nb = -(-size // eb)
-        if nb <= UNROLL_CHUNKS:
-            for bi in range(nb):
-                base = i32(bi * eb)  # a traced start: the last chunk may overhang (masked)
+        """Queue body(base, idx, mask, eb) over [0, size) in vector chunks (masked tail); the
+        chunks of all phases are dealt to the programs round-robin by `run_phases`."""
+        # Interpret mode (CPU tests): big chunks, fewer traced bodies, a faster compile.
+        eb = min(VECTOR_BLOCK if interpret else EMIT_BLOCK, _pow2_at_least(size))
+        phases.append((size, eb, -(-size // eb), body))
+
+    def run_phases():
+        """Each program runs its chunks. Unrolled (one `pl.when` per chunk) up to UNROLL_CHUNKS
+        chunks in all, else a loop per phase over the program's chunks."""
+        if sum(nb for _, _, nb, _ in phases) <= UNROLL_CHUNKS:
+            t = 0
+            for size, eb, nb, body in phases:
+                for bi in range(nb):
+                    @pl.when(pid == t % programs)
+                    def _(bi=bi, size=size, eb=eb, body=body):
+                        base = i32(bi * eb)  # traced: the last chunk may overhang (masked)
+                        idx = base + lax.iota(i32, eb)
+                        body(base, idx, idx < size, eb)
+                    t += 1
+            return
+        for size, eb, nb, body in phases:
+            def loop_body(i, c, size=size, eb=eb, body=body):
+                base = (pid + i * programs) * eb
                 idx = base + lax.iota(i32, eb)
                 body(base, idx, idx < size, eb)
-            return
+                return c
 
-        def loop_body(bi, c):
-            base = bi * eb
-            idx = base + lax.iota(i32, eb)
-            body(base, idx, idx < size, eb)
-            return c
-
-        lax.fori_loop(0, nb, loop_body, 0)
+            lax.fori_loop(0, (jnp.maximum(nb - pid, 0) + programs - 1) // programs, loop_body, 0)
 
     def store(ref, base, eb, col, val, mask):
         at = ref.at[pl.ds(base, eb)] if col is None else ref.at[pl.ds(base, eb), jnp.int32(col)]
@@ -162,8 +183,8 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
     # 3a. work_info.
     def emit_works(base, w, mask, eb):
         slot = jnp.minimum(_search(row(_WORKS_INCL), S, w, strict=False), S - 1)
-        m_w, f_w = derived_ref[_M, slot], derived_ref[_F, slot]
-        j = w - (derived_ref[_WORKS_INCL, slot] - m_w)
+        m_w, f_w = derived_ref[pid, _M, slot], derived_ref[pid, _F, slot]
+        j = w - (derived_ref[pid, _WORKS_INCL, slot] - m_w)
         live = w < num_works
         kb, ke, bt, ts = info(_KV_BEGIN, slot), info(_KV_END, slot), info(_BT, slot), info(_TS, slot)
         last = j == m_w - 1
@@ -177,7 +198,7 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
             kv_stop = jnp.where(last, ke, jnp.minimum(end_tok, ke))
             kv_offset = jnp.where(kv_stop == ke, 0,
                                   (ke - kv_stop - 1) * ps + info(_LPL, slot))
-        partial_qo_loc = jnp.where(m_w > 1, derived_ref[_PARTIAL_EXCL, slot] + j * ts, -1)
+        partial_qo_loc = jnp.where(m_w > 1, derived_ref[pid, _PARTIAL_EXCL, slot] + j * ts, -1)
         cols = (info(_BATCH, slot), partial_qo_loc, info(_QO_START, slot), info(_QO_END, slot),
                 kv_start, kv_stop, kv_offset, jnp.zeros_like(w))
         for c, val in enumerate(cols):
@@ -190,8 +211,8 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         c = i - 1
         s = _search(row(_LAST_CLUSTER), S, c, strict=False)  # tiles ending on or before c
         sc = jnp.minimum(s, S - 1)
-        before = jnp.where(s > 0, derived_ref[_WORKS_INCL, jnp.maximum(s - 1, 0)], 0)
-        lead = jnp.clip(c - derived_ref[_C0, sc] + 1, 0, derived_ref[_M, sc])
+        before = jnp.where(s > 0, derived_ref[pid, _WORKS_INCL, jnp.maximum(s - 1, 0)], 0)
+        lead = jnp.clip(c - derived_ref[pid, _C0, sc] + 1, 0, derived_ref[pid, _M, sc])
         val = before + jnp.where(s < S, lead, 0)
         store(work_indptr_ref, base, eb, None, jnp.where(i == 0, 0, val), mask)
 
@@ -206,14 +227,14 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
 
     def emit_reduce_indptr(base, i, mask, eb):
         slot, live = tile_slot(i - 1)
-        val = jnp.where(live, derived_ref[_RED_INCL, slot], num_partials)
+        val = jnp.where(live, derived_ref[pid, _RED_INCL, slot], num_partials)
         store(reduce_indptr_ref, base, eb, None, jnp.where(i == 0, 0, val), mask)
 
     blocks(sizes.tile_cnt + 1, emit_reduce_indptr)
 
     def emit_final_map(base, k, mask, eb):
         slot, live = tile_slot(k)
-        live = live & (derived_ref[_M, slot] > 1)
+        live = live & (derived_ref[pid, _M, slot] > 1)
         store(reduce_final_map_ref, base, eb, 0, jnp.where(live, info(_QO_START, slot), 0), mask)
         store(reduce_final_map_ref, base, eb, 1, jnp.where(live, info(_QO_END, slot), 0), mask)
 
@@ -221,12 +242,13 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
 
     def emit_partial_map(base, p, mask, eb):
         slot = jnp.minimum(_search(row(_RED_INCL), S, p, strict=False), S - 1)
-        m_s = derived_ref[_M, slot]
-        red_excl = derived_ref[_RED_INCL, slot] - jnp.where(m_s > 1, m_s, 0)
-        val = derived_ref[_PARTIAL_EXCL, slot] + (p - red_excl) * info(_TS, slot)
+        m_s = derived_ref[pid, _M, slot]
+        red_excl = derived_ref[pid, _RED_INCL, slot] - jnp.where(m_s > 1, m_s, 0)
+        val = derived_ref[pid, _PARTIAL_EXCL, slot] + (p - red_excl) * info(_TS, slot)
         store(reduce_partial_map_ref, base, eb, None, jnp.where(p < num_partials, val, 0), mask)
 
     blocks(sizes.max_split_tiles, emit_partial_map)
+    run_phases()
 
 
 def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc: jax.Array, *,
@@ -247,6 +269,7 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
     num_warps = EMIT_WARPS if num_warps is None else num_warps
+    programs = 2 if interpret else EMIT_PROGRAMS  # interpret mode runs programs one by one
     num_slots = tiles.shape[0]
     if tiles.shape != (num_slots, _INFO) or info.shape != (num_slots, len(INFO_FIELDS)):
         raise ValueError(f"tiles / info must have shapes ({num_slots}, {_INFO}) / "
@@ -265,7 +288,7 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     scalars = jnp.stack([payload, bpc])
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     out_shape = (
-        sds(len(DERIVED_FIELDS), s_p),
+        sds(programs, len(DERIVED_FIELDS), s_p),
         sds(sizes.max_work, 8),
         sds(sizes.num_cu + 1),
         sds(sizes.tile_cnt + 1),
@@ -284,7 +307,8 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     kernel = functools.partial(
         _emit_kernel, params=params, num_slots=num_slots, sizes=sizes, page_size=page_size,
         kv_granularity=kv_granularity, all_slots_valid=all_slots_valid, interpret=interpret)
-    call = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=(1,), interpret=interpret,
+    call = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=(programs,),
+                          interpret=interpret,
                           name="mla_decode_plan_emit", **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
