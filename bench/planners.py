@@ -493,7 +493,8 @@ def main(argv=None):
              for r in payload["rows"]]
     _print_table(f"work planners on {env['device']} (us; median)",
                  ["planner", "config", "batch", "fill", "tiles", "works", "host us",
-                  "device us", "kernels us", "span us", "primed us", "oracle us", "oracle/host", "match"], table)
+                  "device us", "kernels us", "span us", "primed us", "oracle us", "oracle/host",
+                  "match"], table)
     save()
     log("wrote", json_path)
     png = _plot(payload["rows"], os.path.join(args.out, "planners.png"))

@@ -518,6 +518,10 @@ def test_chase_refused_where_it_cannot_run():
                           walk="parallel", interpret=True)
     with pytest.raises(ValueError, match="tail-merge rule"):
         chase_states(jnp.zeros((4,), jnp.int32), 20, 4, params=FillParams(16, True))
+    cfg = DecodePlanConfig(device=MI300X, num_heads=16, uni_seqlen_qo=1)
+    z = jnp.zeros((3,), jnp.int32)
+    with pytest.raises(ValueError, match="walk must be one of .* got 'fast'"):
+        plan_mla_decode_jit(z, z, z[:2], config=cfg, walk="fast")
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm"), reason="needs a GPU")

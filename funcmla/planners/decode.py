@@ -58,6 +58,7 @@ __all__ = [
     "FILL_OUT_FIELDS",
     "NEVER",
     "FILL_STATE_FIELDS",
+    "WALKS",
     "fill_step",
     "fill_advance",
     "fill_inputs",
@@ -353,6 +354,8 @@ class DecodePlanConfig:
 # cluster (it does not depend on the incoming state, so it is precomputed).
 TILE_FIELDS = ("n", "n_div", "n_mod", "e_min", "e_min_div", "e_min_mod", "fresh_remain",
                "fresh_dcu")
+# How the Pallas fills reach the states: see `decode_fill_pallas.walk_or_chase`.
+WALKS = ("auto", "chase", "tiles")
 # What the sequential walk emits per tile: the state (cluster, payload left) BEFORE the tile.
 FILL_STATE_FIELDS = ("cu", "remain")
 # Per-tile placement derived from that state: start cluster, end of the first fragment (blocks),
@@ -610,8 +613,8 @@ def plan_mla_decode(
     fill_impl: str = "auto",
     walk: str = "auto",
 ) -> WorkPlan:
-    """AITER `get_mla_metadata_v1` (fast mode) as a pure function. jit with config, batch_size
-    and fill_impl static.
+    """AITER `get_mla_metadata_v1` (fast mode) as a pure function. jit with config, batch_size,
+    fill_impl and walk static.
 
     qo_indptr:         int32 [B+1] query tokens (ignored when config.uni_seqlen_qo > 0).
     kv_indptr:         int32 [B+1] kv_indices entries (tokens if page_size 1, else pages);
@@ -632,6 +635,8 @@ def plan_mla_decode(
     1 <= qo_len <= max_seqlen_qo.
     """
     cfg = config
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     b_req = _check_inputs(qo_indptr, kv_indptr, kv_last_page_lens)
     if batch_size is None:
         batch_size = b_req

@@ -53,8 +53,9 @@ def chase_states(n: jax.Array, payload, bpc, *, params: FillParams):
     """States `(cu, remain)` before each tile, equal to the tile walk's.
 
     n: int32 [S] blocks per tile (-1: empty slot); payload, bpc: int32 scalars (blocks).
-    Requires bpc > params.overhead and params.tail_rule False (not checked at run time: the
-    caller selects the chase with `chase_pays_off`). Returns int32 [S] cu, int32 [S] remain.
+    Requires params.tail_rule False (checked) and bpc > params.overhead (a run-time value, not
+    checked here: `decode_fill_pallas.walk_or_chase` chases only when it holds). Returns int32
+    [S] cu, int32 [S] remain.
     """
     if params.tail_rule:
         raise ValueError("chase_states: the tail-merge rule needs the tile walk")

@@ -27,17 +27,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from funcmla.planners.decode import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
+from funcmla.planners.decode import (
+    FILL_STATE_FIELDS,
+    TILE_FIELDS,
+    WALKS,
+    FillParams,
+    fill_advance,
+)
 from funcmla.planners.decode_chase import chase_pays_off, chase_states
 
 __all__ = ["fill_tiles_pallas", "walk_tiles", "walk_or_chase", "chase_allowed", "DEFAULT_CHUNK",
-           "CHASE_MAX_SLOTS", "WALKS"]
+           "CHASE_MAX_SLOTS", "padded_slots"]
 
 DEFAULT_CHUNK = 16
 # The chase keeps ~6 int32 vectors of the padded slot count in one warp's registers (16 values
 # per lane each at 512).
 CHASE_MAX_SLOTS = 512
-WALKS = ("auto", "chase", "tiles")
 
 
 def chase_allowed(params: FillParams, num_slots_padded: int) -> bool:

@@ -49,7 +49,8 @@ INFO_FIELDS = ("batch", "last_page_len", "kv_begin", "kv_end", "batch_tail", "qo
                "qo_start", "qo_end", "valid")
 (_BATCH, _LPL, _KV_BEGIN, _KV_END, _BT, _TS, _QO_START, _QO_END, _VALID) = range(9)
 _INFO = 8  # first info column of `slots`
-# Rows of the `derived` scratch output [8, S_p]: the tile's placement and running sums.
+# Rows of the `derived` scratch output [programs, 8, S_p]: the tile's placement and running sums
+# (one copy per program).
 DERIVED_FIELDS = ("c0", "f", "m", "works_incl", "red_incl", "partial_excl", "valid_incl",
                   "last_cluster")
 (_C0, _F, _M, _WORKS_INCL, _RED_INCL, _PARTIAL_EXCL, _VALID_INCL, _LAST_CLUSTER) = range(8)
@@ -264,7 +265,7 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
     shapes of `sizes`, plus the walk's states [S, 2] for checking.
     The walk runs in its own one-warp program (`fill_tiles_pallas`), derive + emit in a second
-    program of `num_warps` warps (default EMIT_WARPS). walk: "auto" | "chase" | "tiles"
+    program of EMIT_PROGRAMS thread blocks of `num_warps` warps (default EMIT_WARPS). walk: "auto" | "chase" | "tiles"
     (`decode_fill_pallas.walk_or_chase`).
     """
     if interpret is None:
@@ -308,8 +309,7 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     kernel = functools.partial(
         _emit_kernel, params=params, num_slots=num_slots, sizes=sizes, page_size=page_size,
         kv_granularity=kv_granularity, all_slots_valid=all_slots_valid, interpret=interpret)
-    call = pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=(programs,),
-                          interpret=interpret,
+    call = pl.pallas_call(kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
                           name="mla_decode_plan_emit", **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
