@@ -23,8 +23,8 @@ program for all three phases took 29.8 us; walk 7.0 us + emission in one block 1
 2, 4 or 8 warps alike); emission over 16 blocks 3.3 us.
 
 Every element of every output is written (unused tails get zero), so nothing is initialised
-first. The outputs equal the NumPy oracle's, field by field (tests/test_planner_decode.py in interpret mode; `bench/planners.py
---check` compiled on a GPU).
+first. The outputs equal the NumPy oracle's, field by field (tests/test_planner_decode.py in
+interpret mode; `bench/planners.py --check` compiled on a GPU).
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         m_w, f_w = derived_ref[pid, _M, slot], derived_ref[pid, _F, slot]
         j = w - (derived_ref[pid, _WORKS_INCL, slot] - m_w)
         live = w < num_works
-        kb, ke, bt, ts = info(_KV_BEGIN, slot), info(_KV_END, slot), info(_BT, slot), info(_TS, slot)
+        kb, ke = info(_KV_BEGIN, slot), info(_KV_END, slot)
+        bt, ts = info(_BT, slot), info(_TS, slot)
         last = j == m_w - 1
         begin_blk = jnp.where(j == 0, 0, f_w + (j - 1) * bpc)
         end_tok = kb + (f_w + j * bpc) * gran
@@ -265,8 +266,8 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
     shapes of `sizes`, plus the walk's states [S, 2] for checking.
     The walk runs in its own one-warp program (`fill_tiles_pallas`), derive + emit in a second
-    program of EMIT_PROGRAMS thread blocks of `num_warps` warps (default EMIT_WARPS). walk: "auto" | "chase" | "tiles"
-    (`decode_fill_pallas.walk_or_chase`).
+    program of EMIT_PROGRAMS thread blocks of `num_warps` warps (default EMIT_WARPS).
+    walk: "auto" | "chase" | "tiles" (`decode_fill_pallas.walk_or_chase`).
     """
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
