@@ -516,6 +516,9 @@ def test_chase_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="walk must be one of"):
         fill_tiles_pallas(tiles, jnp.int32(20), jnp.int32(4), params=FillParams(16, True),
                           walk="parallel", interpret=True)
+    with pytest.raises(ValueError, match=r"live_slots must be in \[1, 4\], got 5"):
+        fill_tiles_pallas(tiles, jnp.int32(20), jnp.int32(4), params=FillParams(16, True),
+                          live_slots=5, interpret=True)
     with pytest.raises(ValueError, match="tail-merge rule"):
         chase_states(jnp.zeros((4,), jnp.int32), 20, 4, params=FillParams(16, True))
     cfg = DecodePlanConfig(device=MI300X, num_heads=16, uni_seqlen_qo=1)

@@ -115,9 +115,9 @@ def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk
 
 
 def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-                 prefetch: bool, walk: str):
+                 num_chunks: int, prefetch: bool, walk: str):
     walk_or_chase(scalars_ref[0], scalars_ref[1], tiles_ref, out_ref, params=params, chunk=chunk,
-                  num_chunks=tiles_ref.shape[0] // chunk, walk=walk, prefetch=prefetch)
+                  num_chunks=num_chunks, walk=walk, prefetch=prefetch)
 
 
 def _on_gpu() -> bool:
@@ -134,16 +134,23 @@ def padded_slots(num_slots: int, chunk: int = DEFAULT_CHUNK) -> int:
 
 def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                       params: FillParams, chunk: int = DEFAULT_CHUNK, prefetch: bool = True,
-                      walk: str = "auto", interpret: bool | None = None) -> jax.Array:
-    """The walk in one Pallas program. tiles: int32 [S, 8] (TILE_FIELDS) -> int32 [S, 2]
-    (FILL_STATE_FIELDS, before each tile). `prefetch`: load chunk i + 1 while walking chunk i.
-    walk: "auto" | "chase" | "tiles" (see `walk_or_chase`; "chase" raises where the chase cannot
-    run). `interpret=None`: compiled (Triton) on GPU, interpreted elsewhere."""
+                      walk: str = "auto", live_slots: int | None = None,
+                      interpret: bool | None = None) -> jax.Array:
+    """The walk in one Pallas program. tiles: int32 [S, >= 8] (TILE_FIELDS first) -> int32
+    [S, 2] (FILL_STATE_FIELDS, before each tile). `prefetch`: load chunk i + 1 while walking
+    chunk i. walk: "auto" | "chase" | "tiles" (see `walk_or_chase`; "chase" raises where the
+    chase cannot run). live_slots: only the first `live_slots` rows hold tiles, the rest are
+    empty slots (n = -1) whose states are not needed: the tile walk stops after them (their
+    rows of the result are left unwritten). `interpret=None`: compiled (Triton) on GPU,
+    interpreted elsewhere."""
     if interpret is None:
         interpret = not _on_gpu()
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     num_slots = tiles.shape[0]
+    live = num_slots if live_slots is None else live_slots
+    if not 1 <= live <= num_slots:
+        raise ValueError(f"live_slots must be in [1, {num_slots}], got {live_slots}")
     chunk = max(1, min(chunk, num_slots))
     padded = padded_slots(num_slots, chunk)
     if walk == "chase" and not chase_allowed(params, padded):
@@ -160,7 +167,7 @@ def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=1, num_stages=1)
     call = pl.pallas_call(
         functools.partial(_fill_kernel, params=params, chunk=chunk, prefetch=prefetch,
-                          walk=walk),
+                          walk=walk, num_chunks=-(-live // chunk)),
         out_shape=jax.ShapeDtypeStruct((padded, len(FILL_STATE_FIELDS)), jnp.int32),
         grid=(1,),
         interpret=interpret,

@@ -301,7 +301,7 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
         sds(1),
     )
     states = fill_tiles_pallas(slots, payload, bpc, params=params, walk=walk,
-                               interpret=interpret)
+                               live_slots=num_slots, interpret=interpret)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
