@@ -7,8 +7,8 @@ H200: 2 to 298 bf16 ulp apart). To launch exactly what XLA launches, `xla_kernel
 the jitted function holding the call, on this process's GPU backend, and reads the executable:
 
 * jaxlib 0.11.2 (H200, CUDA 13): `LoadedExecutable.serialize()` is a small header and a Riegeli
-  file (`riegeli_records`: 64 KiB blocks, simple chunks, Snappy-compressed) whose executable
-  record is itself a Riegeli file holding `xla.gpu.GpuExecutableProto`. Its thunks record each
+  file (`_containers.riegeli_records`: 64 KiB blocks, simple chunks, Snappy-compressed) whose
+  executable record is itself a Riegeli file holding `xla.gpu.GpuExecutableProto`. Its thunks record each
   kernel launch: the symbol (XLA names the kernel after the Pallas call, `_N` added if the name
   repeats), the cubin defining it (one per Triton kernel), grid, block and dynamic shared memory
   (`launch_specs`). Parameters: one pointer per buffer, operands then results (Triton's two
@@ -35,10 +35,11 @@ import struct
 import tempfile
 from typing import Any, Callable, Sequence
 
+from funcmla.interop._containers import RIEGELI_START, riegeli_records, try_proto_fields
+
 __all__ = ["XlaKernel", "xla_kernels", "elf_images", "pass_log_shared_bytes", "ptx_entries",
-           "ptx_block", "ptx_from_blob", "cubin_entries", "snappy_decompress",
-           "riegeli_records", "executable_records", "launch_specs", "executable_launches",
-           "XlaLaunch"]
+           "ptx_block", "ptx_from_blob", "cubin_entries", "executable_records", "launch_specs",
+           "executable_launches", "XlaLaunch"]
 
 _DUMP_OPTION_SETS: tuple[dict, ...] = (
     {"xla_dump_emitter_re": "triton-fusion"},
@@ -229,200 +230,22 @@ def ptx_from_blob(blob: bytes, entry_prefix: str) -> dict[str, tuple[str, list[s
     return out
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 35:
-            raise ValueError("varint too long")
-
-
-def snappy_decompress(buf: bytes, start: int = 0) -> bytes:
-    """Raw Snappy block format (preamble: uncompressed length as a varint; then literals and
-    back-copies): the compression of the Riegeli chunks XLA serializes executables into.
-    Raises ValueError on anything that is not a well-formed block."""
-    try:
-        total, pos = _varint(buf, start)
-    except IndexError as err:
-        raise ValueError("truncated preamble") from err
-    if total > 64 * len(buf) + 1024:
-        raise ValueError(f"implausible length {total}")
-    out = bytearray()
-    while len(out) < total:
-        if pos >= len(buf):
-            raise ValueError("truncated block")
-        tag = buf[pos]
-        kind = tag & 3
-        if kind == 0:  # literal
-            n = tag >> 2
-            pos += 1
-            if n >= 60:
-                extra = n - 59
-                n = int.from_bytes(buf[pos:pos + extra], "little")
-                pos += extra
-            n += 1
-            if pos + n > len(buf):
-                raise ValueError("literal past the end")
-            out += buf[pos:pos + n]
-            pos += n
-            continue
-        if kind == 1:
-            n = 4 + ((tag >> 2) & 7)
-            offset = ((tag >> 5) << 8) | buf[pos + 1]
-            pos += 2
-        elif kind == 2:
-            n = 1 + (tag >> 2)
-            offset = int.from_bytes(buf[pos + 1:pos + 3], "little")
-            pos += 3
-        else:
-            n = 1 + (tag >> 2)
-            offset = int.from_bytes(buf[pos + 1:pos + 5], "little")
-            pos += 5
-        if offset == 0 or offset > len(out):
-            raise ValueError("bad back-reference")
-        for _ in range(n):  # copies may overlap their own output
-            out.append(out[-offset])
-    if len(out) != total:
-        raise ValueError("length mismatch")
-    return bytes(out)
-
-
-_RIEGELI_START = bytes.fromhex(  # every Riegeli file's first 64 bytes: block header + signature
-    "83af70d10d884a3f00000000000000004000000000000000"
-    "91bac23c9287e1a90000000000000000e19f13c0e9b1c372"
-    "73000000000000000000000000000000")
-_BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
-
-
-def _riegeli_span(f: bytes, pos: int, n: int) -> tuple[bytes, int]:
-    """n logical bytes of Riegeli file `f` from file position pos (block headers, 24 bytes at
-    every 64 KiB boundary, skipped) and the file position after them."""
-    out = bytearray()
-    while n:
-        if pos % _BLOCK < _BLOCK_HEADER:
-            pos += _BLOCK_HEADER - pos % _BLOCK
-        take = min(n, _BLOCK - pos % _BLOCK)
-        piece = f[pos:pos + take]
-        if len(piece) < take:
-            raise ValueError(f"Riegeli file truncated at byte {pos + len(piece)}")
-        out += piece
-        pos, n = pos + take, n - take
-    return bytes(out), pos
-
-
-def _riegeli_block(data: bytes, compression: int) -> bytes:
-    if compression == 0:
-        return data
-    if compression != 0x73:  # 's'
-        raise ValueError(f"Riegeli chunk compressed with {chr(compression)!r} (only "
-                         "uncompressed and Snappy chunks are read)")
-    size, pos = _varint(data, 0)
-    out = snappy_decompress(data, pos)
-    if len(out) != size:
-        raise ValueError(f"Snappy block of {len(out)} bytes where {size} were announced")
-    return out
-
-
-def riegeli_records(f: bytes, *, trailing_ok: bool = False) -> list[bytes]:
-    """The records of a Riegeli file (the container XLA serializes executables into): simple
-    chunks, uncompressed or Snappy-compressed; signature, metadata and padding chunks skipped.
-    Checksums are not verified. Raises ValueError on anything else (transposed chunks, other
-    compressions, truncation, sizes that do not add up). trailing_ok: `f` may continue past the
-    file (e.g. the rest of a pickle); reading stops at the first chunk header that does not fit
-    or names no chunk type."""
-    if not f.startswith(_RIEGELI_START):
-        raise ValueError("not a Riegeli file (no Riegeli signature at its start)")
-    records, pos = [], 0
-    while True:
-        if pos % _BLOCK < _BLOCK_HEADER:
-            pos += _BLOCK_HEADER - pos % _BLOCK
-        if pos >= len(f):
-            return records
-        begin = pos
-        try:
-            header, pos = _riegeli_span(f, pos, _CHUNK_HEADER)
-            _hash, data_size, _data_hash, type_and_count, decoded = struct.unpack("<5Q", header)
-            kind, count = type_and_count & 0xFF, type_and_count >> 8
-            if trailing_ok and kind not in (0x73, 0x6D, 0x70, 0x72, 0x74):
-                return records
-            data, pos = _riegeli_span(f, pos, data_size)
-        except ValueError:
-            if trailing_ok and records:
-                return records
-            raise
-        pos = max(pos, begin + count)
-        if kind in (0x73, 0x6D, 0x70):  # 's'ignature, 'm'etadata, 'p'adding
-            continue
-        if kind != 0x72:  # 'r': simple chunk
-            raise ValueError(f"Riegeli chunk of type {chr(kind)!r} at byte {begin} (only simple "
-                             "chunks are read)")
-        sizes_size, p = _varint(data, 1)
-        sizes = _riegeli_block(data[p:p + sizes_size], data[0])
-        values = _riegeli_block(data[p + sizes_size:], data[0])
-        lengths, q = [], 0
-        while q < len(sizes):
-            n, q = _varint(sizes, q)
-            lengths.append(n)
-        if len(lengths) != count or sum(lengths) != len(values) or len(values) != decoded:
-            raise ValueError(f"Riegeli chunk at byte {begin}: {len(lengths)} record sizes "
-                             f"summing to {sum(lengths)} for {count} records of {decoded} bytes "
-                             f"({len(values)} decoded)")
-        at = 0
-        for n in lengths:
-            records.append(values[at:at + n])
-            at += n
-
-
 def executable_records(blob: bytes) -> list[bytes]:
     """The innermost records of the Riegeli file in `blob` (a serialized PJRT executable:
     jaxlib 0.11.2 writes the executable-and-options record into one Riegeli file and the GPU
     executable proto into another inside it); [] where `blob` holds no Riegeli file."""
-    at = blob.find(_RIEGELI_START)
+    at = blob.find(RIEGELI_START)
     if at < 0:
         return []
     out = []
     for rec in riegeli_records(blob[at:], trailing_ok=True):
-        out += executable_records(rec) if rec.startswith(_RIEGELI_START) else [rec]
-    return out
-
-
-def _proto(buf: bytes) -> list[tuple[int, int, Any]] | None:
-    """(field, wire type, value) of a protobuf message, or None if `buf` is not one."""
-    out, pos = [], 0
-    try:
-        while pos < len(buf):
-            key, pos = _varint(buf, pos)
-            field, wire = key >> 3, key & 7
-            if field == 0:
-                return None
-            if wire == 0:
-                value, pos = _varint(buf, pos)
-            elif wire == 2:
-                n, pos = _varint(buf, pos)
-                if pos + n > len(buf):
-                    return None
-                value, pos = buf[pos:pos + n], pos + n
-            elif wire in (1, 5):
-                size = 8 if wire == 1 else 4
-                if pos + size > len(buf):
-                    return None
-                value, pos = buf[pos:pos + size], pos + size
-            else:
-                return None
-            out.append((field, wire, value))
-    except (IndexError, ValueError):
-        return None
+        out += executable_records(rec) if rec.startswith(RIEGELI_START) else [rec]
     return out
 
 
 def _dim3(buf: bytes, depth: int = 0) -> tuple[int, int, int] | None:
     """x, y, z of a message holding varint fields 1-3 (directly or as its one submessage)."""
-    msg = _proto(buf)
+    msg = try_proto_fields(buf)
     if not msg:
         return None
     if all(w == 0 and f in (1, 2, 3) for f, w, _ in msg):
@@ -452,7 +275,7 @@ _IDENT = re.compile(r"[A-Za-z_$][\w$.]*")
 def _cubins_in(buf: bytes, depth: int = 0) -> list[bytes]:
     if buf.startswith(b"\x7fELF"):
         return elf_images(buf)[:1]
-    msg = _proto(buf) if depth < 3 else None
+    msg = try_proto_fields(buf) if depth < 3 else None
     return [img for _, w, v in msg or () if w == 2 for img in _cubins_in(v, depth + 1)]
 
 
@@ -461,7 +284,7 @@ def launch_specs(record: bytes, depth: int = 0) -> list[XlaLaunch]:
     `xla.gpu.GpuExecutableProto`): a message whose field 1 is the kernel's symbol, field 2 holds
     the cubin defining that symbol, fields 3 / 4 the grid / block (x, y, z) and field 6 the
     dynamic shared memory in bytes (absent: 0). Read by shape, not by a compiled schema."""
-    msg = _proto(record) if depth < 12 else None
+    msg = try_proto_fields(record) if depth < 12 else None
     if not msg:
         return []
     fields: dict[int, list] = {}

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
+from funcmla.interop._containers import proto_fields
 from funcmla.attention.pallas.decode_common import num_row_blocks
 from funcmla.layout import PageTable
 
@@ -124,46 +125,12 @@ class TritonCall:
                 "form": "ptx" if self.ptx is not None else "ttir"}
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated protobuf varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _proto_fields(buf: bytes) -> list[tuple[int, int, Any]]:
-    """Wire-format fields of one protobuf message: (field number, wire type, value)."""
-    out, pos = [], 0
-    while pos < len(buf):
-        key, pos = _read_varint(buf, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _read_varint(buf, pos)
-        elif wire == 2:
-            n, pos = _read_varint(buf, pos)
-            value, pos = buf[pos:pos + n], pos + n
-        elif wire == 1:
-            value, pos = buf[pos:pos + 8], pos + 8
-        elif wire == 5:
-            value, pos = buf[pos:pos + 4], pos + 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire} (field {field})")
-        out.append((field, wire, value))
-    return out
-
-
 def parse_kernel_call_proto(serialized: bytes) -> dict:
     """Decode a `jax_triton.TritonAnyKernelCall` (jaxlib/gpu/triton.proto) holding one plain
     kernel call. Returns {name, num_warps, num_ctas, shared_mem_bytes, ptx, grid,
     ptr_divisibility}; raises ValueError for autotuned calls, scalar or zero-filled parameters."""
     call = None
-    for field, _, value in _proto_fields(serialized):
+    for field, _, value in proto_fields(serialized):
         if field == 1:
             call = value
         elif field == 2:
@@ -171,16 +138,16 @@ def parse_kernel_call_proto(serialized: bytes) -> dict:
     if call is None:
         raise ValueError("TritonAnyKernelCall holds no kernel_call")
     kernel, grid, divisibility = None, [0, 0, 0], []
-    for field, _, value in _proto_fields(call):
+    for field, _, value in proto_fields(call):
         if field == 1:
             kernel = value
         elif field in (2, 3, 4):
             grid[field - 2] = value
         elif field == 5:
-            param = _proto_fields(value)
+            param = proto_fields(value)
             if len(param) != 1 or param[0][0] != 1:
                 raise ValueError("only array parameters are supported (Pallas passes no scalars)")
-            array = dict((f, v) for f, _, v in _proto_fields(param[0][2]))
+            array = dict((f, v) for f, _, v in proto_fields(param[0][2]))
             if array.get(1, 0):
                 raise ValueError(f"array parameter {len(divisibility)} asks for "
                                  f"{array[1]} zeroed bytes; not supported")
@@ -188,7 +155,7 @@ def parse_kernel_call_proto(serialized: bytes) -> dict:
     if kernel is None:
         raise ValueError("TritonKernelCall holds no kernel")
     k = {1: b"", 2: 0, 3: 0, 4: b"", 10: 1}
-    for field, _, value in _proto_fields(kernel):
+    for field, _, value in proto_fields(kernel):
         k[field] = value
     return {"name": k[1].decode(), "num_warps": int(k[2]), "num_ctas": int(k[10]),
             "shared_mem_bytes": int(k[3]), "ptx": k[4].decode(), "grid": tuple(grid),

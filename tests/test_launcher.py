@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcmla.attention.pallas import DecodeKernelConfig
-from funcmla.interop import _launch, _xla_kernels
+from funcmla.interop import _containers, _launch, _xla_kernels
 from funcmla.interop import launcher as L
 from funcmla.layout import PageTable
 
@@ -658,16 +658,16 @@ def _snappy_literal_block(data: bytes) -> bytes:
 
 def test_snappy_blocks_decode_with_literals_and_overlapping_copies():
     # "abcd" literal, then a 1-byte-offset copy of 8 from 4 back (overlaps its own output)
-    assert _xla_kernels.snappy_decompress(b"\x0c\x0cabcd\x11\x04") == b"abcd" * 3
+    assert _containers.snappy_decompress(b"\x0c\x0cabcd\x11\x04") == b"abcd" * 3
     # 2-byte-offset copy (kind 2) of 3 bytes from 2 back
-    assert _xla_kernels.snappy_decompress(b"\x05\x04xy\x0a\x02\x00") == b"xyxyx"
+    assert _containers.snappy_decompress(b"\x05\x04xy\x0a\x02\x00") == b"xyxyx"
     for bad in (b"\x08\x0cabcd\x01\x09",   # offset past the output
                 b"\x08\x0cab",               # truncated literal
                 b"\x05\x0cabcd"):            # longer than announced
         with pytest.raises(ValueError):
-            _xla_kernels.snappy_decompress(bad)
+            _containers.snappy_decompress(bad)
     block = _snappy_literal_block(b"0123456789" * 30)  # 300 bytes: several literal runs
-    assert _xla_kernels.snappy_decompress(block) == b"0123456789" * 30
+    assert _containers.snappy_decompress(block) == b"0123456789" * 30
 
 
 _RIEGELI_START = bytes.fromhex(
@@ -701,7 +701,7 @@ def test_riegeli_records_read_simple_chunks_across_block_boundaries():
     big = bytes(range(256)) * 300  # 76800 bytes: the file spans two 64 KiB blocks
     f = _riegeli_file([([b"meta", b"", b"x" * 200], "s"), ([big, b"tail"], "")])
     assert len(f) > 65536
-    assert _xla_kernels.riegeli_records(f) == [b"meta", b"", b"x" * 200, big, b"tail"]
+    assert _containers.riegeli_records(f) == [b"meta", b"", b"x" * 200, big, b"tail"]
     inner = _riegeli_file([([b"gpu-executable-proto"], "s")])
     outer = b"\x05header" + _riegeli_file([([b"type", inner, b"options"], "s")])
     assert _xla_kernels.executable_records(outer) == [b"type", b"gpu-executable-proto",
@@ -711,19 +711,19 @@ def test_riegeli_records_read_simple_chunks_across_block_boundaries():
     assert _xla_kernels.executable_records(b"head" + inner + b"\x94\x8c\x05trail") == \
         [b"gpu-executable-proto"]
     with pytest.raises(ValueError, match="not a Riegeli file"):
-        _xla_kernels.riegeli_records(b"x" + f)
+        _containers.riegeli_records(b"x" + f)
     with pytest.raises(ValueError, match="truncated"):
-        _xla_kernels.riegeli_records(f[:-10])
+        _containers.riegeli_records(f[:-10])
     with pytest.raises(ValueError, match="type 't'"):  # transposed chunks are not read
-        _xla_kernels.riegeli_records(_riegeli_file([([b"r"], "")], kind=0x74))
+        _containers.riegeli_records(_riegeli_file([([b"r"], "")], kind=0x74))
     zstd = bytearray(_riegeli_file([([b"abc"], "")]))
     zstd[64 + 40] = 0x7A  # compression byte of the chunk: 'z'
     with pytest.raises(ValueError, match="compressed with 'z'"):
-        _xla_kernels.riegeli_records(bytes(zstd))
+        _containers.riegeli_records(bytes(zstd))
     lying = bytearray(_riegeli_file([([b"abc", b"de"], "")]))
     lying[64 + 25] = 3  # the header announces 3 records; the sizes list holds 2
     with pytest.raises(ValueError, match="2 record sizes"):
-        _xla_kernels.riegeli_records(bytes(lying))
+        _containers.riegeli_records(bytes(lying))
 
 
 # Serialized executables captured on the H200 (jax/jaxlib 0.11.2, CUDA 13, 2026-11-30):
@@ -1178,3 +1178,14 @@ def test_loaded_kernel_launch_marshals_pointers_grid_and_stream(monkeypatch):
     k2 = L.LoadedKernel(call, 0, "9.0", img)
     assert k2.shared_mem_bytes == 232448 - 42 and "device maximum" in k2.how
     assert ("func_set", 0x3000, 8, 232448 - 42) in fake.calls
+
+
+def test_protobuf_wire_reader():
+    # Shared by the kernel-call parser and the executable reader (interop/_containers.py).
+    msg = _field(1, 150) + _field(2, b"abc") + bytes([0x18]) + b"\xff" * 9 + b"\x01"  # -1
+    assert _containers.proto_fields(msg) == [(1, 0, 150), (2, 2, b"abc"), (3, 0, 2**64 - 1)]
+    assert _containers.try_proto_fields(b"\x0a\x05ab") is None  # length past the end
+    with pytest.raises(ValueError, match="not a well-formed protobuf"):
+        _containers.proto_fields(b"\x0a\x05ab")
+    with pytest.raises(ValueError, match="truncated varint"):
+        _containers.read_varint(b"\x96", 0)
