@@ -142,6 +142,12 @@ def _first_then_median(what, fn, reps):
     return got, compile_s, median_time_s(fn, reps=reps, min_time_s=0.05)
 
 
+def _fill_and_walk(fill: str) -> tuple[str, str]:
+    """A --fills entry, "impl" or "impl/walk", as (fill_impl, walk)."""
+    impl, _, walk = fill.partition("/")
+    return impl, walk or "auto"
+
+
 def _chained(cfg, fill_impl, k, walk="auto"):
     """k plans back to back in one jit, each input depending (trivially) on the previous plan."""
 
@@ -181,9 +187,9 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                 reps=3 if batch >= 256 else 7)
             args = tuple(jnp.asarray(x) for x in (qo, kv, last))
             for fill in fills:
-                impl, _, walk = fill.partition("/")
+                impl, walk = _fill_and_walk(fill)
 
-                def fn(impl=impl, walk=walk or "auto"):
+                def fn(impl=impl, walk=walk):
                     return jax.block_until_ready(
                         plan_mla_decode_jit(*args, config=cfg, fill_impl=impl, walk=walk))
 
@@ -194,7 +200,7 @@ def bench_decode(batches=(1, 16, 64, 256, 1024), configs=None, fills=("scan",),
                 dev_us = None
                 if device_time and (device_time_batches is None or batch in device_time_batches):
                     dev_us = _try(f"device time {name} B={batch} {fill}", _device_time_us,
-                                  cfg, impl, args, walk=walk or "auto")
+                                  cfg, impl, args, walk=walk)
                 prof = primed = None
                 if batch in profile_batches:
                     prof = _try(f"profile {name} B={batch} {fill}", device_kernel_times, fn)
@@ -236,9 +242,9 @@ def check_decode(fills=("scan", "pallas"), batches=(7, 300)):
                 ref = plan_mla_decode_reference(qo, kv, last, config=cfg)
                 args = tuple(jnp.asarray(x) for x in (qo, kv, last))
                 for fill in fills:
-                    impl, _, walk = fill.partition("/")
+                    impl, walk = _fill_and_walk(fill)
                     got = _try(f"check {name} B={batch} {fill}", plan_mla_decode_jit, *args,
-                               config=cfg, fill_impl=impl, walk=walk or "auto")
+                               config=cfg, fill_impl=impl, walk=walk)
                     if got is None:  # refused (e.g. walk "chase" with the tail rule): logged
                         continue
                     ok = _plans_equal(got, ref)

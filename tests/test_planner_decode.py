@@ -217,7 +217,7 @@ def test_matches_oracle_fixed_configs(name, data):
 @settings(max_examples=3)
 @given(data=st.data())
 def test_fused_pallas_plan_matches_oracle(name, data):
-    # The walk + derive + emit Pallas program (interpret mode off-GPU) == the serial oracle.
+    # The walk, then derive + emit, Pallas programs (interpret mode off-GPU) == the serial oracle.
     cfg = FIXED[name]
     qo_indptr, kv_indptr, last = data.draw(batches(cfg, batch_sizes=(64,)))
     got, ref = run_both(cfg, qo_indptr, kv_indptr, last, fill_impl="fused")
