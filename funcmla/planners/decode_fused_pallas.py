@@ -152,6 +152,11 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         eb = min(VECTOR_BLOCK if interpret else EMIT_BLOCK, _pow2_at_least(size))
         phases.append((size, eb, -(-size // eb), body))
 
+    def run_chunk(bi, size, eb, body):
+        base = bi * eb  # traced: the last chunk may overhang (masked)
+        idx = base + lax.iota(i32, eb)
+        body(base, idx, idx < size, eb)
+
     def run_phases():
         """Each program runs its chunks. Unrolled (one `pl.when` per chunk) up to UNROLL_CHUNKS
         chunks in all, else a loop per phase over the program's chunks."""
@@ -160,18 +165,13 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
             t = 0
             for size, eb, nb, body in phases:
                 for bi in range(nb):
-                    @pl.when(pid == t % programs)
-                    def _(bi=bi, size=size, eb=eb, body=body):
-                        base = i32(bi * eb)  # traced: the last chunk may overhang (masked)
-                        idx = base + lax.iota(i32, eb)
-                        body(base, idx, idx < size, eb)
+                    pl.when(pid == t % programs)(
+                        functools.partial(run_chunk, i32(bi), size, eb, body))
                     t += 1
             return
         for size, eb, nb, body in phases:
             def loop_body(i, c, size=size, eb=eb, body=body):
-                base = (pid + i * programs) * eb
-                idx = base + lax.iota(i32, eb)
-                body(base, idx, idx < size, eb)
+                run_chunk(pid + i * programs, size, eb, body)
                 return c
 
             lax.fori_loop(0, (jnp.maximum(nb - pid, 0) + programs - 1) // programs, loop_body, 0)
