@@ -223,6 +223,8 @@ def device_stats(events, calls: int, runs: int) -> dict | None:
                    device time per call when calls are issued back to back (gaps included);
       busy_us      per call: sum of all durations / (runs * calls);
       decode_us / merge_us: median duration of the kernels named mla_decode* / *merge*;
+      memset_us    per call: summed duration of the memset activities (e.g. the zeroed arrival
+                   counters of the in-launch merge), memsets_per_call;
       kernels_per_call, kernels: the 6 largest kernels by total time (name, median us, count).
     None without events."""
     if not events or calls <= 0 or runs <= 0:
@@ -242,11 +244,14 @@ def device_stats(events, calls: int, runs: int) -> dict | None:
         by_name.setdefault(name, []).append(d)
     dec = [d for _, d, nm in events if "mla_decode" in nm]
     mer = [d for _, d, nm in events if "merge" in nm]
+    mset = [d for _, d, nm in events if "memset" in nm.lower()]
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:6]
     return dict(span_us=statistics.median(spans),
                 busy_us=sum(d for _, d, _ in events) / (runs * calls),
                 decode_us=statistics.median(dec) if dec else 0.0,
                 merge_us=statistics.median(mer) if mer else 0.0,
+                memset_us=sum(mset) / (runs * calls),
+                memsets_per_call=len(mset) / (runs * calls),
                 kernels_per_call=len(events) / (runs * calls),
                 kernels=[(nm[:60], round(statistics.median(v), 2), len(v) / (runs * calls))
                          for nm, v in top])

@@ -53,7 +53,13 @@ from bench.decode import (  # noqa: E402
 from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
+    kv_rows_from_csr,
+    kv_rows_from_page_table,
     num_row_blocks,
+)
+from funcmla.attention.pallas.decode_triton import (  # noqa: E402
+    decode_counters,
+    mla_decode_merged_rows,
 )
 
 C = DecodeKernelConfig
@@ -61,11 +67,17 @@ INTERPRET = False  # --dry: Pallas interpret mode (CPU), tiny cases
 
 
 def segment_stats(evs, n_calls: int, runs: int) -> dict:
+    """device_us = decode + merge kernel medians + the memsets per call (the in-launch merge's
+    zeroed counters); busy_us = every device activity per call; span as bench.decode."""
     st = device_stats(evs, n_calls, runs) or dict(span_us=0.0, decode_us=0.0, merge_us=0.0,
+                                                   memset_us=0.0, memsets_per_call=0.0,
+                                                   busy_us=0.0, kernels_per_call=0.0,
                                                    kernels=[])
-    return dict(decode_us=st["decode_us"], merge_us=st["merge_us"],
-                device_us=st["decode_us"] + st["merge_us"], span_us_per_call=st["span_us"],
-                kernels=st["kernels"])
+    return dict(decode_us=st["decode_us"], merge_us=st["merge_us"], memset_us=st["memset_us"],
+                memsets_per_call=st["memsets_per_call"], busy_us=st["busy_us"],
+                activities_per_call=st["kernels_per_call"],
+                device_us=st["decode_us"] + st["merge_us"] + st["memset_us"],
+                span_us_per_call=st["span_us"], kernels=st["kernels"])
 
 
 def _mark(x):
@@ -85,6 +97,48 @@ def host_floor(n=32, reps=5) -> float:
     return statistics.median(ts)
 
 
+def _threaded_calls(h, b, ctx, ps, cfg, ns):
+    """A jit of n calls of `mla_decode_merged_rows` (the in-launch merge) passing its arrival
+    counters from call to call (donated between runs), so no call clears them: what a caller
+    that keeps the counters across steps pays. Returns fn(all_args) -> [(out, lse)] * n."""
+    rows = h  # s_q = 1
+    state = [decode_counters(b, h, config=cfg)]
+
+    def many(all_args, counters):
+        outs = []
+        for q, p, m in all_args:
+            kv = (kv_rows_from_csr(m["kv_indptr"], m["kv_indices"], ctx) if ps == 1
+                  else kv_rows_from_page_table(m["page_table"]))
+            o, lse, counters = mla_decode_merged_rows(q, p, kv, counters, sm_scale=SM_SCALE,
+                                                      num_splits=ns, config=cfg,
+                                                      interpret=INTERPRET)
+            outs.append((o[:, :rows].reshape(b, h, DV), lse[:, :rows].reshape(b, h)))
+        return outs, counters
+
+    jfd = jax.jit(many, donate_argnums=1)
+
+    def run(all_args):
+        outs, state[0] = jfd(all_args, state[0])
+        return outs
+
+    run.counters = state
+    return run
+
+
+def _bitwise_runs(jf, args, want, got, repeat: int) -> dict:
+    """Calls (of 1 + repeat runs of jf) whose out and lse equal `want`'s bit for bit."""
+    def same(a, b):
+        return bool(jnp.array_equal(a, b))
+
+    total = equal = 0
+    for k in range(repeat + 1):
+        res = got if k == 0 else jax.block_until_ready(jf(args))
+        for (o1, l1), (o2, l2) in zip(want, res):
+            total += 1
+            equal += same(o1, o2) and same(l1, l2)
+    return dict(calls=total, equal=equal)
+
+
 def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
     kv_bytes = b * ctx * D * 2
     copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
@@ -96,21 +150,28 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
     nbytes = kv_bytes + qs[0].size * 2 + b * h * DV * 2
     flops = 2 * b * h * ctx * (D + DV)
     out, fns = [], []
-    for name, cfg, ns in variants:
+    first_res, first_ns = None, None  # the first variant's n results, for bitwise comparisons
+    for variant in variants:
+        name, cfg, ns = variant[:3]
+        threaded = len(variant) > 3 and variant[3] == "threaded"
         if time.perf_counter() > deadline:
             log(f"   (time limit) skipped H{h} B{b} L{ctx} p{ps} {name}")
             continue
         bm = cfg.resolved_block_m(h)
         rule = choose_num_splits(b, num_row_blocks(h, bm), ctx, cfg, bm)
         ns_eff = rule if ns is None else ns
-        kern = (lambda c, s: lambda q, p, m: mla_decode(q, p, **m, **mkl, sm_scale=SM_SCALE,
-                                                         num_splits=s, config=c,
-                                                         interpret=INTERPRET))(cfg, ns_eff)
-        jf = jax.jit(lambda all_args, k=kern: [k(*a) for a in all_args])
+        if threaded:
+            jf = _threaded_calls(h, b, ctx, ps, cfg, ns_eff)
+        else:
+            kern = (lambda c, s: lambda q, p, m: mla_decode(
+                q, p, **m, **mkl, sm_scale=SM_SCALE, num_splits=s, config=c,
+                interpret=INTERPRET))(cfg, ns_eff)
+            jf = jax.jit(lambda all_args, k=kern: [k(*a) for a in all_args])
         r = dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=ps, num_splits=ns_eff,
                  rule_splits=rule, block_m=bm, block_kv=cfg.block_kv,
                  num_warps=cfg.resolved_num_warps(bm), num_stages=cfg.resolved_num_stages(bm),
-                 config=dataclasses.asdict(cfg), calls=n, copies=copies)
+                 config=dataclasses.asdict(cfg), calls=n, copies=copies,
+                 counters="threaded (mla_decode_merged_rows)" if threaded else None)
         try:
             t0 = time.perf_counter()
             res = jax.block_until_ready(jf(args))
@@ -118,6 +179,13 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
             o, lse = res[0]
             r["rel_err"] = rel_err(o, ref_o)
             r["lse_max_abs_err"] = float(jnp.max(jnp.abs(lse - ref_l)))
+            if first_res is None:
+                first_res, first_ns = res, ns_eff
+            elif first_ns == ns_eff:
+                # same split count as the first variant: every call's out and lse must be
+                # bit-identical to it, on `repeat` more runs too (a missed ordering between
+                # a split's stores and the last arriver's reads would show up here)
+                r["bitwise_vs_first"] = _bitwise_runs(jf, args, first_res, res, repeat=6)
             del res, o, lse
             ts = []
             for _ in range(reps):
@@ -168,9 +236,11 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
             f"({r['wall_pct_ceiling']:4.1f}%)"
             f" | device dec {r.get('decode_us', 0):7.1f} + merge {r.get('merge_us', 0):5.1f} = "
             f"{r.get('device_us', 0):7.1f} us ({r.get('device_pct_ceiling', 0):4.1f}%, "
-            f"{r.get('device_tflops', 0):5.1f} TF) span {r.get('span_us_per_call', 0):7.1f} | "
-            f"err {r['rel_err']:.1e} | compile {r['compile_s']:.1f}s")
-    del pools, qs, ref_o, ref_l, args, fns
+            f"{r.get('device_tflops', 0):5.1f} TF) span {r.get('span_us_per_call', 0):7.1f} "
+            f"memset {r.get('memset_us', 0):.2f} busy {r.get('busy_us', 0):.1f} | "
+            f"err {r['rel_err']:.1e} | bitwise {r.get('bitwise_vs_first', '-')} | "
+            f"compile {r['compile_s']:.1f}s")
+    del pools, qs, ref_o, ref_l, args, fns, first_res
     return out
 
 
@@ -180,6 +250,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--time-limit", type=float, default=250.0)
     ap.add_argument("--dry", action="store_true", help="CPU interpret mode, tiny cases")
+    ap.add_argument("--set", choices=("v4", "v5"), default="v4",
+                    help="v4: the tiling / split sweep; v5: the in-launch merge (issue #5)")
     a = ap.parse_args(argv)
     global INTERPRET
     INTERPRET = a.dry
@@ -227,8 +299,27 @@ def main(argv=None):
         ((128, 32, 4096, 64), [("m64", C(), None), ("m32w8s5", C(block_m=32), None)]),
         ((128, 128, 4096, 64), [("m64", C(), None), ("m32w8s5", C(block_m=32), None)]),
     ]
+    # v5 (issue #5): the in-launch merge against the two-launch default, same data and run.
+    # "inkm": mla_decode with merge_in_kernel (fresh zeroed counters per call: a memset);
+    # "inkm-thr": mla_decode_merged_rows with the counters passed from call to call.
+    inkm = C(merge_in_kernel=True)
+    v5 = [
+        ((16, 32, 4096, 1), [("w4s5", w4s5, 4), ("w4s5-md32", C(merge_block_d=32), 4),
+                             ("inkm", inkm, 4), ("inkm-thr", inkm, 4, "threaded")]),
+        ((16, 32, 4096, 64), [("w4s5", w4s5, 4), ("inkm", inkm, 4),
+                              ("inkm-thr", inkm, 4, "threaded")]),
+        ((128, 32, 4096, 64), [("m64", C(), None), ("inkm", inkm, None),
+                               ("inkm-thr", inkm, None, "threaded")]),
+        ((16, 128, 4096, 1), [("w4s5", w4s5, None)]),  # one split: inkm is the same kernel
+        ((16, 1, 4096, 1), [("w4s5", w4s5, None), ("inkm-thr", inkm, None, "threaded")]),
+        ((16, 32, 16384, 1), [("w4s5", w4s5, 4), ("inkm", inkm, 4),
+                              ("inkm-thr", inkm, 4, "threaded")]),
+    ]
+    if a.set == "v5":
+        cases = v5
     if a.dry:
-        cases = [((16, 2, 256, 1), [("w4s5", w4s5, 2), ("w8s3", w8s3, None)]),
+        cases = [((16, 2, 256, 1), [("w4s5", w4s5, 2), ("w8s3", w8s3, None),
+                                    ("inkm", inkm, 2), ("inkm-thr", inkm, 2, "threaded")]),
                  ((16, 2, 256, 64), [("w8s5", w8s5, 1)])]
     key = jax.random.PRNGKey(0)
     for i, ((h, b, ctx, ps), variants) in enumerate(cases):

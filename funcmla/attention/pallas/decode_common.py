@@ -29,7 +29,14 @@ __all__ = [
     "choose_num_splits",
     "merge_splits",
     "MAX_POOL_ROWS",
+    "MAX_IN_KERNEL_MERGE_BYTES",
+    "merges_in_kernel",
 ]
+
+# The in-launch merge (DecodeKernelConfig.merge_in_kernel) runs in one program per row block,
+# which reads all of that block's partials (splits x block_m x v_head_dim float32): beyond this
+# a single program's read is slower than the separate merge kernel spread over many programs.
+MAX_IN_KERNEL_MERGE_BYTES = 256 * 1024
 
 # Pool rows are addressed by int32 slot ids; the kernels compute element offsets
 # (slot * row_width + col) in 64-bit once the pool exceeds 4 GiB (see decode_triton.py).
@@ -54,6 +61,11 @@ class DecodeKernelConfig:
     programs_per_sm: programs resident per multiprocessor, for the split rule. None: estimated
                 (`resolved_programs_per_sm`) from shared memory and registers.
     merge_block_d: output columns per program of the merge kernel (None: `merge_block_d`).
+    merge_in_kernel: when the KV is split, merge the splits inside the decode launch (the last
+                split program of a row block to finish combines the partials, found with an
+                atomic arrival counter) instead of a second launch, as long as one row
+                block's partials are at most `MAX_IN_KERNEL_MERGE_BYTES` (else the merge
+                kernel runs). Off by default: the torch launcher wires the two-launch plan.
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
@@ -71,6 +83,7 @@ class DecodeKernelConfig:
     program_overhead_blocks: int = 2
     merge_overhead_blocks: int = 1
     merge_block_d: int | None = None
+    merge_in_kernel: bool = False
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -100,6 +113,9 @@ class DecodeKernelConfig:
         if self.merge_block_d is not None and not is_power_of_two(self.merge_block_d):
             raise ValueError("DecodeKernelConfig.merge_block_d must be None or a power of two, "
                              f"got {self.merge_block_d!r}")
+        if not isinstance(self.merge_in_kernel, bool):
+            raise ValueError("DecodeKernelConfig.merge_in_kernel must be a bool, got "
+                             f"{self.merge_in_kernel!r}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(
                 f"DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
@@ -307,6 +323,14 @@ def merge_splits(o_part: jax.Array, lse_part: jax.Array, out_dtype) -> tuple[jax
     out = jnp.sum(w[..., None] * o_part, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
     lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), jnp.inf)
     return out.astype(out_dtype), lse
+
+
+def merges_in_kernel(config: DecodeKernelConfig, num_splits: int, block_m: int,
+                     v_head_dim: int = 512) -> bool:
+    """Whether the decode launch merges its splits itself (`merge_in_kernel`, S > 1, and one
+    row block's partials within MAX_IN_KERNEL_MERGE_BYTES)."""
+    return (config.merge_in_kernel and num_splits > 1
+            and num_splits * block_m * v_head_dim * 4 <= MAX_IN_KERNEL_MERGE_BYTES)
 
 
 def num_row_blocks(rows: int, block_m: int) -> int:

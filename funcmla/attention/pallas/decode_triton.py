@@ -41,35 +41,50 @@ from funcmla.attention.pallas.decode_common import (
     choose_num_splits,
     kv_rows_from_csr,
     kv_rows_from_page_table,
+    merges_in_kernel,
     num_row_blocks,
 )
-from funcmla.attention.pallas.merge import merge_splits_pallas
+from funcmla.attention.pallas.merge import (
+    merge_columns,
+    merge_ops,
+    merge_splits_pallas,
+    merge_weights,
+)
 from funcmla.layout import PageTable, is_power_of_two
 
-__all__ = ["mla_decode", "mla_decode_rows", "validate_decode_inputs", "DecodeKernelConfig"]
+__all__ = ["mla_decode", "mla_decode_rows", "mla_decode_merged_rows", "decode_counters",
+           "validate_decode_inputs", "DecodeKernelConfig"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+_MERGE_CHUNK_ELEMS = 8192  # in-launch merge: output elements per column chunk (16 x 512)
 
 
 def _decode_kernel(*refs, form: str, entries_per_seq: int | None, page_size: int,
                    block_kv: int, num_splits: int, s_q: int, num_heads: int, d_v: int,
-                   d_rope: int, scale_log2: float, final: bool, evict_first: bool):
+                   d_rope: int, scale_log2: float, final: bool, evict_first: bool,
+                   fuse_merge: bool, merge_cols: int | None, interpret: bool):
     hb = pl.program_id(0)
     split = pl.program_id(1)
     b = pl.program_id(2)
+    n_meta = {"indptr": 1, "strided": 1, "lens": 2}[form]
+    meta, (table_ref, q_ref, kv_ref) = refs[:n_meta], refs[n_meta:n_meta + 3]
+    if fuse_merge:  # + counters (input, aliased to the last output); partials, merged, counters
+        o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref = refs[n_meta + 4:]
+    else:
+        o_ref, lse_ref = refs[n_meta + 3:]
     # Where sequence b starts in the table (entries) and how long it is (tokens), read here so
     # that no XLA op runs before the launch (KVRows forms).
     if form == "indptr":
-        indptr_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref = refs
+        (indptr_ref,) = meta
         start_entry = indptr_ref[b]
         kv_len = indptr_ref[b + 1] - start_entry
     elif form == "strided":
-        kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref = refs
+        (kv_lens_ref,) = meta
         start_entry = b * entries_per_seq
         kv_len = kv_lens_ref[b]
     else:
-        table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref = refs
+        table_start_ref, kv_lens_ref = meta
         start_entry = table_start_ref[b]
         kv_len = kv_lens_ref[b]
     block_m = q_ref.shape[0]
@@ -129,14 +144,55 @@ def _decode_kernel(*refs, form: str, entries_per_seq: int | None, page_size: int
     acc, m_i, l_i = lax.fori_loop(first, last, body, (acc, m_i, l_i))
 
     has = l_i > 0.0
-    o_ref[...] = (acc / jnp.where(has, l_i, 1.0)[:, None]).astype(o_ref.dtype)
+    # With the in-launch merge, o_ref / lse_ref hold all splits of this (sequence, row block).
+    at = split if fuse_merge else ...
+    o_ref[at] = (acc / jnp.where(has, l_i, 1.0)[:, None]).astype(o_ref.dtype)
     empty = jnp.inf if final else -jnp.inf
-    lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, empty)
+    lse_ref[at] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, empty)
+    if not fuse_merge:
+        return
+    _merge_if_last(o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref, b * pl.num_programs(0) + hb,
+                   num_splits=num_splits, d_v=d_v, merge_cols=merge_cols, interpret=interpret)
 
 
-def _decode_partials(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
-                     s_q: int, num_splits: int | None, config: DecodeKernelConfig,
-                     v_head_dim: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+def _merge_if_last(o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref, slot, *, num_splits: int,
+                   d_v: int, merge_cols: int | None, interpret: bool):
+    """Arrival counting + merge of one row block (see `mla_decode_merged_rows`).
+
+    Ordering: the CTA barrier makes every thread's partial stores precede (in the CTA) the
+    counter update, which Triton emits from one thread as `atom.global.gpu.acq_rel.add`: the
+    release publishes the block's stores at GPU scope (cumulative through the barrier); the
+    last arriver's acquire, then Triton's broadcast of the returned value through shared memory
+    and a barrier, orders its reads after every other split's release. The reads of partials
+    use ld.global.cg (L2, not L1), so no line cached in this SM's L1 can be stale."""
+    if not interpret:
+        pltriton.debug_barrier()
+    ticket = pltriton.atomic_add(cnt_ref, (slot,), jnp.int32(1))
+
+    @pl.when(ticket == num_splits - 1)
+    def _():
+        cnt_ref[slot] = jnp.int32(0)  # every split has arrived: ready for the next launch
+        ops = merge_ops(interpret)
+        block_m = out_ref.shape[0]
+        cd = merge_cols or max(32, min(d_v, _MERGE_CHUNK_ELEMS // block_m))
+        # (split indices as int32 arrays: interpret mode's load discharge wants array indices)
+        lse = [pltriton.load(lse_ref.at[jnp.int32(s)], volatile=True)
+               for s in range(num_splits)]
+        w, safe, lse_out = merge_weights(lse, ops[1])
+        for c in range(d_v // cd):
+            cols = pl.ds(c * cd, cd)
+            out = merge_columns(
+                w, safe, lambda s: pltriton.load(o_ref.at[jnp.int32(s), :, cols],
+                                          volatile=True),
+                (block_m, cd), ops)
+            out_ref[:, cols] = out.astype(out_ref.dtype)
+        lse_out_ref[...] = lse_out
+
+
+def _decode_shape(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, s_q: int,
+                  num_splits: int | None, config: DecodeKernelConfig,
+                  v_head_dim: int) -> tuple[int, int, int, int]:
+    """Checks the inputs; (batch, block_m, row blocks, splits)."""
     kv.check()
     t, h, d = q.shape
     slots, d_pool = kv_pool.shape
@@ -165,12 +221,29 @@ def _decode_partials(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: 
     rows = s_q * h
     block_m = config.resolved_block_m(rows)
     n_rb = num_row_blocks(rows, block_m)
-    rows_pad = n_rb * block_m
     if num_splits is None:
         num_splits = choose_num_splits(b, n_rb, kv.max_kv_len, config, block_m)
     if not isinstance(num_splits, int) or num_splits <= 0:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return b, block_m, n_rb, num_splits
+
+
+def _decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Array | None, *,
+                 sm_scale: float, s_q: int, num_splits: int | None, config: DecodeKernelConfig,
+                 v_head_dim: int, interpret: bool) -> tuple[jax.Array, ...]:
+    """The decode pallas_call. counters None: (o, lse) partials (see `mla_decode_rows`); else
+    the in-launch merge (`mla_decode_merged_rows`): (out, lse, counters)."""
+    b, block_m, n_rb, num_splits = _decode_shape(q, kv_pool, kv, s_q=s_q, num_splits=num_splits,
+                                                 config=config, v_head_dim=v_head_dim)
+    t, h, d = q.shape
+    d_rope = d - v_head_dim
+    rows = s_q * h
+    rows_pad = n_rb * block_m
     final = num_splits == 1
+    fuse = counters is not None and not final
+    if counters is not None and (counters.shape != (b * n_rb,) or counters.dtype != jnp.int32):
+        raise ValueError(f"counters must be int32 [{b * n_rb}] (sequences x row blocks), got "
+                         f"{counters.dtype} {counters.shape}")
 
     qr = q.reshape(b, rows, d)
     if rows_pad != rows:
@@ -180,7 +253,8 @@ def _decode_partials(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: 
         _decode_kernel, form=kv.form, entries_per_seq=kv.entries_per_seq,
         page_size=kv.page_size, block_kv=config.block_kv, num_splits=num_splits,
         s_q=s_q, num_heads=h, d_v=v_head_dim, d_rope=d_rope,
-        scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first)
+        scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first,
+        fuse_merge=fuse, merge_cols=config.merge_block_d, interpret=interpret)
     o_dtype = q.dtype if final else jnp.float32
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa: E731
     if kv.form == "indptr":
@@ -189,30 +263,57 @@ def _decode_partials(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: 
         meta = [kv.kv_lens]
     else:
         meta = [kv.table_start, kv.kv_lens]
-    o, lse = pl.pallas_call(
-        kernel,
-        grid=(n_rb, num_splits, b),
-        in_specs=[full(m.shape) for m in meta] + [
-            full(kv.table.shape),
-            pl.BlockSpec((None, block_m, d), lambda i, j, k: (k, i, 0)),
-            full(kv_pool.shape),
-        ],
-        out_specs=[
+    in_specs = [full(m.shape) for m in meta] + [
+        full(kv.table.shape),
+        pl.BlockSpec((None, block_m, d), lambda i, j, k: (k, i, 0)),
+        full(kv_pool.shape),
+    ]
+    part_shapes = [jax.ShapeDtypeStruct((b, num_splits, rows_pad, v_head_dim), o_dtype),
+                   jax.ShapeDtypeStruct((b, num_splits, rows_pad), jnp.float32)]
+    operands = [*meta, kv.table, qr, kv_pool]
+    name = f"mla_decode_ps{kv.page_size}_m{block_m}_kv{config.block_kv}"
+    if not fuse:
+        out_specs = [
             pl.BlockSpec((None, None, block_m, v_head_dim), lambda i, j, k: (k, j, i, 0)),
             pl.BlockSpec((None, None, block_m), lambda i, j, k: (k, j, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, num_splits, rows_pad, v_head_dim), o_dtype),
-            jax.ShapeDtypeStruct((b, num_splits, rows_pad), jnp.float32),
-        ],
+        ]
+        out_shape, aliases = part_shapes, {}
+    else:
+        # Each program stores its split into the [S, block_m] block of its row block; the
+        # last to arrive reads the whole block back and writes the merged output.
+        in_specs.append(full(counters.shape))
+        operands.append(counters)
+        out_specs = [
+            pl.BlockSpec((None, num_splits, block_m, v_head_dim), lambda i, j, k: (k, 0, i, 0)),
+            pl.BlockSpec((None, num_splits, block_m), lambda i, j, k: (k, 0, i)),
+            pl.BlockSpec((None, block_m, v_head_dim), lambda i, j, k: (k, i, 0)),
+            pl.BlockSpec((None, block_m), lambda i, j, k: (k, i)),
+            full(counters.shape),
+        ]
+        out_shape = part_shapes + [
+            jax.ShapeDtypeStruct((b, rows_pad, v_head_dim), q.dtype),
+            jax.ShapeDtypeStruct((b, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct(counters.shape, jnp.int32)]
+        aliases = {len(operands) - 1: len(out_shape) - 1}
+        name += "_combined"  # (not "merge": bench/decode.py tells kernels apart by name)
+    res = pl.pallas_call(
+        kernel,
+        grid=(n_rb, num_splits, b),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(
             num_warps=config.resolved_num_warps(block_m),
             num_stages=config.resolved_num_stages(block_m)),
         interpret=interpret,
-        name=f"mla_decode_ps{kv.page_size}_m{block_m}_kv{config.block_kv}",
-    )(*meta, kv.table, qr, kv_pool)
-
-    return o, lse
+        name=name,
+    )(*operands)
+    if counters is None:
+        return tuple(res)
+    if fuse:
+        return res[2], res[3], res[4]
+    return res[0][:, 0], res[1][:, 0], counters  # one split: the kernel's output is final
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
@@ -230,26 +331,68 @@ def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: f
     and lse float32 [B, S, rows_pad] (S == 1: +inf for no KV; else -inf for an empty split),
     rows = s_q * H folded token-major, rows_pad = rows rounded up to block_m, S = num_splits
     (or the split rule's choice). `merge_splits_pallas(o, lse, q.dtype)` turns S > 1 partials
-    into the output.
+    into the output. (`config.merge_in_kernel` is ignored here.)
     """
-    return _decode_partials(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
-                            config=config, v_head_dim=v_head_dim, interpret=interpret)
+    return _decode_call(q, kv_pool, kv, None, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
+                        config=config, v_head_dim=v_head_dim, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
+                                              "interpret", "v_head_dim"))
+def mla_decode_merged_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Array, *,
+                           sm_scale: float, s_q: int = 1, num_splits: int | None = None,
+                           config: DecodeKernelConfig = DecodeKernelConfig(),
+                           v_head_dim: int = 512,
+                           interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Decode with the split merge inside the same launch (one pallas_call); arguments as in
+    `mla_decode_rows`, plus the arrival counters.
+
+    counters: int32 [B * row_blocks] (`decode_counters`), all 0 on entry. Each split program,
+    after storing its partial, adds 1 to its row block's counter; the program that arrives
+    last combines the S partials exactly as `merge_splits_pallas` does (same operations, same
+    rounding: bit-identical) and sets the counter back to 0. So the returned counters are all
+    0 again: a caller that threads them from call to call (or donates them) never clears
+    them; `mla_decode` makes fresh zeros per call instead (a memset on the device).
+    Returns out [B, rows_pad, Dv] (q.dtype), lse float32 [B, rows_pad] (+inf for no KV) and
+    the counters. With one split (S == 1) the kernel's output is already final and the
+    counters are passed through untouched. The merge runs here whatever
+    `config.merge_in_kernel` says (also past MAX_IN_KERNEL_MERGE_BYTES).
+    """
+    return _decode_call(q, kv_pool, kv, counters, sm_scale=sm_scale, s_q=s_q,
+                        num_splits=num_splits, config=config, v_head_dim=v_head_dim,
+                        interpret=interpret)
+
+
+def decode_counters(num_seqs: int, num_heads: int, *, s_q: int = 1,
+                    config: DecodeKernelConfig = DecodeKernelConfig()) -> jax.Array:
+    """Zeroed arrival counters for `mla_decode_merged_rows`: int32 [num_seqs * row_blocks]."""
+    rows = s_q * num_heads
+    return jnp.zeros((num_seqs * num_row_blocks(rows, config.resolved_block_m(rows)),),
+                     jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
                                               "interpret", "v_head_dim"))
 def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
                    interpret):
-    """Decode kernel + (num_splits > 1) merge kernel, unpadded to [T, H, Dv] and [T, H]."""
+    """Decode kernel + (num_splits > 1) merge, unpadded to [T, H, Dv] and [T, H]: the merge
+    kernel, or the in-launch merge when `merges_in_kernel`."""
     t, h, _ = q.shape
     rows = s_q * h
-    o, lse = _decode_partials(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
-                              config=config, v_head_dim=v_head_dim, interpret=interpret)
-    if o.shape[1] == 1:
-        out, lse_out = o[:, 0], lse[:, 0]
+    b, block_m, n_rb, ns = _decode_shape(q, kv_pool, kv, s_q=s_q, num_splits=num_splits,
+                                         config=config, v_head_dim=v_head_dim)
+    common = dict(sm_scale=sm_scale, s_q=s_q, num_splits=ns, config=config,
+                  v_head_dim=v_head_dim, interpret=interpret)
+    if merges_in_kernel(config, ns, block_m, v_head_dim):
+        out, lse_out, _ = _decode_call(q, kv_pool, kv, jnp.zeros((b * n_rb,), jnp.int32),
+                                       **common)
     else:
-        out, lse_out = merge_splits_pallas(o, lse, q.dtype, block_d=config.merge_block_d,
-                                           interpret=interpret)
+        o, lse = _decode_call(q, kv_pool, kv, None, **common)
+        if ns == 1:
+            out, lse_out = o[:, 0], lse[:, 0]
+        else:
+            out, lse_out = merge_splits_pallas(o, lse, q.dtype, block_d=config.merge_block_d,
+                                               interpret=interpret)
     if out.shape[1] != rows:
         out, lse_out = out[:, :rows], lse_out[:, :rows]
     return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)

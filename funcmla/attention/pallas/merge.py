@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["merge_splits_pallas", "merge_block_d", "MERGE_BLOCK_R"]
+__all__ = ["merge_splits_pallas", "merge_block_d", "merge_ops", "merge_weights", "merge_columns",
+           "MERGE_BLOCK_R"]
 
 MERGE_BLOCK_R = 16  # rows per program; partial row counts are multiples of it (block_m >= 16)
 _MIN_BLOCK_D = 64  # narrowest tile chosen for the program count alone
@@ -54,32 +55,53 @@ def _asm(op: str, *args):
     return out
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits: int, interpret: bool):
-    # o_ref [S, block_r, block_d] f32, lse_ref [S, block_r] f32
+def merge_ops(interpret: bool):
+    """(mul, add, div) of the merge: IEEE round-to-nearest f32 PTX instructions on the GPU,
+    plain float32 operations in interpret mode. Shared by this module's kernel and the decode
+    kernel's in-launch merge (`decode_triton`), so both round identically."""
     if interpret:
-        mul, add, div = (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a / b)
-    else:
-        mul = lambda a, b: _asm("mul.rn.f32", a, b)  # noqa: E731
-        add = lambda a, b: _asm("add.rn.f32", a, b)  # noqa: E731
-        div = lambda a, b: _asm("div.rn.f32", a, b)  # noqa: E731
-    lse = [lse_ref[s, :] for s in range(num_splits)]
+        return (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a / b)
+    return (lambda a, b: _asm("mul.rn.f32", a, b), lambda a, b: _asm("add.rn.f32", a, b),
+            lambda a, b: _asm("div.rn.f32", a, b))
+
+
+def merge_weights(lse: list, add) -> tuple[list, jax.Array, jax.Array]:
+    """Per-row part of the combine, from each split's lse ([rows] f32 each, in split order):
+    (w [S] x [rows], safe [rows] (the weight total, 1 where it is 0), lse_out [rows]).
+    Operation order as in the module docstring."""
     m = lse[0]
-    for s in range(1, num_splits):
-        m = jnp.maximum(m, lse[s])
+    for x in lse[1:]:
+        m = jnp.maximum(m, x)
     m_safe = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)
+    w = [jnp.exp(x - m_safe) for x in lse]
     total = jnp.zeros_like(m)
-    acc = jnp.zeros(out_ref.shape, jnp.float32)
-    for s in range(num_splits):
-        w = jnp.exp(lse[s] - m_safe)
-        total = add(total, w)
-        acc = add(acc, mul(jnp.broadcast_to(w[:, None], acc.shape), o_ref[s, :, :]))
+    for x in w:
+        total = add(total, x)
     has = total > 0.0
     safe = jnp.where(has, total, 1.0)
-    out_ref[...] = div(acc, jnp.broadcast_to(safe[:, None], acc.shape)).astype(out_ref.dtype)
+    return w, safe, jnp.where(has, m_safe + jnp.log(safe), jnp.inf)
+
+
+def merge_columns(w: list, safe: jax.Array, load_split, shape: tuple[int, int], ops):
+    """One [rows, cols] tile of the combined output (float32): sum over splits, in split
+    order, of w[s] * load_split(s), divided by `safe`; `ops` = `merge_ops(...)`."""
+    mul, add, div = ops
+    acc = jnp.zeros(shape, jnp.float32)
+    for s, ws in enumerate(w):
+        acc = add(acc, mul(jnp.broadcast_to(ws[:, None], shape), load_split(s)))
+    return div(acc, jnp.broadcast_to(safe[:, None], shape))
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits: int, interpret: bool):
+    # o_ref [S, block_r, block_d] f32, lse_ref [S, block_r] f32
+    ops = merge_ops(interpret)
+    w, safe, lse_out = merge_weights([lse_ref[s, :] for s in range(num_splits)], ops[1])
+    out = merge_columns(w, safe, lambda s: o_ref[s, :, :], out_ref.shape, ops)
+    out_ref[...] = out.astype(out_ref.dtype)
 
     @pl.when(pl.program_id(2) == 0)
     def _():
-        lse_out_ref[...] = jnp.where(has, m_safe + jnp.log(safe), jnp.inf)
+        lse_out_ref[...] = lse_out
 
 
 def merge_block_d(batch: int, rows: int, d_v: int, min_programs: int = 264, *,
