@@ -236,6 +236,15 @@ def test_merged_rows_counters_come_back_zero_and_can_be_threaded():
         if ns == 3:
             assert_bitwise((out, lse), want)
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
+    # past MAX_IN_KERNEL_MERGE_BYTES (9 splits x 16 rows x 512 x 4 B = 288 KB) the merge
+    # kernel runs instead and the counters pass through untouched
+    p9 = make_problem(rng, batch=2, heads=16, s_q=1, page_size=1, lens=np.array([600, 64]),
+                      max_pages=600)
+    kv9 = kv_rows_from_csr(p9["kv_indptr"], p9["kv_indices"], 600)
+    out, lse, c9 = mla_decode_merged_rows(p9["q"], p9["pool"], kv9, jnp.full((2,), 7, jnp.int32),
+                                          sm_scale=SCALE, num_splits=9, interpret=True)
+    assert (np.asarray(c9) == 7).all()
+    assert_bitwise((out, lse), run_csr(p9, s_q=1, num_splits=9, capacity=600))
     with pytest.raises(ValueError, match="counters"):
         mla_decode_merged_rows(p["q"], p["pool"], kv, jnp.zeros((3,), jnp.int32),
                                sm_scale=SCALE, num_splits=3, interpret=True)

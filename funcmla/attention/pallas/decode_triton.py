@@ -26,6 +26,7 @@ rejected.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -57,7 +58,9 @@ __all__ = ["mla_decode", "mla_decode_rows", "mla_decode_merged_rows", "decode_co
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-_MERGE_CHUNK_ELEMS = 8192  # in-launch merge: output elements per column chunk (16 x 512)
+# In-launch merge: partial elements (all splits) read per column chunk. 4 splits x 16 rows x
+# 512 columns is one round of loads (64 LDG.128 a thread, no spills; triton 3.6, sm_90a).
+_MERGE_LOAD_ELEMS = 32768
 
 
 def _decode_kernel(*refs, form: str, entries_per_seq: int | None, page_size: int,
@@ -174,7 +177,9 @@ def _merge_if_last(o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref, slot, *, num_s
         cnt_ref[slot] = jnp.int32(0)  # every split has arrived: ready for the next launch
         ops = merge_ops(interpret)
         block_m = out_ref.shape[0]
-        cd = merge_cols or max(32, min(d_v, _MERGE_CHUNK_ELEMS // block_m))
+        cd = merge_cols or d_v  # widest power of two within the load budget (>= 32)
+        while merge_cols is None and cd > 32 and num_splits * block_m * cd > _MERGE_LOAD_ELEMS:
+            cd //= 2
         # (split indices as int32 arrays: interpret mode's load discharge wants array indices)
         lse = [pltriton.load(lse_ref.at[jnp.int32(s)], volatile=True)
                for s in range(num_splits)]
@@ -240,7 +245,10 @@ def _decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Arr
     rows = s_q * h
     rows_pad = n_rb * block_m
     final = num_splits == 1
-    fuse = counters is not None and not final
+    # in-launch merge only within the byte bound (past it a single merging program is slow,
+    # and the unrolled merge of 32+ splits takes minutes to compile)
+    fuse = counters is not None and merges_in_kernel(
+        dataclasses.replace(config, merge_in_kernel=True), num_splits, block_m, v_head_dim)
     if counters is not None and (counters.shape != (b * n_rb,) or counters.dtype != jnp.int32):
         raise ValueError(f"counters must be int32 [{b * n_rb}] (sequences x row blocks), got "
                          f"{counters.dtype} {counters.shape}")
@@ -313,7 +321,11 @@ def _decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Arr
         return tuple(res)
     if fuse:
         return res[2], res[3], res[4]
-    return res[0][:, 0], res[1][:, 0], counters  # one split: the kernel's output is final
+    if final:  # one split: the kernel's output is final
+        return res[0][:, 0], res[1][:, 0], counters
+    out, lse = merge_splits_pallas(res[0], res[1], q.dtype, block_d=config.merge_block_d,
+                                   interpret=interpret)
+    return out, lse, counters
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
@@ -354,9 +366,11 @@ def mla_decode_merged_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counter
     0 again: a caller that threads them from call to call (or donates them) never clears
     them; `mla_decode` makes fresh zeros per call instead (a memset on the device).
     Returns out [B, rows_pad, Dv] (q.dtype), lse float32 [B, rows_pad] (+inf for no KV) and
-    the counters. With one split (S == 1) the kernel's output is already final and the
-    counters are passed through untouched. The merge runs here whatever
-    `config.merge_in_kernel` says (also past MAX_IN_KERNEL_MERGE_BYTES).
+    the counters. The merge runs in the launch whatever `config.merge_in_kernel` says, but
+    only while one row block's partials are at most MAX_IN_KERNEL_MERGE_BYTES (S x block_m x
+    Dv x 4 bytes); past that (e.g. batch 1 with 64 splits), and with one split, the counters
+    are passed through untouched and the result comes from the two-launch path (decode +
+    merge kernel; one launch when S == 1).
     """
     return _decode_call(q, kv_pool, kv, counters, sm_scale=sm_scale, s_q=s_q,
                         num_splits=num_splits, config=config, v_head_dim=v_head_dim,
