@@ -139,7 +139,7 @@ def _bitwise_runs(jf, args, want, got, repeat: int) -> dict:
     return dict(calls=total, equal=equal)
 
 
-def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
+def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: int = 2):
     kv_bytes = b * ctx * D * 2
     copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
     n = max(copies, 32 if kv_bytes < 64e6 else 8)
@@ -203,15 +203,15 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
             continue
         out.append(r)
         fns.append((r, jf))
-    # device times: every compiled variant once more (2 runs), separated by a marker kernel
+    # device times: every compiled variant `prof_runs` more runs, separated by a marker kernel
     x = jnp.zeros((16, 128), jnp.float32)
     jax.block_until_ready(_mark(x))
 
     def body():
         for _, jf in fns:
             jax.block_until_ready(_mark(x))
-            jax.block_until_ready(jf(args))
-            jax.block_until_ready(jf(args))
+            for _ in range(prof_runs):
+                jax.block_until_ready(jf(args))
         jax.block_until_ready(_mark(x))
 
     try:
@@ -223,7 +223,7 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline):
     for k, (r, _) in enumerate(fns):
         if k + 1 < len(marks):
             seg = [e for e in evs[marks[k] + 1:marks[k + 1]] if MARK not in e[2]]
-            st = segment_stats(seg, n, 2)
+            st = segment_stats(seg, n, prof_runs)
             r.update(st)
             if st["device_us"] > 0:
                 r["device_pct_ceiling"] = 100 * nbytes / (st["device_us"] * 1e-6) / ceiling
@@ -304,11 +304,13 @@ def main(argv=None):
     # "inkm": mla_decode with merge_in_kernel (fresh zeroed counters per call: a memset);
     # "inkm-thr": mla_decode_merged_rows with the counters passed from call to call.
     inkm = C(merge_in_kernel=True)
+    md32 = C(merge_block_d=32)
     v5 = [
-        ((16, 32, 4096, 1), [("w4s5", w4s5, 4), ("w4s5-md32", C(merge_block_d=32), 4),
-                             ("inkm", inkm, 4), ("inkm-thr", inkm, 4, "threaded")]),
-        ((16, 32, 4096, 64), [("w4s5", w4s5, 4), ("inkm", inkm, 4),
-                              ("inkm-thr", inkm, 4, "threaded")]),
+        ((16, 32, 4096, 1), [("w4s5", w4s5, 4), ("w4s5-md32", md32, 4), ("inkm", inkm, 4),
+                             ("inkm-thr", inkm, 4, "threaded"), ("w4s6", C(num_stages=6), 4),
+                             ("w4s5", w4s5, 4)]),
+        ((16, 32, 4096, 64), [("w4s5", w4s5, 4), ("w4s5-md32", md32, 4), ("inkm", inkm, 4),
+                              ("inkm-thr", inkm, 4, "threaded"), ("w4s5", w4s5, 4)]),
         ((128, 32, 4096, 64), [("m64", C(), None), ("inkm", inkm, None),
                                ("inkm-thr", inkm, None, "threaded")]),
         ((16, 128, 4096, 1), [("w4s5", w4s5, None)]),  # one split: inkm is the same kernel
@@ -333,7 +335,8 @@ def main(argv=None):
         log(f"== H{h} B{b} L{ctx} p{ps}")
         try:
             res["cases"] += run_case(jax.random.fold_in(key, i), h, b, ctx, ps, variants,
-                                     a.reps, ceiling, deadline)
+                                     a.reps, ceiling, deadline,
+                                     prof_runs=4 if a.set == "v5" else 2)
         except Exception as e:  # noqa: BLE001
             log(f"   case failed: {type(e).__name__}: {str(e)[:400]}")
         dump()
