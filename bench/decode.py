@@ -749,7 +749,7 @@ def merge_tiles(key, results, deadline, reps=5):
                                                                    block_d=bd), margs, reps)
             timings.append(t)
             meta.append(dict(batch=b, splits=s, rows=r, block_d=bd,
-                             rule_block_d=merge_block_d(b, r, DV, num_splits=s)))
+                             rule_block_d=merge_block_d(b, r, DV)))
     profile_timings(timings)
     out = []
     for t, m in zip(timings, meta):

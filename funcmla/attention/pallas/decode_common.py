@@ -60,12 +60,17 @@ class DecodeKernelConfig:
     evict_first: load KV rows with the evict-first cache policy (they are read once).
     programs_per_sm: programs resident per multiprocessor, for the split rule. None: estimated
                 (`resolved_programs_per_sm`) from shared memory and registers.
-    merge_block_d: output columns per program of the merge kernel (None: `merge_block_d`).
+    merge_block_d: output columns per program of the merge kernel (None: `merge_block_d`);
+                with merge_in_kernel, the column chunk of the in-launch merge (None: as wide
+                as 32768 partial elements per chunk allow).
     merge_in_kernel: when the KV is split, merge the splits inside the decode launch (the last
                 split program of a row block to finish combines the partials, found with an
                 atomic arrival counter) instead of a second launch, as long as one row
                 block's partials are at most `MAX_IN_KERNEL_MERGE_BYTES` (else the merge
-                kernel runs). Off by default: the torch launcher wires the two-launch plan.
+                kernel runs). Off by default: slower on the H200 in every measured case
+                (+2-9 us per call at 16 heads, +14 us at 128: one program reads a row block's
+                partials at ~25-30 GB/s; docs/decode_kernel_notes.md, v5), and the torch
+                launcher wires the two-launch plan.
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.

@@ -8,7 +8,10 @@ power-of-two tiles), scores = q_nope.k_nope^T + q_pe.k_pe^T, and the 512-wide k_
 as V. Online softmax in base 2 with fp32 accumulators; splits are merged by the one-launch
 log-sum-exp kernel of `merge.py`, skipped when there is one split. The sequence's start in the
 index table and its KV length are read in the kernel (from kv_indptr for a token CSR, from the
-lengths for a page table), so a decode step is one launch (two with a split).
+lengths for a page table), so a decode step is one launch (two with a split). Opt-in
+(`DecodeKernelConfig.merge_in_kernel`, `mla_decode_merged_rows`): the split program that
+finishes last merges its row block in the same launch (an atomic arrival counter); measured
+slower than the merge launch on the H200, see `_merge_if_last`.
 
 Grid: (row blocks, splits, sequences), row blocks fastest, so the programs that read the same KV
 run side by side and the second read of a tile comes from L2.
@@ -169,9 +172,13 @@ def _merge_if_last(o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref, slot, *, num_s
     and a barrier, orders its reads after every other split's release (the pattern of a CUDA
     grid sync: one thread acquires, a CTA barrier, then plain loads). No stale L1 line: the
     acquire invalidates this SM's L1 (SASS `CCTL.IVALL` after the `ATOMG`), and no program
-    reads another's partial before it. (Volatile loads, `LDG.STRONG.SYS`, measured ~25 GB/s
-    for the merging program on the H200: 5-12 us more per launch; jax 0.10.2's Pallas cannot
-    emit ld.global.cg: its cache-modifier table is keyed without the dot it checks for.)"""
+    reads another's partial before it. (jax 0.10.2's Pallas cannot emit ld.global.cg: its
+    cache-modifier table is keyed without the dot it checks for.)
+
+    Cost (H200): the merging program reads its row block's partials at ~15-30 GB/s (one
+    multiprocessor's loads in flight over the latency; volatile and plain loads alike), so the
+    launch ends 4-19 us later than the decode alone: more than the merge launch (2.3-5.2 us),
+    which spreads the same bytes over hundreds of programs."""
     if not interpret:
         pltriton.debug_barrier()
     ticket = pltriton.atomic_add(cnt_ref, (slot,), jnp.int32(1))
@@ -430,6 +437,8 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
     num_splits: split-KV count; None picks it with `decode_common.choose_num_splits`.
     max_kv_len: static upper bound on KV tokens per sequence for the split rule (token CSR
                 only; defaults to the capacity of kv_indices).
+    config:     tiling (`DecodeKernelConfig`); `merge_in_kernel=True` merges the splits in the
+                decode launch (zeroed arrival counters made per call; opt-in, slower on H200).
     interpret:  run in Pallas interpret mode (CPU).
 
     Returns out [T, H, 512] (q.dtype) and lse [T, H] float32 (natural log); a sequence with no

@@ -18,12 +18,15 @@ choices, and equals the torch launcher's merge (`funcmla.interop.launcher`) elem
 In interpret mode (CPU) the same sequence runs as plain float32 NumPy-semantics ops.
 
 Tiling: one program = `block_r` rows x `block_d` output columns of one sequence, all splits
-(unrolled, loads independent of each other). `block_d` shrinks (512 -> 64) until the grid has at
-least `min_programs` programs, so a batch-1 merge is spread over several multiprocessors, and
-to 32 when a program would still read more than 64 KB of partials: a program's read rate is
-bounded by its multiprocessor's share of the bandwidth. H200, merge alone (device time, batch 1,
-16 rows, 64 splits): block_d 64 / 32 / 16 = 7.9 / 4.8 / 5.9 us; 128 rows: 9.9 / 8.4 / 11.8 us
-(narrower tiles read 64-byte row pieces and lose more than the extra programs gain).
+(unrolled, loads independent of each other). `block_d` shrinks (512 -> 32) until the grid has at
+least `min_programs` programs: one program reads its partials at only ~25-30 GB/s (its
+multiprocessor's outstanding loads over the latency; H200), so the merge is fast only when
+spread over many multiprocessors. H200, device time of the merge kernel, block_d 64 / 32 / 16:
+batch 1, 16 rows, 64 splits (merge alone) 7.9 / 4.8 / 5.9 us; 32 splits 5.9 / 2.9 / 2.9;
+128 rows, 64 splits 9.9 / 8.4 / 11.8; batch 32, 16 rows, 4 splits 2.9 / 2.45 / 2.7 (merge
+alone) and, after the decode kernel (L2-hot partials; v5, 3 same-run pairs) 2.6-2.7 vs
+2.3-2.4 at 32 (narrower tiles read 64-byte row pieces and lose more than the extra programs
+gain).
 """
 
 from __future__ import annotations
@@ -39,9 +42,7 @@ __all__ = ["merge_splits_pallas", "merge_block_d", "merge_ops", "merge_weights",
            "MERGE_BLOCK_R"]
 
 MERGE_BLOCK_R = 16  # rows per program; partial row counts are multiples of it (block_m >= 16)
-_MIN_BLOCK_D = 64  # narrowest tile chosen for the program count alone
-_FLOOR_BLOCK_D = 32  # narrowest tile chosen for the bytes one program reads
-_MAX_PROGRAM_BYTES = 64 * 1024
+_MIN_BLOCK_D = 32  # narrowest tile the rule picks (16 was slower at every measured shape)
 
 
 def _asm(op: str, *args):
@@ -104,20 +105,15 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits: int, inte
         lse_out_ref[...] = lse_out
 
 
-def merge_block_d(batch: int, rows: int, d_v: int, min_programs: int = 264, *,
-                  num_splits: int = 1) -> int:
-    """Output columns per merge program: the widest power-of-two tile (<= d_v, >= 64 where d_v
-    allows) that still gives `min_programs` programs, else the narrowest; then, while the grid
-    is still short of `min_programs`, halved (down to 32) as long as one program reads more than
-    64 KB (num_splits x 16 rows x block_d float32)."""
+def merge_block_d(batch: int, rows: int, d_v: int, min_programs: int = 264) -> int:
+    """Output columns per merge program: the widest power-of-two tile (<= d_v, >= 32 where d_v
+    allows) that still gives `min_programs` programs (2 per multiprocessor on the H200), else
+    the narrowest, 32."""
     def programs(bd):
         return batch * (rows // MERGE_BLOCK_R) * (d_v // bd)
 
     bd = d_v
     while bd > _MIN_BLOCK_D and bd % 2 == 0 and programs(bd) < min_programs:
-        bd //= 2
-    while bd > _FLOOR_BLOCK_D and bd % 2 == 0 and programs(bd) < min_programs and \
-            num_splits * MERGE_BLOCK_R * bd * 4 > _MAX_PROGRAM_BYTES:
         bd //= 2
     return bd
 
@@ -144,7 +140,7 @@ def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bf
         raise ValueError(f"merge rows {r} (o_part.shape[2]) must be a multiple of {MERGE_BLOCK_R}")
     if dv <= 0 or dv & (dv - 1):
         raise ValueError(f"o_part.shape[3]={dv} must be a power of two")
-    bd = merge_block_d(b, r, dv, num_splits=s) if block_d is None else block_d
+    bd = merge_block_d(b, r, dv) if block_d is None else block_d
     if bd <= 0 or bd & (bd - 1) or dv % bd:
         raise ValueError(f"block_d={bd} must be a power of two dividing {dv}")
     br = MERGE_BLOCK_R
