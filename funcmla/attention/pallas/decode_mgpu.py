@@ -1,0 +1,410 @@
+"""Absorbed MLA decode on Hopper's matrix units: a warp-specialized Pallas Mosaic GPU kernel.
+
+For the compute-bound shapes (64 or more folded query rows per sequence: 64/128 heads, or fewer
+heads times s_q). One CUDA block handles 64 folded rows of one sequence against one split of
+its KV, with three warpgroups:
+
+* warpgroup 2 (producer, 40 registers a thread): TMA-copies q once, then each 64-token KV tile
+  into one of two shared-memory stages (page >= 64: one copy a tile; page 8 to 32: one copy a
+  page), and refills a stage once both consumers released it;
+* warpgroup 0 (consumer): S = q k^T (64 x 64, K = 576, `wgmma`), the masked online softmax in
+  base 2, P (bf16) and the row rescale alpha to shared memory, then O[:, :256] += P V[:, :256];
+* warpgroup 1 (consumer): O[:, 256:] += P V[:, 256:] with P from shared memory.
+
+The 64 x 512 fp32 accumulator is 128 registers a thread per half, so each consumer owns a half;
+the KV tile is read from HBM once and serves as K (576 columns) and V (its first 512). Shared
+memory: q 72 KB + 2 KV stages 144 KB + P 8 KB. Tokens past kv_len in the sequence's last tile
+are masked out of S, and their V rows are zeroed in shared memory before P V (a pool row past
+kv_len may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
+
+Splits, masking and output layout are those of `decode_triton` (the same `KVRows` forms, the same
+split of a sequence's 64-token tiles, the same partials for `merge_splits_pallas`), so the two
+kernels are interchangeable per call. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from funcmla.attention.pallas.decode_common import MAX_POOL_ROWS, KVRows
+
+__all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "mla_decode_rows_mgpu",
+           "BLOCK_M", "BLOCK_KV"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+BLOCK_M = 64      # folded query rows per block (wgmma M)
+BLOCK_KV = 64     # KV tokens per tile
+_HALF = 256       # output columns per consumer warpgroup (wgmma N <= 256)
+_SWIZZLE = 128    # bytes; 64 bf16 columns per swizzle tile
+_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuDecodeConfig:
+    """Static knobs of the Mosaic GPU kernel (hashable: a jit static argument).
+
+    consumer_registers / producer_registers: `setmaxnreg` per warpgroup (their sum x 128
+    threads must fit the SM's 64K registers: 2 x 232 + 40 = 504 -> 64,512).
+    """
+
+    consumer_registers: int = 232
+    producer_registers: int = 40
+
+
+def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
+                          dtype) -> str | None:
+    """None when the Mosaic GPU kernel handles this shape, else the reason it does not."""
+    if rows % BLOCK_M:
+        return f"folded rows s_q*H = {rows} is not a multiple of {BLOCK_M}"
+    if v_head_dim != 2 * _HALF:
+        return f"v_head_dim {v_head_dim} != {2 * _HALF}"
+    if head_dim % 64 or head_dim <= v_head_dim:
+        return f"head dim {head_dim} must be v_head_dim + a multiple of 64"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"dtype {jnp.dtype(dtype)} is not bfloat16"
+    if page_size < 8:
+        return (f"page size {page_size} < 8: one TMA copy per page cannot land inside an "
+                "8-row swizzled tile (Hopper TMA has no row gather)")
+    if page_size < BLOCK_KV and BLOCK_KV % page_size:
+        return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
+    return None
+
+
+def _load(ref, layout, interpret: bool):
+    """ref[...] in `layout`. Mosaic GPU's interpreter has no `plgpu.load` (jax 0.10.2), and
+    layouts do not exist there, so interpret mode reads the ref plainly."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=layout)
+
+
+def _in_layout(x, layout, interpret: bool):
+    """x with register layout `layout` (the interpreter has no layouts)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _iota(shape, dim: int, interpret: bool):
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _mma_acc(acc, a, b, interpret: bool):
+    """acc + a @ b on the matrix units (`wgmma`, waited). Compiled, the accumulator enters the
+    wgmma in registers (`pl.run_state`). Mosaic GPU's interpreter has neither run_state nor
+    accumulator stores (jax 0.10.2), so there the product goes to a fresh accumulator and is
+    added (the same sum, in another order)."""
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        if interpret:
+            return acc_ref[...]
+
+    if interpret:
+        return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def _qk(q_smem, k_smem, interpret: bool):
+    """q k^T in fp32 [BLOCK_M, BLOCK_KV] (`wgmma`, K = the full head dim). Mosaic GPU's
+    interpreter cannot run a wgmma on a transposed operand (jax 0.10.2), so there it is a
+    plain fp32 dot of the same shared-memory tiles."""
+    if interpret:
+        return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC((BLOCK_M, BLOCK_KV), jnp.float32))
+
+
+def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
+    """Pool rows of the copy that starts at token `tok` (one page, or one 64-token tile when
+    pages are larger); the table is read only for a token inside the sequence."""
+    rows = min(page_size, BLOCK_KV)
+    page = table_ref[start_entry + tok // page_size]
+    return kv_ref.at[pl.ds(page * page_size + tok % page_size, rows)]
+
+
+def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
+            s_q: int, num_heads: int, d: int, d_v: int, scale_log2: float, final: bool,
+            cfg: MgpuDecodeConfig, interpret: bool):
+    if form == "indptr":
+        (indptr_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scratch) = refs
+    elif form == "strided":
+        (kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scratch) = refs
+    else:
+        (table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref,
+         scratch) = refs
+    (q_smem, kv_or_out, p_smem, vec_smem, q_bar, k_full, k_empty, p_full, p_empty) = scratch
+    (kv_smem,), (o_stage, lse_stage) = kv_or_out
+
+    rb = lax.axis_index("rb")
+    split = lax.axis_index("split")
+    b = lax.axis_index("b")
+    wg = lax.axis_index("wg")
+
+    if form == "indptr":
+        start_entry = indptr_ref[b]
+        kv_len = indptr_ref[b + 1] - start_entry
+    elif form == "strided":
+        start_entry = b * entries_per_seq
+        kv_len = kv_lens_ref[b]
+    else:
+        start_entry = table_start_ref[b]
+        kv_len = kv_lens_ref[b]
+
+    n_tiles = (kv_len + BLOCK_KV - 1) // BLOCK_KV
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    first = split * per_split
+    last = jnp.minimum(first + per_split, n_tiles)
+    count = jnp.maximum(last - first, 0)
+    copies = max(1, BLOCK_KV // page_size)
+    row_lo = rb * BLOCK_M
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_lo, BLOCK_M)], q_smem, q_bar)
+
+        @pl.loop(0, count)
+        def _tile(i):
+            slot = lax.rem(i, _STAGES)
+            tile = first + i
+
+            @pl.when(i >= _STAGES)
+            def _():
+                plgpu.barrier_wait(k_empty.at[slot])
+
+            dst = kv_smem.at[slot]
+            rows = min(page_size, BLOCK_KV)
+            for j in range(copies):
+                tok = tile * BLOCK_KV + j * rows
+                if copies == 1:
+                    src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
+                    plgpu.copy_gmem_to_smem(src, dst, k_full.at[slot])
+                else:
+                    # Copies wholly past kv_len read nothing (their table entries may be
+                    # padding or past the table); they still arrive so the stage's barrier
+                    # completes.
+                    @pl.when(tok < kv_len)
+                    def _():
+                        src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
+                        plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * rows, rows)],
+                                                k_full.at[slot])
+
+                    @pl.when(tok >= kv_len)
+                    def _():
+                        plgpu.barrier_arrive(k_full.at[slot])
+
+    def _store(acc, l_safe, which: int, lse):
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        o_stage[which] = out.astype(o_stage.dtype)
+        if lse is not None:
+            lse_stage[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_stage.at[which], o_ref.at[b, split, pl.ds(row_lo, BLOCK_M),
+                                        pl.ds(which * _HALF, _HALF)])
+        if lse is not None:
+            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row_lo, BLOCK_M)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg < 2)
+    def _consumers():
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        half = wg
+        rows_iota = _iota((BLOCK_M, BLOCK_KV), 0, interpret)
+        cols_iota = _iota((BLOCK_M, BLOCK_KV), 1, interpret)
+        # Bottom-right causal limit per folded row (token-major: row // H is the token).
+        limit = jnp.minimum(kv_len - s_q + 1 + (row_lo + rows_iota) // num_heads, kv_len)
+        acc0 = _in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA, interpret)
+
+        def zero_tail(slot, valid):
+            # V rows >= valid of this stage -> 0 (only the sequence's last, partial tile).
+            for c in range(d_v // 64):
+                ref = kv_smem.at[slot, :, pl.ds(c * 64, 64)]
+                chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
+                ref[...] = jnp.where(rows_iota < valid, chunk, jnp.zeros_like(chunk))
+            plgpu.commit_smem()
+
+        @pl.when(half == 0)
+        def _softmax_wg():
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            m0 = _in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret)
+            l0 = _in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret)
+            plgpu.barrier_wait(q_bar)
+
+            def step(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, _STAGES)
+                tile = first + i
+                plgpu.barrier_wait(k_full.at[slot])
+
+                s = _qk(q_smem, kv_smem.at[slot], interpret)
+                pos = tile * BLOCK_KV + cols_iota
+                s = jnp.where(pos < limit, s * scale_log2, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_safe)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                l_new = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(q_smem.dtype)
+
+                valid = kv_len - tile * BLOCK_KV
+
+                @pl.when(valid < BLOCK_KV)
+                def _():
+                    zero_tail(slot, valid)
+
+                @pl.when(i > 0)
+                def _():
+                    plgpu.barrier_wait(p_empty)
+
+                p_smem[...] = p16
+                vec_smem[...] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_full)
+
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                acc = _mma_acc(acc, p_smem, kv_smem.at[slot, :, pl.ds(0, _HALF)], interpret)
+                plgpu.barrier_arrive(k_empty.at[slot])
+                return acc, m_new, l_new
+
+            acc, m_i, l_i = lax.fori_loop(0, count, step, (acc0, m0, l0))
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(p_empty)
+
+            vec_smem[...] = l_i
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_full)
+            has = l_i > 0.0
+            l_safe = jnp.where(has, l_i, 1.0)
+            empty = jnp.inf if final else -jnp.inf
+            lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, empty)
+            _store(acc, l_safe, 0, lse)
+
+        @pl.when(half == 1)
+        def _pv_wg():
+            def step(i, acc):
+                slot = lax.rem(i, _STAGES)
+                plgpu.barrier_wait(p_full)
+                alpha = _load(vec_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                acc = _mma_acc(acc, p_smem, kv_smem.at[slot, :, pl.ds(_HALF, _HALF)], interpret)
+                plgpu.barrier_arrive(p_empty)
+                plgpu.barrier_arrive(k_empty.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, count, step, acc0)
+            plgpu.barrier_wait(p_full)
+            l_i = _load(vec_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+            l_safe = jnp.where(l_i > 0.0, l_i, 1.0)
+            _store(acc, l_safe, 1, None)
+
+def _mgpu_params(interpret: bool):
+    if not interpret:
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
+                         s_q: int, num_splits: int, v_head_dim: int = 512,
+                         config: MgpuDecodeConfig = MgpuDecodeConfig(),
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The Mosaic GPU decode kernel alone (no merge), same contract as `mla_decode_rows`.
+
+    q [T, H, D] bf16 (T = B * s_q), kv_pool [slots, D] bf16, kv a `KVRows`; rows = s_q * H must
+    be a multiple of 64 (`mgpu_decode_supported`). Returns o [B, S, rows, 512] (bf16 when
+    S == 1: final output; else float32 partials) and lse float32 [B, S, rows] (S == 1: +inf for
+    no KV; else -inf for an empty split). Not jitted here: call it inside jit.
+    """
+    kv.check()
+    t, h, d = q.shape
+    slots, d_pool = kv_pool.shape
+    rows = s_q * h
+    why = mgpu_decode_supported(rows, kv.page_size, d, v_head_dim, q.dtype)
+    if why is not None:
+        raise ValueError(f"mla_decode_rows_mgpu: {why}")
+    if d_pool != d or kv_pool.dtype != q.dtype:
+        raise ValueError(f"kv_pool {kv_pool.shape} {kv_pool.dtype} does not match q "
+                         f"{q.shape} {q.dtype}")
+    if slots > MAX_POOL_ROWS:
+        raise ValueError(f"kv_pool has {slots} rows; slot ids are int32 (at most {MAX_POOL_ROWS})")
+    if not isinstance(num_splits, int) or num_splits <= 0:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if t % s_q:
+        raise ValueError(f"s_q={s_q} does not divide q.shape[0]={t}")
+    b = t // s_q
+    if kv.num_seqs != b:
+        raise ValueError(f"q holds {b} sequences but the KV metadata has {kv.num_seqs}")
+    final = num_splits == 1
+    o_dtype = q.dtype if final else jnp.float32
+
+    tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
+    swizzle = plgpu.SwizzleTransform(_SWIZZLE)
+    kv_stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), q.dtype, transforms=(tiling, swizzle))
+    o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype)
+    lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
+    copies = max(1, BLOCK_KV // kv.page_size)
+    scratch = [
+        plgpu.SMEM((BLOCK_M, d), q.dtype, transforms=(tiling, swizzle)),
+        # The output staging reuses the KV stages' memory (they are idle by then); the
+        # interpreter has no RefUnion (and no shared-memory limit), so there they are apart.
+        (((kv_stages,), (o_stage, lse_stage)) if interpret
+         else plgpu.RefUnion((kv_stages,), (o_stage, lse_stage))),
+        plgpu.SMEM((BLOCK_M, BLOCK_KV), q.dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((BLOCK_M,), jnp.float32),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),
+        plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+    ]
+    if kv.form == "indptr":
+        meta = [kv.table_start]
+    elif kv.form == "strided":
+        meta = [kv.kv_lens]
+    else:
+        meta = [kv.table_start, kv.kv_lens]
+    kernel = functools.partial(
+        _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
+        num_splits=num_splits, s_q=s_q, num_heads=h, d=d, d_v=v_head_dim,
+        scale_log2=float(sm_scale) * _LOG2E, final=final, cfg=config,
+        interpret=interpret)
+
+    call = plgpu.kernel(
+        lambda *refs: kernel(*refs[:len(meta) + 5], refs[len(meta) + 5:]),
+        out_type=(jax.ShapeDtypeStruct((b, num_splits, rows, v_head_dim), o_dtype),
+                  jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
+        scratch_types=scratch,
+        grid=(rows // BLOCK_M, num_splits, b),
+        grid_names=("rb", "split", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_mgpu_params(interpret),
+        kernel_name=f"mla_decode_mgpu_ps{kv.page_size}",
+    )
+    qr = q.reshape(b, rows, d)
+    return call(*meta, kv.table, qr, kv_pool)

@@ -1,0 +1,97 @@
+"""The warp-specialized Mosaic GPU decode kernel against a float64 dense NumPy reference.
+
+On CPU it runs in Mosaic GPU interpret mode (barriers, TMA copies and wgmma are simulated; the
+transposed q k^T product is a plain dot there, see `decode_mgpu._qk`); the compiled kernel is
+tested when a GPU is present. Pool rows outside every sequence hold NaN, so a read past a
+sequence's end (the tail of its last tile) shows up in the result.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
+from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported, mla_decode_rows_mgpu
+from funcmla.attention.pallas.merge import merge_splits_pallas
+from funcmla.layout import PageTable
+from tests.test_pallas_decode import SCALE, check, make_problem, on_gpu, reference
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def run(p, *, s_q, page_size, num_splits, interpret):
+    if page_size == 1:
+        kv = kv_rows_from_csr(p["kv_indptr"], p["kv_indices"])
+    else:
+        kv = kv_rows_from_page_table(PageTable(p["table"], p["lens"], page_size))
+    o, lse = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=s_q,
+                                  num_splits=num_splits, interpret=interpret)
+    b, s, rows, dv = o.shape
+    if s > 1:
+        assert o.dtype == jnp.float32
+        o, lse = merge_splits_pallas(o, lse, jnp.bfloat16, interpret=interpret)
+    else:
+        assert o.dtype == jnp.bfloat16
+        o, lse = o[:, 0], lse[:, 0]
+    h = p["q"].shape[1]
+    return o.reshape(b * s_q, h, dv), lse.reshape(b * s_q, h)
+
+
+# heads, s_q, page size, lengths (0 = empty sequence), max pages, splits. Each case compiles
+# once; together they cover a full tile, a partial last tile, an empty sequence, empty splits,
+# one copy per tile (page 64) and several (pages 16 and 8), and the causal fold of s_q > 1.
+CPU_CASES = [
+    (64, 1, 64, [100, 0, 64], 3, 1),
+    (64, 1, 16, [130, 7], 10, 3),
+    (16, 4, 8, [33, 90], 12, 2),
+]
+
+
+@pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits", CPU_CASES)
+def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
+    rng = np.random.default_rng(heads * 7 + page_size)
+    p = make_problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size,
+                     lens=lens, max_pages=max_pages)
+    out, lse = run(p, s_q=s_q, page_size=page_size, num_splits=splits, interpret=True)
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
+
+
+@pytest.mark.parametrize("rows,page_size,dtype,needle", [
+    (16, 64, jnp.bfloat16, "multiple of 64"),
+    (64, 1, jnp.bfloat16, "page size 1"),
+    (64, 4, jnp.bfloat16, "page size 4"),
+    (64, 64, jnp.float16, "bfloat16"),
+])
+def test_unsupported_shapes_are_named(rows, page_size, dtype, needle):
+    why = mgpu_decode_supported(rows, page_size, 576, 512, dtype)
+    assert why is not None and needle in why
+    assert mgpu_decode_supported(128, 64, 576, 512, jnp.bfloat16) is None
+
+
+def test_rejects_unsupported_call():
+    rng = np.random.default_rng(0)
+    p = make_problem(rng, batch=2, heads=16, s_q=1, page_size=64, lens=[5, 9], max_pages=1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        run(p, s_q=1, page_size=64, num_splits=1, interpret=True)
+
+
+@pytest.mark.skipif(not on_gpu(), reason="needs an NVIDIA GPU (sm_90a)")
+@pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits", [
+    (128, 1, 64, [4096, 1000, 63, 1, 0], 64, 2),
+    (128, 2, 16, [777, 2048], 128, 3),
+    (64, 1, 8, [300, 5], 40, 1),
+])
+def test_gpu_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
+    rng = np.random.default_rng(1)
+    p = make_problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size,
+                     lens=lens, max_pages=max_pages)
+    fn = jax.jit(lambda q, pool, table, ln: run(dict(p, q=q, pool=pool, table=table, lens=ln),
+                                                s_q=s_q, page_size=page_size,
+                                                num_splits=splits, interpret=False))
+    out, lse = fn(p["q"], p["pool"], p["table"], p["lens"])
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
