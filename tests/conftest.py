@@ -2,7 +2,13 @@
 
 import os
 
+import jax
 from hypothesis import HealthCheck, settings
+
+# Mosaic GPU's interpreter runs each warpgroup of a block as a thread whose barrier waits block
+# an XLA CPU worker; on a 2-core machine (2 workers) a 3-warpgroup kernel can starve (two
+# warpgroups waiting on the third, which gets no worker). More CPU devices, more workers.
+jax.config.update("jax_num_cpu_devices", 4)
 
 
 settings.register_profile(

@@ -8,12 +8,13 @@ its KV, with three warpgroups:
   into one of two shared-memory stages (page >= 64: one copy a tile; page 8 to 32: one copy a
   page), and refills a stage once both consumers released it;
 * warpgroup 0 (consumer): S = q k^T (64 x 64, K = 576, `wgmma`), the masked online softmax in
-  base 2, P (bf16) and the row rescale alpha to shared memory, then O[:, :256] += P V[:, :256];
+  base 2, P (bf16, over the tile's rope columns, dead once q k^T is done) and the row rescale
+  alpha to shared memory, then O[:, :256] += P V[:, :256];
 * warpgroup 1 (consumer): O[:, 256:] += P V[:, 256:] with P from shared memory.
 
 The 64 x 512 fp32 accumulator is 128 registers a thread per half, so each consumer owns a half;
 the KV tile is read from HBM once and serves as K (576 columns) and V (its first 512). Shared
-memory: q 72 KB + 2 KV stages 144 KB + P 8 KB. Tokens past kv_len in the sequence's last tile
+memory: q 72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reuses them). Tokens past kv_len in the sequence's last tile
 are masked out of S, and their V rows are zeroed in shared memory before P V (a pool row past
 kv_len may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
 
@@ -149,7 +150,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     else:
         (table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref,
          scratch) = refs
-    (q_smem, kv_or_out, p_smem, vec_smem, q_bar, k_full, k_empty, p_full, p_empty) = scratch
+    (q_smem, kv_or_out, alpha_smem, l_smem, q_bar, k_full, k_empty, p_full, l_ready) = scratch
     (kv_smem,), (o_stage, lse_stage) = kv_or_out
 
     rb = lax.axis_index("rb")
@@ -210,6 +211,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                     def _():
                         plgpu.barrier_arrive(k_full.at[slot])
 
+        # Observe each stage's last release too (every wait sees every phase; the block's
+        # shared memory is not left while a consumer may still read it).
+        for st in range(_STAGES):
+            @pl.when(count > st)
+            def _():
+                plgpu.barrier_wait(k_empty.at[st])
+
     def _store(acc, l_safe, which: int, lse):
         out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
         o_stage[which] = out.astype(o_stage.dtype)
@@ -232,6 +240,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         # Bottom-right causal limit per folded row (token-major: row // H is the token).
         limit = jnp.minimum(kv_len - s_q + 1 + (row_lo + rows_iota) // num_heads, kv_len)
         acc0 = _in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA, interpret)
+
+        def p_ref(slot):  # P of the stage's tile, over its rope columns
+            return kv_smem.at[slot, :, pl.ds(d_v, BLOCK_KV)]
 
         def zero_tail(slot, valid):
             # V rows >= valid of this stage -> 0 (only the sequence's last, partial tile).
@@ -270,30 +281,25 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 def _():
                     zero_tail(slot, valid)
 
-                @pl.when(i > 0)
-                def _():
-                    plgpu.barrier_wait(p_empty)
-
-                p_smem[...] = p16
-                vec_smem[...] = alpha
+                # P goes over the tile's rope columns (dead once q k^T is done), alpha next
+                # to it: both live as long as the stage, so no handshake with warpgroup 1
+                # beyond the stage's own barriers.
+                p_ref(slot)[...] = p16
+                alpha_smem.at[slot][...] = alpha
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(p_full)
+                plgpu.barrier_arrive(p_full.at[slot])
 
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-                acc = _mma_acc(acc, p_smem, kv_smem.at[slot, :, pl.ds(0, _HALF)], interpret)
+                acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(0, _HALF)],
+                               interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 return acc, m_new, l_new
 
             acc, m_i, l_i = lax.fori_loop(0, count, step, (acc0, m0, l0))
 
-            @pl.when(count > 0)
-            def _():
-                plgpu.barrier_wait(p_empty)
-
-            vec_smem[...] = l_i
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_full)
+            l_smem[...] = l_i
+            plgpu.barrier_arrive(l_ready)
             has = l_i > 0.0
             l_safe = jnp.where(has, l_i, 1.0)
             empty = jnp.inf if final else -jnp.inf
@@ -304,18 +310,18 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def _pv_wg():
             def step(i, acc):
                 slot = lax.rem(i, _STAGES)
-                plgpu.barrier_wait(p_full)
-                alpha = _load(vec_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+                plgpu.barrier_wait(p_full.at[slot])
+                alpha = _load(alpha_smem.at[slot], plgpu.Layout.WGMMA.reduce(1), interpret)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-                acc = _mma_acc(acc, p_smem, kv_smem.at[slot, :, pl.ds(_HALF, _HALF)], interpret)
-                plgpu.barrier_arrive(p_empty)
+                acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(_HALF, _HALF)],
+                               interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 return acc
 
             acc = lax.fori_loop(0, count, step, acc0)
-            plgpu.barrier_wait(p_full)
-            l_i = _load(vec_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+            plgpu.barrier_wait(l_ready)
+            l_i = _load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
             l_safe = jnp.where(l_i > 0.0, l_i, 1.0)
             _store(acc, l_safe, 1, None)
 
@@ -372,13 +378,13 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
         # interpreter has no RefUnion (and no shared-memory limit), so there they are apart.
         (((kv_stages,), (o_stage, lse_stage)) if interpret
          else plgpu.RefUnion((kv_stages,), (o_stage, lse_stage))),
-        plgpu.SMEM((BLOCK_M, BLOCK_KV), q.dtype, transforms=(tiling, swizzle)),
-        plgpu.SMEM((BLOCK_M,), jnp.float32),
-        plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),
-        plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),
-        plgpu.Barrier(),
-        plgpu.Barrier(),
+        plgpu.SMEM((_STAGES, BLOCK_M), jnp.float32),  # alpha of each stage's tile
+        plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to warpgroup 1 at the end
+        plgpu.Barrier(),  # q landed
+        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
+        plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),  # stage released by both
+        plgpu.Barrier(num_barriers=_STAGES),  # P and alpha of the stage's tile written
+        plgpu.Barrier(),  # row sums written
     ]
     if kv.form == "indptr":
         meta = [kv.table_start]
