@@ -765,8 +765,11 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     b, t, i32 = c.num_seqs, c.num_seqs * c.s_q, jnp.int32
     q = _sds((t, c.num_heads, c.head_dim), dt)
     pool = _sds((c.pool_rows, c.head_dim), dt)
+    # The launcher replays Triton-lowered kernels (it reads their cubins back); the Mosaic
+    # GPU kernel is a different kind of custom call, so its JAX path is pinned to Triton.
     common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
-                  config=c.kernel, v_head_dim=c.v_head_dim)
+                  config=dataclasses.replace(c.kernel, kernel="triton"),
+                  v_head_dim=c.v_head_dim)
     if c.page_size == 1:
         def csr(q, kv_pool, kv_indptr, kv_indices):
             return mla_decode(q, kv_pool, kv_indptr=kv_indptr, kv_indices=kv_indices,

@@ -95,3 +95,22 @@ def test_gpu_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
                                                 num_splits=splits, interpret=False))
     out, lse = fn(p["q"], p["pool"], p["table"], p["lens"])
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
+
+
+def test_mla_decode_dispatches_to_mgpu():
+    """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (page table, split, merge)
+    through the Mosaic GPU kernel; an unsupported shape is refused by name."""
+    from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
+
+    rng = np.random.default_rng(5)
+    lens = [70, 3]
+    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=lens, max_pages=6)
+    cfg = DecodeKernelConfig(kernel="mgpu")
+    out, lse = mla_decode(p["q"], p["pool"], page_table=PageTable(p["table"], p["lens"], 16),
+                          sm_scale=SCALE, num_splits=2, config=cfg, interpret=True)
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
+    with pytest.raises(ValueError, match="kernel='mgpu'.*page size 1"):
+        mla_decode(p["q"], p["pool"], kv_indptr=p["kv_indptr"], kv_indices=p["kv_indices"],
+                   sm_scale=SCALE, config=cfg, interpret=True)
+    with pytest.raises(ValueError, match="kernel must be"):
+        DecodeKernelConfig(kernel="cuda")

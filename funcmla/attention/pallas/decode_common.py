@@ -71,6 +71,11 @@ class DecodeKernelConfig:
                 (+2-9 us per call at 16 heads, +14 us at 128: one program reads a row block's
                 partials at ~25-30 GB/s; docs/decode_kernel_notes.md, v5), and the torch
                 launcher wires the two-launch plan.
+    kernel:     which decode kernel `mla_decode` runs: "triton" (Pallas on the Triton lowering,
+                every shape), "mgpu" (the warp-specialized Mosaic GPU kernel of
+                `decode_mgpu`: sm_90a, bf16, s_q * H a multiple of 64, page size >= 8), or
+                "auto" (default): "mgpu" where it applies and the default backend is a GPU
+                (not in interpret mode), else "triton".
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
@@ -89,6 +94,7 @@ class DecodeKernelConfig:
     merge_overhead_blocks: int = 1
     merge_block_d: int | None = None
     merge_in_kernel: bool = False
+    kernel: str = "auto"
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -121,6 +127,9 @@ class DecodeKernelConfig:
         if not isinstance(self.merge_in_kernel, bool):
             raise ValueError("DecodeKernelConfig.merge_in_kernel must be a bool, got "
                              f"{self.merge_in_kernel!r}")
+        if self.kernel not in ("auto", "triton", "mgpu"):
+            raise ValueError("DecodeKernelConfig.kernel must be 'auto', 'triton' or 'mgpu', got "
+                             f"{self.kernel!r}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(
                 f"DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}"

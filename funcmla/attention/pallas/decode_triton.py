@@ -48,6 +48,8 @@ from funcmla.attention.pallas.decode_common import (
     merges_in_kernel,
     num_row_blocks,
 )
+from funcmla.attention.pallas.decode_mgpu import BLOCK_M as MGPU_BLOCK_M
+from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported, mla_decode_rows_mgpu
 from funcmla.attention.pallas.merge import (
     merge_columns,
     merge_ops,
@@ -391,6 +393,20 @@ def decode_counters(num_seqs: int, num_heads: int, *, s_q: int = 1,
                      jnp.int32)
 
 
+def _use_mgpu(config: DecodeKernelConfig, q, kv: KVRows, *, s_q: int, v_head_dim: int,
+              interpret: bool) -> bool:
+    """Whether `mla_decode` runs the Mosaic GPU kernel (`DecodeKernelConfig.kernel`)."""
+    if config.kernel == "triton":
+        return False
+    why = mgpu_decode_supported(s_q * q.shape[1], kv.page_size, q.shape[2], v_head_dim,
+                                q.dtype)
+    if config.kernel == "mgpu":
+        if why is not None:
+            raise ValueError(f"DecodeKernelConfig.kernel='mgpu': {why}")
+        return True
+    return why is None and not interpret and jax.default_backend() == "gpu"
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
                                               "interpret", "v_head_dim"))
 def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
@@ -399,6 +415,19 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config,
     kernel, or the in-launch merge when `merges_in_kernel`."""
     t, h, _ = q.shape
     rows = s_q * h
+    if _use_mgpu(config, q, kv, s_q=s_q, v_head_dim=v_head_dim, interpret=interpret):
+        b = t // s_q
+        ns = num_splits or choose_num_splits(b, rows // MGPU_BLOCK_M, kv.max_kv_len, config,
+                                             MGPU_BLOCK_M)
+        o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
+                                      num_splits=ns, v_head_dim=v_head_dim,
+                                      interpret=interpret)
+        if ns == 1:
+            out, lse_out = o[:, 0], lse[:, 0]
+        else:
+            out, lse_out = merge_splits_pallas(o, lse, q.dtype, block_d=config.merge_block_d,
+                                               interpret=interpret)
+        return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
     b, block_m, n_rb, ns = _decode_shape(q, kv_pool, kv, s_q=s_q, num_splits=num_splits,
                                          config=config, v_head_dim=v_head_dim)
     common = dict(sm_scale=sm_scale, s_q=s_q, num_splits=ns, config=config,
@@ -437,8 +466,10 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
     num_splits: split-KV count; None picks it with `decode_common.choose_num_splits`.
     max_kv_len: static upper bound on KV tokens per sequence for the split rule (token CSR
                 only; defaults to the capacity of kv_indices).
-    config:     tiling (`DecodeKernelConfig`); `merge_in_kernel=True` merges the splits in the
-                decode launch (zeroed arrival counters made per call; opt-in, slower on H200).
+    config:     `DecodeKernelConfig`: which kernel (`kernel`: on a GPU, bf16 shapes with s_q * H a
+                multiple of 64 and page size >= 8 run the warp-specialized Mosaic GPU kernel,
+                the rest the Triton-lowered one) and its tiling; `merge_in_kernel=True` merges
+                the splits in the decode launch (opt-in, slower on H200).
     interpret:  run in Pallas interpret mode (CPU).
 
     Returns out [T, H, 512] (q.dtype) and lse [T, H] float32 (natural log); a sequence with no
