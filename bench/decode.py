@@ -61,6 +61,7 @@ from funcmla.attention.pallas import (  # noqa: E402
     mla_decode_rows,
 )
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
+from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
     kv_rows_from_csr,
@@ -513,7 +514,10 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     x_dev = None if t_x is None or t_x.dev is None else t_x.dev["span_us"]
     x_wall = None if t_x is None else t_x.wall_s * 1e6
     x_us = x_dev if device_us else x_wall
+    kernel = ("mgpu" if cfg.kernel != "triton" and jax.default_backend() == "gpu"
+              and mgpu_decode_supported(rows, ps, D, DV, jnp.bfloat16) is None else "triton")
     return dict(heads=h, batch=b, ctx=ctx, page_size=ps, s_q=s_q, num_splits=ns, block_m=bm,
+                kernel=kernel,
                 block_kv=cfg.block_kv, num_stages=cfg.resolved_num_stages(bm),
                 num_warps=cfg.resolved_num_warps(bm), copies=copies, calls_per_timing=n,
                 compile_and_time_s=t_compile, config=dataclasses.asdict(cfg),
@@ -548,7 +552,8 @@ def fmt_case(r) -> str:
     m = "" if r["merge_alone_device_us"] is None else (
         f", merge alone device {r['merge_alone_device_us']:.1f}")
     e = "" if r["rel_err"] is None else f", err {r['rel_err']:.1e}"
-    return (f"H{r['heads']} B{r['batch']} L{r['ctx']} p{r['page_size']} ns={r['num_splits']}: "
+    return (f"H{r['heads']} B{r['batch']} L{r['ctx']} p{r['page_size']} ns={r['num_splits']} "
+            f"[{r.get('kernel', 'triton')}]: "
             f"{dev}wall {r['wall_us']:.1f} us ({r['wall_us_min']:.1f}-{r['wall_us_max']:.1f})"
             f"{k}{m}, {r['pct_ceiling']:.1f}% ceil ({r['time_source']}; wall "
             f"{r['wall_pct_ceiling']:.1f}%), {r['tflops']:.1f} TF{x}{e}")
