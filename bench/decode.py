@@ -61,7 +61,7 @@ from funcmla.attention.pallas import (  # noqa: E402
     mla_decode_rows,
 )
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
-from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported  # noqa: E402
+from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported, mgpu_split_config  # noqa: E402,E501
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
     kv_rows_from_csr,
@@ -466,7 +466,10 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     rows = s_q * h
     cfg = config
     bm = cfg.resolved_block_m(rows)
-    ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, cfg, bm)
+    kernel = ("mgpu" if cfg.kernel != "triton" and jax.default_backend() == "gpu"
+              and mgpu_decode_supported(rows, ps, D, DV, jnp.bfloat16) is None else "triton")
+    rule = mgpu_split_config(cfg) if kernel == "mgpu" else cfg
+    ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, rule, bm)
     t_kern = None
     if kernel_only and ns > 1:
         def parts(q, p, m):
@@ -514,8 +517,6 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     x_dev = None if t_x is None or t_x.dev is None else t_x.dev["span_us"]
     x_wall = None if t_x is None else t_x.wall_s * 1e6
     x_us = x_dev if device_us else x_wall
-    kernel = ("mgpu" if cfg.kernel != "triton" and jax.default_backend() == "gpu"
-              and mgpu_decode_supported(rows, ps, D, DV, jnp.bfloat16) is None else "triton")
     return dict(heads=h, batch=b, ctx=ctx, page_size=ps, s_q=s_q, num_splits=ns, block_m=bm,
                 kernel=kernel,
                 block_kv=cfg.block_kv, num_stages=cfg.resolved_num_stages(bm),

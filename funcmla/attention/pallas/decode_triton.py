@@ -49,7 +49,11 @@ from funcmla.attention.pallas.decode_common import (
     num_row_blocks,
 )
 from funcmla.attention.pallas.decode_mgpu import BLOCK_M as MGPU_BLOCK_M
-from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported, mla_decode_rows_mgpu
+from funcmla.attention.pallas.decode_mgpu import (
+    mgpu_decode_supported,
+    mgpu_split_config,
+    mla_decode_rows_mgpu,
+)
 from funcmla.attention.pallas.merge import (
     merge_columns,
     merge_ops,
@@ -417,8 +421,8 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config,
     rows = s_q * h
     if _use_mgpu(config, q, kv, s_q=s_q, v_head_dim=v_head_dim, interpret=interpret):
         b = t // s_q
-        ns = num_splits or choose_num_splits(b, rows // MGPU_BLOCK_M, kv.max_kv_len, config,
-                                             MGPU_BLOCK_M)
+        ns = num_splits or choose_num_splits(b, rows // MGPU_BLOCK_M, kv.max_kv_len,
+                                             mgpu_split_config(config), MGPU_BLOCK_M)
         o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
                                       num_splits=ns, v_head_dim=v_head_dim,
                                       interpret=interpret)
