@@ -61,7 +61,8 @@ from funcmla.attention.pallas import (  # noqa: E402
     mla_decode_rows,
 )
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
-from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported, mgpu_split_config  # noqa: E402,E501
+from funcmla.attention.pallas.decode_mgpu import mgpu_split_config  # noqa: E402
+from funcmla.attention.pallas.decode_triton import uses_mgpu  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
     kv_rows_from_csr,
@@ -466,8 +467,8 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     rows = s_q * h
     cfg = config
     bm = cfg.resolved_block_m(rows)
-    kernel = ("mgpu" if cfg.kernel != "triton" and jax.default_backend() == "gpu"
-              and mgpu_decode_supported(rows, ps, D, DV, jnp.bfloat16) is None else "triton")
+    kernel = "mgpu" if uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16),
+                                 ps, s_q) else "triton"
     rule = mgpu_split_config(cfg) if kernel == "mgpu" else cfg
     ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, rule, bm)
     t_kern = None

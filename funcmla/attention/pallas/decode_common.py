@@ -74,8 +74,9 @@ class DecodeKernelConfig:
     kernel:     which decode kernel `mla_decode` runs: "triton" (Pallas on the Triton lowering,
                 every shape), "mgpu" (the warp-specialized Mosaic GPU kernel of
                 `decode_mgpu`: sm_90a, bf16, s_q * H a multiple of 64, page size >= 8), or
-                "auto" (default): "mgpu" where it applies and the default backend is a GPU
-                (not in interpret mode), else "triton".
+                "auto" (default): "mgpu" where it applies, the default backend is a GPU (not
+                in interpret mode) and the batch gives at least num_sms / 4 blocks of 64 rows
+                (smaller batches are faster on Triton), else "triton".
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
