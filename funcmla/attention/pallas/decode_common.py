@@ -23,6 +23,7 @@ from funcmla.layout import PageTable, TokenCSR, is_power_of_two
 
 __all__ = [
     "DecodeKernelConfig",
+    "seq_start_and_len",
     "KVRows",
     "kv_rows_from_csr",
     "kv_rows_from_page_table",
@@ -211,6 +212,15 @@ class KVRows:
             return "strided"
         return "lens"
 
+    def meta_operands(self) -> list[jax.Array]:
+        """The kernel operands ahead of the table, by form: [kv_indptr] ("indptr"),
+        [kv_lens] ("strided"), [table_start, kv_lens] ("lens")."""
+        if self.form == "indptr":
+            return [self.table_start]
+        if self.form == "strided":
+            return [self.kv_lens]
+        return [self.table_start, self.kv_lens]
+
     @property
     def num_seqs(self) -> int:
         if self.kv_lens is None:
@@ -246,6 +256,20 @@ class KVRows:
                              "(table_start None)")
         if self.kv_lens is not None and self.kv_lens.ndim != 1:
             raise ValueError(f"KVRows.kv_lens must have shape [B], got {self.kv_lens.shape}")
+
+
+def seq_start_and_len(form: str, meta_refs, b, entries_per_seq: int | None):
+    """In a kernel: (first table entry, KV length in tokens) of sequence b, read from the refs
+    of `KVRows.meta_operands()` (so no XLA op runs before the launch)."""
+    if form == "indptr":
+        (indptr_ref,) = meta_refs
+        start = indptr_ref[b]
+        return start, indptr_ref[b + 1] - start
+    if form == "strided":
+        (kv_lens_ref,) = meta_refs
+        return b * entries_per_seq, kv_lens_ref[b]
+    table_start_ref, kv_lens_ref = meta_refs
+    return table_start_ref[b], kv_lens_ref[b]
 
 
 def _check_int32(value, name: str) -> None:

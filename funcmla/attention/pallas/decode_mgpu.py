@@ -35,7 +35,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from funcmla.attention.pallas.decode_common import MAX_POOL_ROWS, DecodeKernelConfig, KVRows
+from funcmla.attention.pallas.decode_common import (
+    MAX_POOL_ROWS,
+    DecodeKernelConfig,
+    KVRows,
+    seq_start_and_len,
+)
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "mgpu_split_config",
            "mla_decode_rows_mgpu", "BLOCK_M", "BLOCK_KV"]
@@ -151,13 +156,8 @@ def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
             s_q: int, num_heads: int, d: int, d_v: int, scale_log2: float, final: bool,
             cfg: MgpuDecodeConfig, interpret: bool):
-    if form == "indptr":
-        (indptr_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scratch) = refs
-    elif form == "strided":
-        (kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scratch) = refs
-    else:
-        (table_start_ref, kv_lens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref,
-         scratch) = refs
+    n_meta = len(refs) - 6
+    meta, (table_ref, q_ref, kv_ref, o_ref, lse_ref, scratch) = refs[:n_meta], refs[n_meta:]
     (q_smem, kv_or_out, alpha_smem, l_smem, q_bar, k_full, k_empty, p_full, l_ready) = scratch
     (kv_smem,), (o_stage, lse_stage) = kv_or_out
 
@@ -166,15 +166,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
 
-    if form == "indptr":
-        start_entry = indptr_ref[b]
-        kv_len = indptr_ref[b + 1] - start_entry
-    elif form == "strided":
-        start_entry = b * entries_per_seq
-        kv_len = kv_lens_ref[b]
-    else:
-        start_entry = table_start_ref[b]
-        kv_len = kv_lens_ref[b]
+    start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
 
     n_tiles = (kv_len + BLOCK_KV - 1) // BLOCK_KV
     per_split = (n_tiles + num_splits - 1) // num_splits
@@ -394,12 +386,7 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
         plgpu.Barrier(num_barriers=_STAGES),  # P and alpha of the stage's tile written
         plgpu.Barrier(),  # row sums written
     ]
-    if kv.form == "indptr":
-        meta = [kv.table_start]
-    elif kv.form == "strided":
-        meta = [kv.kv_lens]
-    else:
-        meta = [kv.table_start, kv.kv_lens]
+    meta = kv.meta_operands()
     kernel = functools.partial(
         _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
         num_splits=num_splits, s_q=s_q, num_heads=h, d=d, d_v=v_head_dim,

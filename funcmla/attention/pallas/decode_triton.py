@@ -47,6 +47,7 @@ from funcmla.attention.pallas.decode_common import (
     kv_rows_from_page_table,
     merges_in_kernel,
     num_row_blocks,
+    seq_start_and_len,
 )
 from funcmla.attention.pallas.decode_mgpu import BLOCK_M as MGPU_BLOCK_M
 from funcmla.attention.pallas.decode_mgpu import (
@@ -85,20 +86,7 @@ def _decode_kernel(*refs, form: str, entries_per_seq: int | None, page_size: int
         o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref = refs[n_meta + 4:]
     else:
         o_ref, lse_ref = refs[n_meta + 3:]
-    # Where sequence b starts in the table (entries) and how long it is (tokens), read here so
-    # that no XLA op runs before the launch (KVRows forms).
-    if form == "indptr":
-        (indptr_ref,) = meta
-        start_entry = indptr_ref[b]
-        kv_len = indptr_ref[b + 1] - start_entry
-    elif form == "strided":
-        (kv_lens_ref,) = meta
-        start_entry = b * entries_per_seq
-        kv_len = kv_lens_ref[b]
-    else:
-        table_start_ref, kv_lens_ref = meta
-        start_entry = table_start_ref[b]
-        kv_len = kv_lens_ref[b]
+    start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     block_m = q_ref.shape[0]
     table_len = table_ref.shape[0]
 
@@ -277,12 +265,7 @@ def _decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Arr
         fuse_merge=fuse, merge_cols=config.merge_block_d, interpret=interpret)
     o_dtype = q.dtype if final else jnp.float32
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa: E731
-    if kv.form == "indptr":
-        meta = [kv.table_start]
-    elif kv.form == "strided":
-        meta = [kv.kv_lens]
-    else:
-        meta = [kv.table_start, kv.kv_lens]
+    meta = kv.meta_operands()
     in_specs = [full(m.shape) for m in meta] + [
         full(kv.table.shape),
         pl.BlockSpec((None, block_m, d), lambda i, j, k: (k, i, 0)),
