@@ -114,3 +114,19 @@ def test_mla_decode_dispatches_to_mgpu():
                    sm_scale=SCALE, config=cfg, interpret=True)
     with pytest.raises(ValueError, match="kernel must be"):
         DecodeKernelConfig(kernel="cuda")
+
+
+@pytest.mark.parametrize("page_size,splits", [(64, 1), (16, 2)])
+def test_lowers_for_cuda(page_size, splits):
+    """The compiled (not interpreted) kernel lowers for CUDA on any host: Mosaic GPU's layout
+    inference, the tiling of every copy and the shared-memory budget (227 KB) are checked at
+    lowering, so CI catches what the interpreter does not model."""
+    b, h = 2, 128
+    q = jax.ShapeDtypeStruct((b, h, 576), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((64 * 64, 576), jnp.bfloat16)
+    kv = kv_rows_from_page_table(PageTable(jnp.zeros((b, 4096 // page_size), jnp.int32),
+                                           jnp.zeros((b,), jnp.int32), page_size))
+    fn = jax.jit(lambda q, pool, kv: mla_decode_rows_mgpu(q, pool, kv, sm_scale=SCALE, s_q=1,
+                                                          num_splits=splits))
+    text = jax.export.export(fn, platforms=["cuda"])(q, pool, kv).mlir_module()
+    assert "mosaic_gpu" in text
