@@ -66,6 +66,8 @@ def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, spl
     (64, 1, jnp.bfloat16, "page size 1"),
     (64, 4, jnp.bfloat16, "page size 4"),
     (64, 64, jnp.float16, "bfloat16"),
+    (64, 96, jnp.bfloat16, "not a multiple"),
+    (64, 24, jnp.bfloat16, "does not divide"),
 ])
 def test_unsupported_shapes_are_named(rows, page_size, dtype, needle):
     why = mgpu_decode_supported(rows, page_size, 576, 512, dtype)

@@ -18,6 +18,10 @@ memory: q 72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reu
 are masked out of S, and their V rows are zeroed in shared memory before P V (a pool row past
 kv_len may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
 
+Addressing: the copies name pool rows by int32 coordinates (slot ids) and the TMA unit forms
+the 64-bit byte address, so pools past 2**31 / 576 rows need no special care (not measured on
+such a pool).
+
 Splits, masking and output layout are those of `decode_triton` (the same `KVRows` forms, the same
 split of a sequence's 64-token tiles, the same partials for `merge_splits_pallas`), so the two
 kernels are interchangeable per call. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode.
@@ -83,6 +87,8 @@ def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: 
                 "8-row swizzled tile (Hopper TMA has no row gather)")
     if page_size < BLOCK_KV and BLOCK_KV % page_size:
         return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
+    if page_size > BLOCK_KV and page_size % BLOCK_KV:
+        return f"page size {page_size} is not a multiple of the {BLOCK_KV}-token tile"
     return None
 
 
@@ -154,7 +160,7 @@ def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
 
 
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
-            s_q: int, num_heads: int, d: int, d_v: int, scale_log2: float, final: bool,
+            s_q: int, num_heads: int, d_v: int, scale_log2: float, final: bool,
             cfg: MgpuDecodeConfig, interpret: bool):
     n_meta = len(refs) - 6
     meta, (table_ref, q_ref, kv_ref, o_ref, lse_ref, scratch) = refs[:n_meta], refs[n_meta:]
@@ -363,6 +369,9 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     b = t // s_q
     if kv.num_seqs != b:
         raise ValueError(f"q holds {b} sequences but the KV metadata has {kv.num_seqs}")
+    if kv.form == "strided" and kv.table.shape[0] != b * kv.entries_per_seq:
+        raise ValueError(f"KVRows.table has {kv.table.shape[0]} entries; {b} sequences of "
+                         f"entries_per_seq={kv.entries_per_seq} need {b * kv.entries_per_seq}")
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.float32
 
@@ -389,7 +398,7 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     meta = kv.meta_operands()
     kernel = functools.partial(
         _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
-        num_splits=num_splits, s_q=s_q, num_heads=h, d=d, d_v=v_head_dim,
+        num_splits=num_splits, s_q=s_q, num_heads=h, d_v=v_head_dim,
         scale_log2=float(sm_scale) * _LOG2E, final=final, cfg=config,
         interpret=interpret)
 
