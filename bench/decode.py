@@ -61,10 +61,8 @@ from funcmla.attention.pallas import (  # noqa: E402
     mla_decode_rows,
 )
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
-from funcmla.attention.pallas.decode_mgpu import mgpu_split_config  # noqa: E402
-from funcmla.attention.pallas.decode_triton import uses_mgpu  # noqa: E402
+from funcmla.attention.pallas.decode_triton import decode_num_splits, uses_mgpu  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
-    choose_num_splits,
     kv_rows_from_csr,
     kv_rows_from_page_table,
     num_row_blocks,
@@ -467,10 +465,9 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     rows = s_q * h
     cfg = config
     bm = cfg.resolved_block_m(rows)
-    kernel = "mgpu" if uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16),
-                                 ps, s_q) else "triton"
-    rule = mgpu_split_config(cfg) if kernel == "mgpu" else cfg
-    ns = num_splits or choose_num_splits(b, num_row_blocks(rows, bm), ctx, rule, bm)
+    mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), ps, s_q)
+    kernel = "mgpu" if mgpu else "triton"
+    ns = num_splits or decode_num_splits(cfg, b, rows, ctx, mgpu=mgpu)
     t_kern = None
     if kernel_only and ns > 1:
         def parts(q, p, m):

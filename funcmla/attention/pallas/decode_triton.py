@@ -68,7 +68,7 @@ from funcmla.attention.pallas.merge import (
 from funcmla.layout import PageTable, is_power_of_two
 
 __all__ = ["mla_decode", "mla_decode_rows", "mla_decode_merged_rows", "decode_counters",
-           "validate_decode_inputs", "DecodeKernelConfig", "uses_mgpu"]
+           "validate_decode_inputs", "DecodeKernelConfig", "uses_mgpu", "decode_num_splits"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -231,7 +231,7 @@ def _decode_shape(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, s_q: int,
     block_m = config.resolved_block_m(rows)
     n_rb = num_row_blocks(rows, block_m)
     if num_splits is None:
-        num_splits = choose_num_splits(b, n_rb, kv.max_kv_len, config, block_m)
+        num_splits = decode_num_splits(config, b, rows, kv.max_kv_len, mgpu=False)
     if not isinstance(num_splits, int) or num_splits <= 0:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     return b, block_m, n_rb, num_splits
@@ -320,11 +320,7 @@ def _decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Arr
         return tuple(res)
     if fuse:
         return res[2], res[3], res[4]
-    if final:  # one split: the kernel's output is final
-        return res[0][:, 0], res[1][:, 0], counters
-    out, lse = merge_splits_pallas(res[0], res[1], q.dtype, block_d=config.merge_block_d,
-                                   interpret=interpret)
-    return out, lse, counters
+    return (*_merged(res[0], res[1], q.dtype, config, interpret), counters)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
@@ -384,6 +380,30 @@ def decode_counters(num_seqs: int, num_heads: int, *, s_q: int = 1,
                      jnp.int32)
 
 
+def decode_num_splits(config: DecodeKernelConfig, num_seqs: int, rows: int, max_kv_len: int,
+                      *, mgpu: bool) -> int:
+    """The split rule's KV split count for `num_seqs` sequences of `rows` folded query rows
+    (s_q * H) and up to `max_kv_len` tokens, for the kernel `mla_decode` runs (`uses_mgpu`):
+    64-row blocks and `mgpu_split_config` for the Mosaic GPU kernel, `config`'s block rows
+    for the Triton one."""
+    if mgpu:
+        return choose_num_splits(num_seqs, rows // MGPU_BLOCK_M, max_kv_len,
+                                 mgpu_split_config(config), MGPU_BLOCK_M)
+    block_m = config.resolved_block_m(rows)
+    return choose_num_splits(num_seqs, num_row_blocks(rows, block_m), max_kv_len, config,
+                             block_m)
+
+
+def _merged(o: jax.Array, lse: jax.Array, out_dtype, config: DecodeKernelConfig,
+            interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Per-split results [B, S, R, Dv] / [B, S, R] -> [B, R, Dv] / [B, R]: the kernel's own
+    output when S == 1, else the merge kernel's."""
+    if o.shape[1] == 1:
+        return o[:, 0], lse[:, 0]
+    return merge_splits_pallas(o, lse, out_dtype, block_d=config.merge_block_d,
+                               interpret=interpret)
+
+
 def uses_mgpu(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
               v_head_dim: int = 512, interpret: bool = False) -> bool:
     """Whether `mla_decode` runs the Mosaic GPU kernel for q ([T, H, D], an array or a
@@ -415,17 +435,11 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config,
     t, h, _ = q.shape
     rows = s_q * h
     if uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret):
-        b = t // s_q
-        ns = num_splits or choose_num_splits(b, rows // MGPU_BLOCK_M, kv.max_kv_len,
-                                             mgpu_split_config(config), MGPU_BLOCK_M)
+        ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
         o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
                                       num_splits=ns, v_head_dim=v_head_dim,
                                       interpret=interpret)
-        if ns == 1:
-            out, lse_out = o[:, 0], lse[:, 0]
-        else:
-            out, lse_out = merge_splits_pallas(o, lse, q.dtype, block_d=config.merge_block_d,
-                                               interpret=interpret)
+        out, lse_out = _merged(o, lse, q.dtype, config, interpret)
         return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
     b, block_m, n_rb, ns = _decode_shape(q, kv_pool, kv, s_q=s_q, num_splits=num_splits,
                                          config=config, v_head_dim=v_head_dim)
@@ -436,11 +450,7 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config,
                                        **common)
     else:
         o, lse = _decode_call(q, kv_pool, kv, None, **common)
-        if ns == 1:
-            out, lse_out = o[:, 0], lse[:, 0]
-        else:
-            out, lse_out = merge_splits_pallas(o, lse, q.dtype, block_d=config.merge_block_d,
-                                               interpret=interpret)
+        out, lse_out = _merged(o, lse, q.dtype, config, interpret)
     if out.shape[1] != rows:
         out, lse_out = out[:, :rows], lse_out[:, :rows]
     return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
@@ -462,7 +472,7 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
                   static page_size); token t of sequence b is row table[b, t//ps]*ps + t%ps.
     sm_scale:   softmax scale (static float).
     s_q:        query tokens per sequence (1..4 for speculative decoding), bottom-right causal.
-    num_splits: split-KV count; None picks it with `decode_common.choose_num_splits`.
+    num_splits: split-KV count; None picks it with the split rule (`decode_num_splits`).
     max_kv_len: static upper bound on KV tokens per sequence for the split rule (token CSR
                 only; defaults to the capacity of kv_indices).
     config:     `DecodeKernelConfig`: which kernel (`kernel`: on a GPU, bf16 shapes with s_q * H a
