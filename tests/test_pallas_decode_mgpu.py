@@ -1,8 +1,9 @@
 """The warp-specialized Mosaic GPU decode kernel against a float64 dense NumPy reference.
 
 On CPU it runs in Mosaic GPU interpret mode (barriers, TMA copies and wgmma are simulated; the
-transposed q k^T product is a plain dot there, see `decode_mgpu._qk`); the compiled kernel is
-tested when a GPU is present. Pool rows outside every sequence hold NaN, so a read past a
+transposed q k^T product is a plain dot there, see `decode_mgpu._qk`, and pages under 8 tokens
+are gathered row by row instead of by the compiled kernel's cp.async producer); the compiled
+kernel is tested when a GPU is present, and lowered for CUDA on every host. Pool rows outside every sequence hold NaN, so a read past a
 sequence's end (the tail of its last tile) shows up in the result.
 """
 
@@ -44,11 +45,14 @@ def run(p, *, s_q, page_size, num_splits, interpret):
 
 # heads, s_q, page size, lengths (0 = empty sequence), max pages, splits. Each case compiles
 # once; together they cover a full tile, a partial last tile, an empty sequence, empty splits,
-# one copy per tile (page 64) and several (pages 16 and 8), and the causal fold of s_q > 1.
+# one copy per tile (page 64) and several (pages 16 and 8), the row gather (pages 1, 2, 4; the
+# clamped reads of a partial last tile) and the causal fold of s_q > 1.
 CPU_CASES = [
     (64, 1, 64, [100, 0, 64], 3, 1),
     (64, 1, 16, [130, 7], 10, 3),
     (16, 4, 8, [33, 90], 12, 2),
+    (16, 4, 2, [65, 1], 40, 1),
+    (64, 1, 4, [5, 0, 129], 40, 2),
 ]
 
 
@@ -63,8 +67,7 @@ def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, spl
 
 @pytest.mark.parametrize("rows,page_size,dtype,needle", [
     (16, 64, jnp.bfloat16, "multiple of 64"),
-    (64, 1, jnp.bfloat16, "page size 1"),
-    (64, 4, jnp.bfloat16, "page size 4"),
+    (64, 3, jnp.bfloat16, "does not divide"),
     (64, 64, jnp.float16, "bfloat16"),
     (64, 96, jnp.bfloat16, "not a multiple"),
     (64, 24, jnp.bfloat16, "does not divide"),
@@ -72,7 +75,8 @@ def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, spl
 def test_unsupported_shapes_are_named(rows, page_size, dtype, needle):
     why = mgpu_decode_supported(rows, page_size, 576, 512, dtype)
     assert why is not None and needle in why
-    assert mgpu_decode_supported(128, 64, 576, 512, jnp.bfloat16) is None
+    for ok_page in (1, 2, 4, 8, 16, 64, 128):
+        assert mgpu_decode_supported(128, ok_page, 576, 512, jnp.bfloat16) is None
 
 
 def test_rejects_unsupported_call():
@@ -85,6 +89,8 @@ def test_rejects_unsupported_call():
 @pytest.mark.skipif(not on_gpu(), reason="needs an NVIDIA GPU (sm_90a)")
 @pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits", [
     (128, 1, 64, [4096, 1000, 63, 1, 0], 64, 2),
+    (128, 1, 1, [4096, 1000, 63, 1, 0], 4096, 2),
+    (16, 4, 2, [777, 130], 400, 1),
     (128, 2, 16, [777, 2048], 128, 3),
     (64, 1, 8, [300, 5], 40, 1),
 ])
@@ -100,25 +106,26 @@ def test_gpu_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
 
 
 def test_mla_decode_dispatches_to_mgpu():
-    """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (page table, split, merge)
+    """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (token CSR, split, merge)
     through the Mosaic GPU kernel; an unsupported shape is refused by name."""
     from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
 
     rng = np.random.default_rng(5)
     lens = [70, 3]
-    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=lens, max_pages=6)
+    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=1, lens=lens, max_pages=80)
     cfg = DecodeKernelConfig(kernel="mgpu")
-    out, lse = mla_decode(p["q"], p["pool"], page_table=PageTable(p["table"], p["lens"], 16),
-                          sm_scale=SCALE, num_splits=2, config=cfg, interpret=True)
+    out, lse = mla_decode(p["q"], p["pool"], kv_indptr=p["kv_indptr"],
+                          kv_indices=p["kv_indices"], sm_scale=SCALE, num_splits=2, config=cfg,
+                          interpret=True)
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
-    with pytest.raises(ValueError, match="kernel='mgpu'.*page size 1"):
-        mla_decode(p["q"], p["pool"], kv_indptr=p["kv_indptr"], kv_indices=p["kv_indices"],
-                   sm_scale=SCALE, config=cfg, interpret=True)
+    with pytest.raises(ValueError, match="kernel='mgpu'.*multiple of 64"):
+        mla_decode(p["q"][:, :16], p["pool"], kv_indptr=p["kv_indptr"],
+                   kv_indices=p["kv_indices"], sm_scale=SCALE, config=cfg, interpret=True)
     with pytest.raises(ValueError, match="kernel must be"):
         DecodeKernelConfig(kernel="cuda")
 
 
-@pytest.mark.parametrize("page_size,splits", [(64, 1), (16, 2)])
+@pytest.mark.parametrize("page_size,splits", [(64, 1), (16, 2), (1, 2)])
 def test_lowers_for_cuda(page_size, splits):
     """The compiled (not interpreted) kernel lowers for CUDA on any host: Mosaic GPU's layout
     inference, the tiling of every copy and the shared-memory budget (227 KB) are checked at
@@ -126,8 +133,11 @@ def test_lowers_for_cuda(page_size, splits):
     b, h = 2, 128
     q = jax.ShapeDtypeStruct((b, h, 576), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((64 * 64, 576), jnp.bfloat16)
-    kv = kv_rows_from_page_table(PageTable(jnp.zeros((b, 4096 // page_size), jnp.int32),
-                                           jnp.zeros((b,), jnp.int32), page_size))
+    if page_size == 1:  # the cp.async row gather (inline Mosaic GPU)
+        kv = kv_rows_from_csr(jnp.zeros((b + 1,), jnp.int32), jnp.zeros((b * 4096,), jnp.int32))
+    else:
+        kv = kv_rows_from_page_table(PageTable(jnp.zeros((b, 4096 // page_size), jnp.int32),
+                                               jnp.zeros((b,), jnp.int32), page_size))
     fn = jax.jit(lambda q, pool, kv: mla_decode_rows_mgpu(q, pool, kv, sm_scale=SCALE, s_q=1,
                                                           num_splits=splits))
     text = jax.export.export(fn, platforms=["cuda"])(q, pool, kv).mlir_module()

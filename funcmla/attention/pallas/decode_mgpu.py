@@ -5,8 +5,9 @@ heads times s_q). One CUDA block handles 64 folded rows of one sequence against 
 its KV, with three warpgroups:
 
 * warpgroup 2 (producer, 40 registers a thread): TMA-copies q once, then each 64-token KV tile
-  into one of two shared-memory stages (page >= 64: one copy a tile; page 8 to 32: one copy a
-  page), and refills a stage once both consumers released it;
+  into one of two shared-memory stages (page >= 64: one TMA copy a tile; page 8 to 32: one a
+  page; page 1 to 4: a row gather, see `_gather_tile`), and refills a stage once both
+  consumers released it;
 * warpgroup 0 (consumer): S = q k^T (64 x 64, K = 576, `wgmma`), the masked online softmax in
   base 2, P (bf16, over the tile's rope columns, dead once q k^T is done) and the row rescale
   alpha to shared memory, then O[:, :256] += P V[:, :256];
@@ -82,9 +83,6 @@ def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: 
         return f"head dim {head_dim} must be v_head_dim + a multiple of 64"
     if jnp.dtype(dtype) != jnp.bfloat16:
         return f"dtype {jnp.dtype(dtype)} is not bfloat16"
-    if page_size < 8:
-        return (f"page size {page_size} < 8: one TMA copy per page cannot land inside an "
-                "8-row swizzled tile (Hopper TMA has no row gather)")
     if page_size < BLOCK_KV and BLOCK_KV % page_size:
         return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
     if page_size > BLOCK_KV and page_size % BLOCK_KV:
@@ -159,6 +157,96 @@ def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
     return kv_ref.at[pl.ds(page * page_size + tok % page_size, rows)]
 
 
+def _gathers(page_size: int) -> bool:
+    """Whether tiles are gathered row by row (`_gather_tile`) rather than TMA-copied: pages
+    under 8 tokens, which a TMA copy cannot place inside an 8-row swizzled tile (Hopper's TMA
+    has no row gather)."""
+    return page_size < 8
+
+
+def _gather_tile(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok, *, page_size: int,
+                 interpret: bool):
+    """Producer warpgroup: the pool rows of tokens tok0 .. tok0 + 63 (each clamped to last_tok,
+    so a tile past the sequence's end re-reads its last row and never reads the table past it)
+    into stage `slot`, in the stage's tiled, 128-byte-swizzled layout; returns once they have
+    landed and are visible to `wgmma` (the caller then arrives on the stage's barrier).
+
+    Compiled, each of the 128 threads issues 36 16-byte `cp.async` copies: thread t copies
+    16-byte column vector t % 8 of each 64-column chunk of rows t // 8 + 16 j (j < 4), so a
+    warp reads 4 whole 128-byte row segments per instruction. Pool byte offsets are 64-bit.
+    The interpreter has no inline Mosaic GPU, so there the rows are copied one by one."""
+    _, d = kv_ref.shape
+    if interpret:
+        def row(r, carry):
+            tok = jnp.minimum(tok0 + r, last_tok)
+            src = table_ref[entry0 + tok // page_size] * page_size + tok % page_size
+            kv_smem[slot, pl.ds(r, 1), :] = kv_ref[pl.ds(src, 1), :]
+            return carry
+
+        lax.fori_loop(0, BLOCK_KV, row, 0)
+        return
+
+    splat = plgpu.Layout.WG_SPLAT(())
+    tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
+    swizzle = plgpu.SwizzleTransform(_SWIZZLE)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType((tiling, swizzle)), splat, splat, splat, splat))
+    def copy(ctx, pool, table, stages, slot, entry0, tok0, last_tok):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        slot, entry0, tok0, last_tok = (x.registers.item() for x in (slot, entry0, tok0,
+                                                                     last_tok))
+
+        def k(n):
+            return mu.c(n, i32)
+
+        chunk = 8 * _SWIZZLE                    # bytes of one 8-row x 64-column swizzle tile
+        n_chunks = d // (_SWIZZLE // 2)         # 64-column chunks per row
+        t = arith.remui(mu.thread_idx(), k(128))
+        vec = arith.andi(t, k(7))               # 16-byte vector within a 128-byte chunk row
+        r0 = arith.shrui(t, k(3))               # first row, 0..15; rows r0 + 16 j
+        r8 = arith.andi(r0, k(7))               # row within its 8-row tile (same for every j)
+        # Stage, 8-row tile, row and swizzled vector: 128-byte swizzle XORs the vector index
+        # with the row's index inside its 8-row (1024-byte) tile.
+        dst_off = arith.addi(
+            arith.addi(arith.muli(slot, k(BLOCK_KV * d * 2)),
+                       arith.muli(arith.shrui(r0, k(3)), k(n_chunks * chunk))),
+            arith.addi(arith.muli(r8, k(_SWIZZLE)),
+                       arith.shli(arith.xori(vec, r8), k(4))))
+        dst0 = mu.getelementptr(mu.memref_ptr(stages), [dst_off], i8)
+        pool_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                      mu.memref_ptr(pool))
+        vec_bytes = arith.extui(i64, arith.shli(vec, k(4)))
+        log2_page = page_size.bit_length() - 1
+        for j in range(BLOCK_KV // 16):
+            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(16 * j))), last_tok)
+            entry = arith.addi(entry0, arith.shrui(tok, k(log2_page)))
+            src_row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
+            if page_size > 1:
+                src_row = arith.addi(arith.shli(src_row, k(log2_page)),
+                                     arith.andi(tok, k(page_size - 1)))
+            # 64-bit byte offset of the row: pools past 2**31 bytes stay addressable.
+            src_off = arith.addi(arith.muli(arith.extui(i64, src_row), mu.c(d * 2, i64)),
+                                 vec_bytes)
+            src = mu.getelementptr(pool_ptr, [src_off], i8)
+            for c in range(n_chunks):
+                nvvm.cp_async_shared_global(
+                    mu.getelementptr(dst0, [(2 * j * n_chunks + c) * chunk], i8),
+                    mu.getelementptr(src, [c * _SWIZZLE], i8),
+                    16, nvvm.LoadCacheModifierKind.CG)
+        nvvm.cp_async_commit_group()
+        nvvm.cp_async_wait_group(0)
+        # cp.async writes go through the generic proxy; wgmma reads through the async one.
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    copy(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok)
+
+
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
             s_q: int, num_heads: int, d_v: int, scale_log2: float, final: bool,
             cfg: MgpuDecodeConfig, interpret: bool):
@@ -179,7 +267,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     first = split * per_split
     last = jnp.minimum(first + per_split, n_tiles)
     count = jnp.maximum(last - first, 0)
-    copies = max(1, BLOCK_KV // page_size)
+    gather = _gathers(page_size)
+    copies = 1 if gather else max(1, BLOCK_KV // page_size)
     row_lo = rb * BLOCK_M
 
     @pl.when(wg == 2)
@@ -195,6 +284,12 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             @pl.when(i >= _STAGES)
             def _():
                 plgpu.barrier_wait(k_empty.at[slot])
+
+            if gather:
+                _gather_tile(kv_ref, table_ref, kv_smem, slot, start_entry, tile * BLOCK_KV,
+                             kv_len - 1, page_size=page_size, interpret=interpret)
+                plgpu.barrier_arrive(k_full.at[slot])
+                return
 
             dst = kv_smem.at[slot]
             rows = min(page_size, BLOCK_KV)
@@ -380,7 +475,7 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     kv_stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), q.dtype, transforms=(tiling, swizzle))
     o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype)
     lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
-    copies = max(1, BLOCK_KV // kv.page_size)
+    copies = 1 if _gathers(kv.page_size) else max(1, BLOCK_KV // kv.page_size)
     scratch = [
         plgpu.SMEM((BLOCK_M, d), q.dtype, transforms=(tiling, swizzle)),
         # The output staging reuses the KV stages' memory (they are idle by then); the
