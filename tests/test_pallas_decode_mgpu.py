@@ -46,12 +46,13 @@ def run(p, *, s_q, page_size, num_splits, interpret):
 # heads, s_q, page size, lengths (0 = empty sequence), max pages, splits. Each case compiles
 # once; together they cover a full tile, a partial last tile, an empty sequence, empty splits,
 # one copy per tile (page 64) and several (pages 16 and 8), the row gather (pages 1, 2, 4; the
-# clamped reads of a partial last tile) and the causal fold of s_q > 1.
+# clamped reads of a partial last tile), the causal fold of s_q > 1 and the unmasked interior
+# tiles ahead of masked ones.
 CPU_CASES = [
     (64, 1, 64, [100, 0, 64], 3, 1),
     (64, 1, 16, [130, 7], 10, 3),
     (16, 4, 8, [33, 90], 12, 2),
-    (16, 4, 2, [65, 1], 40, 1),
+    (16, 4, 2, [130, 1], 70, 1),  # tile 1 ends past the causal limit of token 0
     (64, 1, 4, [5, 0, 129], 40, 2),
 ]
 

@@ -360,27 +360,31 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             l0 = _in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret)
             plgpu.barrier_wait(q_bar)
 
-            def step(i, carry):
+            def step(i, carry, masked: bool):
                 acc, m_i, l_i = carry
                 slot = lax.rem(i, _STAGES)
                 tile = first + i
                 plgpu.barrier_wait(k_full.at[slot])
 
                 s = _qk(q_smem, kv_smem.at[slot], interpret)
-                pos = tile * BLOCK_KV + cols_iota
-                s = jnp.where(pos < limit, s * scale_log2, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                if masked:
+                    pos = tile * BLOCK_KV + cols_iota
+                    s = jnp.where(pos < limit, s, -jnp.inf)
+                # The scale folds into the exponent (one multiply-add an element); it is > 0,
+                # so it commutes with the row max.
+                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2(m_i - m_safe)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
                 l_new = l_i * alpha + p.sum(axis=1)
                 p16 = p.astype(q_smem.dtype)
 
-                valid = kv_len - tile * BLOCK_KV
+                if masked:
+                    valid = kv_len - tile * BLOCK_KV
 
-                @pl.when(valid < BLOCK_KV)
-                def _():
-                    zero_tail(slot, valid)
+                    @pl.when(valid < BLOCK_KV)
+                    def _():
+                        zero_tail(slot, valid)
 
                 # P goes over the tile's rope columns (dead once q k^T is done), alpha next
                 # to it: both live as long as the stage, so no handshake with warpgroup 1
@@ -397,7 +401,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 plgpu.barrier_arrive(k_empty.at[slot])
                 return acc, m_new, l_new
 
-            acc, m_i, l_i = lax.fori_loop(0, count, step, (acc0, m0, l0))
+            # Tiles wholly below every row's causal limit (kv_len - s_q + 1 + the row's
+            # token) need no mask and have no tail: they run first, unmasked.
+            n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
+            carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
+                                  (acc0, m0, l0))
+            acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
+                                          carry)
 
             l_smem[...] = l_i
             plgpu.barrier_arrive(l_ready)
