@@ -512,8 +512,11 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
         out_type=(jax.ShapeDtypeStruct((b, num_splits, rows, v_head_dim), o_dtype),
                   jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
         scratch_types=scratch,
-        grid=(rows // BLOCK_M, num_splits, b),
-        grid_names=("rb", "split", "b"),
+        # The row blocks of one sequence and split are launched back to back (Pallas's last
+        # grid axis varies fastest), so they stream the same KV tiles at about the same time
+        # and the second read of each tile hits L2.
+        grid=(b, num_splits, rows // BLOCK_M),
+        grid_names=("b", "split", "rb"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
