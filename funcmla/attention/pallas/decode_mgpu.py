@@ -19,9 +19,14 @@ memory: q 72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reu
 are masked out of S, and their V rows are zeroed in shared memory before P V (a pool row past
 kv_len may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
 
-Addressing: the copies name pool rows by int32 coordinates (slot ids) and the TMA unit forms
-the 64-bit byte address, so pools past 2**31 / 576 rows need no special care (not measured on
-such a pool).
+Addressing: the TMA copies name pool rows by int32 coordinates (slot ids) and the TMA unit
+forms the 64-bit byte address; the row gather (pages under 8 tokens) forms 64-bit byte offsets
+itself. So pools past 2**31 / 576 rows need no special care (not measured on such a pool).
+
+Grid: (sequences, splits, row blocks); Mosaic GPU launches Pallas's last grid axis fastest, so
+the row blocks of one sequence run side by side and the second read of each KV tile hits L2 (at
+batch 128 and 128 heads, row blocks launched a wave apart cost 10% more time: each read the KV
+from HBM).
 
 Splits, masking and output layout are those of `decode_triton` (the same `KVRows` forms, the same
 split of a sequence's 64-token tiles, the same partials for `merge_splits_pallas`), so the two
@@ -164,6 +169,12 @@ def _gathers(page_size: int) -> bool:
     return page_size < 8
 
 
+def _arrivals_per_tile(page_size: int) -> int:
+    """Arrivals that fill a stage: one TMA copy a page under 64 tokens, else one a tile; the
+    gather's 128 threads arrive as one warpgroup."""
+    return 1 if _gathers(page_size) else max(1, BLOCK_KV // page_size)
+
+
 def _gather_tile(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok, *, page_size: int,
                  interpret: bool):
     """Producer warpgroup: the pool rows of tokens tok0 .. tok0 + 63 (each clamped to last_tok,
@@ -211,8 +222,10 @@ def _gather_tile(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok, *, pa
         vec = arith.andi(t, k(7))               # 16-byte vector within a 128-byte chunk row
         r0 = arith.shrui(t, k(3))               # first row, 0..15; rows r0 + 16 j
         r8 = arith.andi(r0, k(7))               # row within its 8-row tile (same for every j)
-        # Stage, 8-row tile, row and swizzled vector: 128-byte swizzle XORs the vector index
-        # with the row's index inside its 8-row (1024-byte) tile.
+        # The stage is tiled (8, 64) then swizzled: element (r, c) of stage s lives at byte
+        # s*73728 + ((r // 8) * 9 + c // 64) * 1024 + (r % 8) * 128 + (((c % 64) // 8) ^ (r % 8))
+        # * 16 + (c % 8) * 2 (128-byte swizzle: the 16-byte vector index XOR the row's index
+        # inside its 8-row tile), for d = 576.
         dst_off = arith.addi(
             arith.addi(arith.muli(slot, k(BLOCK_KV * d * 2)),
                        arith.muli(arith.shrui(r0, k(3)), k(n_chunks * chunk))),
@@ -268,7 +281,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     last = jnp.minimum(first + per_split, n_tiles)
     count = jnp.maximum(last - first, 0)
     gather = _gathers(page_size)
-    copies = 1 if gather else max(1, BLOCK_KV // page_size)
+    copies = _arrivals_per_tile(page_size)
     row_lo = rb * BLOCK_M
 
     @pl.when(wg == 2)
@@ -485,7 +498,7 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     kv_stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), q.dtype, transforms=(tiling, swizzle))
     o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype)
     lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
-    copies = 1 if _gathers(kv.page_size) else max(1, BLOCK_KV // kv.page_size)
+    copies = _arrivals_per_tile(kv.page_size)
     scratch = [
         plgpu.SMEM((BLOCK_M, d), q.dtype, transforms=(tiling, swizzle)),
         # The output staging reuses the KV stages' memory (they are idle by then); the

@@ -13,8 +13,8 @@ lengths for a page table), so a decode step is one launch (two with a split). Op
 finishes last merges its row block in the same launch (an atomic arrival counter); measured
 slower than the merge launch on the H200, see `_merge_if_last`.
 
-`mla_decode` is the entry point for both decode kernels: on a GPU it hands 64-row blocks at
-page sizes >= 8 (and large enough batches) to the warp-specialized Mosaic GPU kernel of
+`mla_decode` is the entry point for both decode kernels: on a GPU it hands bf16 64-row blocks
+(at large enough batches) to the warp-specialized Mosaic GPU kernel of
 `decode_mgpu.py` (`uses_mgpu`, `DecodeKernelConfig.kernel`), the rest to this one.
 
 Grid: (row blocks, splits, sequences), row blocks fastest, so the programs that read the same KV
