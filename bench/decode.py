@@ -30,7 +30,8 @@ sequences, NaN in unused pool rows), --big-pool checks addressing past 2**31 / 5
 tiling variants on the target cases by device time (the default is replaced only by a variant
 >= 3% faster) and the merge kernel's output tiles, and runs the grid with the chosen configs.
 --time-limit / --variants-time-limit bound one call (the grid runs the target cases first).
-Writes decode.json and decode.png under --out.
+Writes decode.json and decode.png under --out, and ends with the issue's targets judged on the
+grid (`bench.decode_targets`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ from funcmla.attention.pallas.decode_common import (  # noqa: E402
     num_row_blocks,
 )
 from funcmla.layout import PageTable  # noqa: E402
+
+from bench.decode_targets import print_verdicts, target_verdicts  # noqa: E402
 
 D, DV = 576, 512
 SM_SCALE = 0.1352337788608801
@@ -856,6 +859,10 @@ def main(argv=None):
     if rows:
         plot(rows, os.path.join(args.out, "decode.png"))
         print_table(rows, f"paged MLA decode (ceiling {ceiling / 1e9:.0f} GB/s)")
+        results["targets"] = target_verdicts(rows)
+        dump(results, args.out)
+        log("== targets (issue #5)")
+        print_verdicts(results["targets"], log)
     log("OK" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

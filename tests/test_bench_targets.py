@@ -1,0 +1,73 @@
+"""bench.decode_targets: issue #5's targets judged from benchmark rows (restated by hand here)."""
+
+import json
+
+from bench.decode_targets import main, target_verdicts
+
+
+def _row(h, b, ctx, ps, *, us, pct=50.0, tf=100.0, err=2e-3):
+    return dict(heads=h, batch=b, ctx=ctx, page_size=ps, time_us=us, pct_ceiling=pct,
+                tflops=tf, rel_err=err)
+
+
+ROWS = [
+    _row(16, 32, 4096, 1, us=44.6, pct=80.5),
+    _row(16, 32, 4096, 64, us=43.8, pct=79.9),          # misses 80% by 0.1 point
+    _row(16, 32, 1024, 64, us=20.0, pct=60.0),          # ctx 1k: outside the 80% target
+    _row(128, 128, 4096, 1, us=280.0, tf=541.0),
+    _row(128, 128, 4096, 64, us=250.0, tf=580.0),       # p1/p64 = 1.12: misses the 10%
+    _row(128, 32, 16384, 64, us=253.0, tf=576.0),       # no page-1 partner: no pair
+    _row(128, 1, 4096, 1, us=19.6),
+    _row(128, 1, 4096, 64, us=20.3, err=None),          # error not measured: not judged
+    _row(16, 1, 4096, 64, us=11.6, err=0.02),           # error too large
+]
+
+
+def _by_target(rows):
+    return {v["target"].split(":")[0]: v for v in target_verdicts(rows)}
+
+
+def test_verdicts_restate_each_target():
+    v = _by_target(ROWS)
+    ceil = v["H16, B >= 32, ctx >= 4k"]
+    assert (ceil["measured"], ceil["passed"], ceil["met"]) == (2, 1, False)
+    assert ceil["worst"] == dict(case="H16 B32 L4096 p64", value=79.9, ok=False)
+
+    tf = v["H128, B >= 32, ctx >= 4k"]
+    assert (tf["measured"], tf["passed"], tf["met"]) == (3, 2, False)
+    assert tf["worst"]["case"] == "H128 B128 L4096 p1"
+
+    b1 = v["batch 1, ctx 4k"]
+    assert (b1["measured"], b1["passed"]) == (3, 2)
+    assert b1["worst"] == dict(case="H128 B1 L4096 p64", value=20.3, ok=False)
+
+    pairs = v["page 1 within 10% of page 64"]
+    got = {c["case"]: round(c["value"], 4) for c in pairs["cases"]}
+    assert got == {"H16 B32 L4096 p1/p64": round(44.6 / 43.8, 4),
+                   "H128 B128 L4096 p1/p64": 1.12,
+                   "H128 B1 L4096 p1/p64": round(19.6 / 20.3, 4)}
+    assert pairs["passed"] == 2 and not pairs["met"]
+
+    err = v["rel err < 1e-2 vs float32"]
+    assert (err["measured"], err["passed"]) == (8, 7)
+    assert err["worst"]["value"] == 0.02
+
+
+def test_all_met_and_unmeasured():
+    good = [_row(16, 32, 4096, 1, us=44.0, pct=81.0), _row(16, 32, 4096, 64, us=43.0, pct=82.0)]
+    v = _by_target(good)
+    assert v["H16, B >= 32, ctx >= 4k"]["met"]
+    assert v["page 1 within 10% of page 64"]["met"]
+    # No 128-head or batch-1 case: not measured is never "met".
+    assert v["H128, B >= 32, ctx >= 4k"]["measured"] == 0
+    assert not v["H128, B >= 32, ctx >= 4k"]["met"]
+    assert v["batch 1, ctx 4k"]["worst"] is None
+
+
+def test_cli_reads_a_saved_run(tmp_path, capsys):
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"grid": ROWS}))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "550 TFLOP/s: NOT met (2 of 3; worst H128 B128 L4096 p1 541 TFLOP/s)" in out
+    assert main([]) == 2
