@@ -3,8 +3,9 @@
 On CPU it runs in Mosaic GPU interpret mode (barriers, TMA copies and wgmma are simulated; the
 transposed q k^T product is a plain dot there, see `decode_mgpu._qk`, and pages under 8 tokens
 are gathered row by row instead of by the compiled kernel's cp.async producer); the compiled
-kernel is tested when a GPU is present, and lowered for CUDA on every host. Pool rows outside every sequence hold NaN, so a read past a
-sequence's end (the tail of its last tile) shows up in the result.
+kernel is tested when a GPU is present, and lowered for CUDA on every host. Pool rows outside
+every sequence hold NaN, so a read past a sequence's end (the tail of its last tile) shows up in
+the result.
 """
 
 from __future__ import annotations

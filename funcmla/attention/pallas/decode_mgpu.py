@@ -14,10 +14,11 @@ its KV, with three warpgroups:
 * warpgroup 1 (consumer): O[:, 256:] += P V[:, 256:] with P from shared memory.
 
 The 64 x 512 fp32 accumulator is 128 registers a thread per half, so each consumer owns a half;
-the KV tile is read from HBM once and serves as K (576 columns) and V (its first 512). Shared
-memory: q 72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reuses them). Tokens past kv_len in the sequence's last tile
-are masked out of S, and their V rows are zeroed in shared memory before P V (a pool row past
-kv_len may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
+a block reads each KV tile once, as K (576 columns) and V (its first 512). Shared memory: q
+72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reuses them). Tiles wholly
+below every row's causal limit run unmasked; in the others, tokens past the limit are masked
+out of S, and V rows past kv_len are zeroed in shared memory before P V (a pool row past kv_len
+may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
 
 Addressing: the TMA copies name pool rows by int32 coordinates (slot ids) and the TMA unit
 forms the 64-bit byte address; the row gather (pages under 8 tokens) forms 64-bit byte offsets
