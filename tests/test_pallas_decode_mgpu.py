@@ -127,7 +127,7 @@ def test_mla_decode_dispatches_to_mgpu():
         DecodeKernelConfig(kernel="cuda")
 
 
-@pytest.mark.parametrize("page_size,splits", [(64, 1), (16, 2), (1, 2)])
+@pytest.mark.parametrize("page_size,splits", [(64, 1), (16, 2), (1, 2), (4, 1)])
 def test_lowers_for_cuda(page_size, splits):
     """The compiled (not interpreted) kernel lowers for CUDA on any host: Mosaic GPU's layout
     inference, the tiling of every copy and the shared-memory budget (227 KB) are checked at
