@@ -10,7 +10,6 @@ batch * ctx. Prints a table of medians and the NumPy/JAX ratio, writes out/metad
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 import jax

@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from funcmla.layout import PageTable, TokenCSR, is_power_of_two
+from funcmla.layout import PageTable, is_power_of_two
 
 __all__ = [
     "DecodeKernelConfig",
