@@ -3,7 +3,7 @@
 `mla_decode` with its configuration `DecodeKernelConfig` (which kernel and its tiling), the
 split rule `choose_num_splits`, and the one-launch split-KV combine `merge_splits_pallas`. Two
 decode kernels: the Triton-lowered one (`mla_decode_rows`; every shape) and the warp-specialized
-Mosaic GPU one for Hopper (`mla_decode_rows_mgpu`; 64-row blocks, page size >= 8). Both run in
+Mosaic GPU one for Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks). Both run in
 Pallas interpret mode on CPU.
 """
 

@@ -74,7 +74,8 @@ class DecodeKernelConfig:
                 launcher wires the two-launch plan.
     kernel:     which decode kernel `mla_decode` runs: "triton" (Pallas on the Triton lowering,
                 every shape), "mgpu" (the warp-specialized Mosaic GPU kernel of
-                `decode_mgpu`: sm_90a, bf16, s_q * H a multiple of 64, page size >= 8), or
+                `decode_mgpu`: sm_90a, bf16, s_q * H a multiple of 64, a page size that
+                divides 64 tokens or is a multiple of them), or
                 "auto" (default): "mgpu" where it applies, the default backend is a GPU (not
                 in interpret mode) and the batch gives at least num_sms / 4 blocks of 64 rows
                 (smaller batches are faster on Triton), else "triton".

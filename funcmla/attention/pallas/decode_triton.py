@@ -476,7 +476,7 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
     max_kv_len: static upper bound on KV tokens per sequence for the split rule (token CSR
                 only; defaults to the capacity of kv_indices).
     config:     `DecodeKernelConfig`: which kernel (`kernel`: on a GPU, bf16 shapes with s_q * H a
-                multiple of 64 and page size >= 8 run the warp-specialized Mosaic GPU kernel,
+                multiple of 64 run the warp-specialized Mosaic GPU kernel at batches that fill it,
                 the rest the Triton-lowered one) and its tiling; `merge_in_kernel=True` merges
                 the splits in the decode launch (opt-in, slower on H200).
     interpret:  run in Pallas interpret mode (CPU).
