@@ -24,6 +24,8 @@ from funcmla.layout import PageTable, is_power_of_two
 __all__ = [
     "DecodeKernelConfig",
     "seq_start_and_len",
+    "split_tile_range",
+    "causal_limit",
     "KVRows",
     "kv_rows_from_csr",
     "kv_rows_from_page_table",
@@ -271,6 +273,24 @@ def seq_start_and_len(form: str, meta_refs, b, entries_per_seq: int | None):
         return b * entries_per_seq, kv_lens_ref[b]
     table_start_ref, kv_lens_ref = meta_refs
     return table_start_ref[b], kv_lens_ref[b]
+
+
+def split_tile_range(kv_len, split, num_splits: int, block_kv: int):
+    """In a kernel: the KV tiles [first, last) of split `split` (of `num_splits`) for a sequence
+    of kv_len tokens in tiles of block_kv tokens: each split takes the next ceil(tiles / S)
+    tiles, so trailing splits may be empty (last <= first). Both decode kernels cut the KV this
+    way, so their partials line up for the same merge."""
+    n_tiles = (kv_len + block_kv - 1) // block_kv
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    first = split * per_split
+    return first, jnp.minimum(first + per_split, n_tiles)
+
+
+def causal_limit(kv_len, s_q: int, row_token):
+    """In a kernel: the bottom-right causal bound of a query row (tokens j < bound are
+    visible), for the row's token index among the sequence's s_q query tokens; rows past the
+    last token (padding) clamp to kv_len."""
+    return jnp.minimum(kv_len - s_q + 1 + row_token, kv_len)
 
 
 def _check_int32(value, name: str) -> None:

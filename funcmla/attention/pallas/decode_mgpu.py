@@ -49,7 +49,9 @@ from funcmla.attention.pallas.decode_common import (
     MAX_POOL_ROWS,
     DecodeKernelConfig,
     KVRows,
+    causal_limit,
     seq_start_and_len,
+    split_tile_range,
 )
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "mgpu_split_config",
@@ -275,10 +277,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
 
-    n_tiles = (kv_len + BLOCK_KV - 1) // BLOCK_KV
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    first = split * per_split
-    last = jnp.minimum(first + per_split, n_tiles)
+    first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
     gather = _gathers(page_size)
     copies = _arrivals_per_tile(page_size)
@@ -351,8 +350,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         half = wg
         rows_iota = _iota((BLOCK_M, BLOCK_KV), 0, interpret)
         cols_iota = _iota((BLOCK_M, BLOCK_KV), 1, interpret)
-        # Bottom-right causal limit per folded row (token-major: row // H is the token).
-        limit = jnp.minimum(kv_len - s_q + 1 + (row_lo + rows_iota) // num_heads, kv_len)
+        # Per folded row (token-major: row // H is the token).
+        limit = causal_limit(kv_len, s_q, (row_lo + rows_iota) // num_heads)
         acc0 = _in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA, interpret)
 
         def p_ref(slot):  # P of the stage's tile, over its rope columns

@@ -46,12 +46,14 @@ from funcmla.attention.pallas.decode_common import (
     MAX_POOL_ROWS,
     DecodeKernelConfig,
     KVRows,
+    causal_limit,
     choose_num_splits,
     kv_rows_from_csr,
     kv_rows_from_page_table,
     merges_in_kernel,
     num_row_blocks,
     seq_start_and_len,
+    split_tile_range,
 )
 from funcmla.attention.pallas.decode_mgpu import BLOCK_M as MGPU_BLOCK_M
 from funcmla.attention.pallas.decode_mgpu import (
@@ -77,14 +79,13 @@ _LN2 = 0.6931471805599453
 _MERGE_LOAD_ELEMS = 32768
 
 
-def _decode_kernel(*refs, form: str, entries_per_seq: int | None, page_size: int,
+def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, page_size: int,
                    block_kv: int, num_splits: int, s_q: int, num_heads: int, d_v: int,
                    d_rope: int, scale_log2: float, final: bool, evict_first: bool,
                    fuse_merge: bool, merge_cols: int | None, interpret: bool):
     hb = pl.program_id(0)
     split = pl.program_id(1)
     b = pl.program_id(2)
-    n_meta = {"indptr": 1, "strided": 1, "lens": 2}[form]
     meta, (table_ref, q_ref, kv_ref) = refs[:n_meta], refs[n_meta:n_meta + 3]
     if fuse_merge:  # + counters (input, aliased to the last output); partials, merged, counters
         o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref = refs[n_meta + 4:]
@@ -95,17 +96,13 @@ def _decode_kernel(*refs, form: str, entries_per_seq: int | None, page_size: int
     table_len = table_ref.shape[0]
 
     rows = hb * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-    tok = rows // num_heads
-    # Bottom-right causal limit per row; padded rows (tok >= s_q) clamp to kv_len.
-    limit = jnp.minimum(kv_len - s_q + 1 + tok, kv_len)
+    tok = rows // num_heads  # padded rows (tok >= s_q) clamp to kv_len
+    limit = causal_limit(kv_len, s_q, tok)
 
     q_nope = q_ref[:, pl.ds(0, d_v)]
     q_pe = q_ref[:, pl.ds(d_v, d_rope)]
 
-    total_blocks = (kv_len + block_kv - 1) // block_kv
-    per_split = (total_blocks + num_splits - 1) // num_splits
-    first = split * per_split
-    last = jnp.minimum(first + per_split, total_blocks)
+    first, last = split_tile_range(kv_len, split, num_splits, block_kv)
 
     eviction = "evict_first" if evict_first else None
     cols_v = lax.broadcasted_iota(jnp.int32, (block_kv, d_v), 1)
@@ -261,15 +258,15 @@ def _decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Arr
     if rows_pad != rows:
         qr = jnp.pad(qr, ((0, 0), (0, rows_pad - rows), (0, 0)))
 
+    meta = kv.meta_operands()
     kernel = functools.partial(
-        _decode_kernel, form=kv.form, entries_per_seq=kv.entries_per_seq,
+        _decode_kernel, form=kv.form, n_meta=len(meta), entries_per_seq=kv.entries_per_seq,
         page_size=kv.page_size, block_kv=config.block_kv, num_splits=num_splits,
         s_q=s_q, num_heads=h, d_v=v_head_dim, d_rope=d_rope,
         scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first,
         fuse_merge=fuse, merge_cols=config.merge_block_d, interpret=interpret)
     o_dtype = q.dtype if final else jnp.float32
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa: E731
-    meta = kv.meta_operands()
     in_specs = [full(m.shape) for m in meta] + [
         full(kv.table.shape),
         pl.BlockSpec((None, block_m, d), lambda i, j, k: (k, i, 0)),
