@@ -8,10 +8,10 @@ the jitted function holding the call, on this process's GPU backend, and reads t
 
 * jaxlib 0.11.2 (H200, CUDA 13): `LoadedExecutable.serialize()` is a small header and a Riegeli
   file (`_containers.riegeli_records`: 64 KiB blocks, simple chunks, Snappy-compressed) whose
-  executable record is itself a Riegeli file holding `xla.gpu.GpuExecutableProto`. Its thunks record each
-  kernel launch: the symbol (XLA names the kernel after the Pallas call, `_N` added if the name
-  repeats), the cubin defining it (one per Triton kernel), grid, block and dynamic shared memory
-  (`launch_specs`). Parameters: one pointer per buffer, operands then results (Triton's two
+  executable record is itself a Riegeli file holding `xla.gpu.GpuExecutableProto`. Its thunks
+  record each kernel launch: the symbol (XLA names the kernel after the Pallas call, `_N` added
+  if the name repeats), the cubin defining it (one per Triton kernel), grid, block and dynamic
+  shared memory (`launch_specs`). Parameters: one pointer per buffer, operands then results (Triton's two
   scratch pointers are null constants inside the kernel, so they are not parameters), read from
   the cubin's `.nv.info.<kernel>` section (`cubin_entries`). All of this matched XLA's own
   launches captured with CUPTI on the H200 (2026-11-30), and the launcher's outputs on these
