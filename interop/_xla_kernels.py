@@ -6,16 +6,16 @@ the same IR with another Triton (the `triton` package) gives different machine c
 H200: 2 to 298 bf16 ulp apart). To launch exactly what XLA launches, `xla_kernels` has XLA compile
 the jitted function holding the call, on this process's GPU backend, and reads the executable:
 
-* jaxlib 0.11.2 (H200, CUDA 13): `LoadedExecutable.serialize()` is a small header and a Riegeli
-  file (`_containers.riegeli_records`: 64 KiB blocks, simple chunks, Snappy-compressed) whose
-  executable record is itself a Riegeli file holding `xla.gpu.GpuExecutableProto`. Its thunks
-  record each kernel launch: the symbol (XLA names the kernel after the Pallas call, `_N` added
-  if the name repeats), the cubin defining it (one per Triton kernel), grid, block and dynamic
-  shared memory (`launch_specs`). Parameters: one pointer per buffer, operands then results (Triton's two
-  scratch pointers are null constants inside the kernel, so they are not parameters), read from
-  the cubin's `.nv.info.<kernel>` section (`cubin_entries`). All of this matched XLA's own
-  launches captured with CUPTI on the H200 (2026-11-30), and the launcher's outputs on these
-  kernels were bit-identical to the executable's.
+* jaxlib 0.11.2 (H200, CUDA 13): `LoadedExecutable.serialize()` is a small header and a Riegeli file
+  (`_containers.riegeli_records`: 64 KiB blocks, simple chunks, Snappy-compressed) whose executable
+  record is itself a Riegeli file holding `xla.gpu.GpuExecutableProto`. Its thunks record each
+  kernel launch: the symbol (XLA names the kernel after the Pallas call, `_N` added if the name
+  repeats), the cubin defining it (one per Triton kernel), grid, block and dynamic shared memory
+  (`launch_specs`). Parameters: one pointer per buffer, operands then results (Triton's two scratch
+  pointers are null constants inside the kernel, so they are not parameters), read from the cubin's
+  `.nv.info.<kernel>` section (`cubin_entries`). All of this matched XLA's own launches captured
+  with CUPTI on the H200 (2026-11-30), and the launcher's outputs on these kernels were
+  bit-identical to the executable's.
 * older jaxlibs (no launch records): XLA compiles again with `xla_dump_to`; symbol and parameters
   from the PTX it dumps (or the PTX inside the executable), dynamic shared memory from
   `ttg.shared` in its Triton pass log (`xla_dump_emitter_re=triton-fusion`, or
