@@ -331,8 +331,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             def _():
                 plgpu.barrier_wait(k_empty.at[st])
 
-    def _store(acc, l_safe, which: int, lse):
-        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    def _store(out, which: int, lse):
+        """Output half `which` ([64, 256], this block's rows and split) and, with `lse`, the
+        block's lse, through shared memory to global memory."""
         o_stage[which] = out.astype(o_stage.dtype)
         if lse is not None:
             lse_stage[...] = lse
@@ -344,109 +345,109 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row_lo, BLOCK_M)])
         plgpu.wait_smem_to_gmem(0)
 
+    def _finish(acc, m_i, l_i, half: int):
+        """Consumer `half` once its last P V is added: both consumers meet first (the output
+        staging reuses the KV stages, and consumer 0 hands over the row sums); then its output
+        half is normalized and written (consumer 0 also writes the lse)."""
+        if half == 0:  # consumer 1 keeps no row sums
+            l_smem[...] = l_i
+        plgpu.barrier_arrive(l_ready)
+        plgpu.barrier_wait(l_ready)
+        l_i = _load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse = None
+        if half == 0:
+            empty = jnp.inf if final else -jnp.inf
+            lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, empty)
+        _store(out, half, lse)
+
     @pl.when(wg < 2)
     def _consumers():
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-        half = wg
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
         rows_iota = _iota((BLOCK_M, BLOCK_KV), 0, interpret)
         cols_iota = _iota((BLOCK_M, BLOCK_KV), 1, interpret)
         # Per folded row (token-major: row // H is the token).
         limit = causal_limit(kv_len, s_q, (row_lo + rows_iota) // num_heads)
         acc0 = _in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA, interpret)
+        m0 = _in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l0 = _in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret)
+        # Tiles wholly below every row's causal limit (kv_len - s_q + 1 + the row's token) need
+        # no mask and have no tail: they run first, unmasked.
+        n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
 
         def p_ref(slot):  # P of the stage's tile, over its rope columns
             return kv_smem.at[slot, :, pl.ds(d_v, BLOCK_KV)]
 
-        def zero_tail(slot, valid):
-            # V rows >= valid of this stage -> 0 (only the sequence's last, partial tile).
-            for c in range(d_v // 64):
-                ref = kv_smem.at[slot, :, pl.ds(c * 64, 64)]
-                chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
-                ref[...] = jnp.where(rows_iota < valid, chunk, jnp.zeros_like(chunk))
+        def scores(slot, tile, masked: bool):
+            """q k^T of the tile in `slot` [64, 64] fp32, unscaled; -inf past each row's
+            causal limit when `masked`."""
+            plgpu.barrier_wait(k_full.at[slot])
+            s = _qk(q_smem, kv_smem.at[slot], interpret)
+            if masked:
+                s = jnp.where(tile * BLOCK_KV + cols_iota < limit, s, -jnp.inf)
+            return s
+
+        def publish(slot, tile, s, m_prev, masked: bool):
+            """Online-softmax step on scores s against the running max m_prev: writes P
+            (bf16) over the tile's rope columns (dead once q k^T is done) and alpha next to
+            it (both live as long as the stage, so no handshake with consumer 1 beyond the
+            stage's own barriers), zeroes V rows past kv_len in a partial last tile, then
+            signals p_full[slot]. Returns (m_new, alpha, row sums of P)."""
+            # The scale folds into the exponent (one multiply-add an element); it is > 0, so
+            # it commutes with the row max.
+            m_new = jnp.maximum(m_prev, s.max(axis=1) * scale_log2)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_prev - m_safe)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            if masked:
+                valid = kv_len - tile * BLOCK_KV
+
+                @pl.when(valid < BLOCK_KV)
+                def _():
+                    # V rows >= valid of this stage -> 0 (a pool row past kv_len may be NaN).
+                    for c in range(d_v // 64):
+                        ref = kv_smem.at[slot, :, pl.ds(c * 64, 64)]
+                        chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
+                        ref[...] = jnp.where(rows_iota < valid, chunk, jnp.zeros_like(chunk))
+
+            p_ref(slot)[...] = p.astype(q_smem.dtype)
+            alpha_smem.at[slot][...] = alpha
             plgpu.commit_smem()
+            plgpu.barrier_arrive(p_full.at[slot])
+            return m_new, alpha, p.sum(axis=1)
 
-        @pl.when(half == 0)
-        def _softmax_wg():
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
-            m0 = _in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret)
-            l0 = _in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret)
-            plgpu.barrier_wait(q_bar)
-
-            def step(i, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = lax.rem(i, _STAGES)
+        # Consumer 0 scores every tile and publishes P with alpha (the rescale of the running
+        # output); both add P V into their half of the output.
+        def step(i, carry, masked: bool, half: int):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, _STAGES)
+            if half == 0:
                 tile = first + i
-                plgpu.barrier_wait(k_full.at[slot])
-
-                s = _qk(q_smem, kv_smem.at[slot], interpret)
-                if masked:
-                    pos = tile * BLOCK_KV + cols_iota
-                    s = jnp.where(pos < limit, s, -jnp.inf)
-                # The scale folds into the exponent (one multiply-add an element); it is > 0,
-                # so it commutes with the row max.
-                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m_i - m_safe)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                l_new = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(q_smem.dtype)
-
-                if masked:
-                    valid = kv_len - tile * BLOCK_KV
-
-                    @pl.when(valid < BLOCK_KV)
-                    def _():
-                        zero_tail(slot, valid)
-
-                # P goes over the tile's rope columns (dead once q k^T is done), alpha next
-                # to it: both live as long as the stage, so no handshake with warpgroup 1
-                # beyond the stage's own barriers.
-                p_ref(slot)[...] = p16
-                alpha_smem.at[slot][...] = alpha
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p_full.at[slot])
-
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-                acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(0, _HALF)],
-                               interpret)
-                plgpu.barrier_arrive(k_empty.at[slot])
-                return acc, m_new, l_new
-
-            # Tiles wholly below every row's causal limit (kv_len - s_q + 1 + the row's
-            # token) need no mask and have no tail: they run first, unmasked.
-            n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
-            carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
-                                  (acc0, m0, l0))
-            acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
-                                          carry)
-
-            l_smem[...] = l_i
-            plgpu.barrier_arrive(l_ready)
-            has = l_i > 0.0
-            l_safe = jnp.where(has, l_i, 1.0)
-            empty = jnp.inf if final else -jnp.inf
-            lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, empty)
-            _store(acc, l_safe, 0, lse)
-
-        @pl.when(half == 1)
-        def _pv_wg():
-            def step(i, acc):
-                slot = lax.rem(i, _STAGES)
+                m_i, alpha, rowsum = publish(slot, tile, scores(slot, tile, masked), m_i,
+                                             masked)
+                l_i = l_i * alpha + rowsum
+            else:
                 plgpu.barrier_wait(p_full.at[slot])
-                alpha = _load(alpha_smem.at[slot], plgpu.Layout.WGMMA.reduce(1), interpret)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                alpha = _load(alpha_smem.at[slot], row_layout, interpret)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(half * _HALF, _HALF)],
+                           interpret)
+            plgpu.barrier_arrive(k_empty.at[slot])
+            return acc, m_i, l_i
 
-                acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(_HALF, _HALF)],
-                               interpret)
-                plgpu.barrier_arrive(k_empty.at[slot])
-                return acc
+        for half in range(2):
+            @pl.when(wg == half)
+            def _():
+                if half == 0:
+                    plgpu.barrier_wait(q_bar)
+                plain = functools.partial(step, masked=False, half=half)
+                masked = functools.partial(step, masked=True, half=half)
+                carry = lax.fori_loop(0, n_plain, plain, (acc0, m0, l0))
+                _finish(*lax.fori_loop(n_plain, count, masked, carry), half)
 
-            acc = lax.fori_loop(0, count, step, acc0)
-            plgpu.barrier_wait(l_ready)
-            l_i = _load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
-            l_safe = jnp.where(l_i > 0.0, l_i, 1.0)
-            _store(acc, l_safe, 1, None)
 
 def _mgpu_params(interpret: bool):
     if not interpret:
@@ -505,12 +506,12 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
         (((kv_stages,), (o_stage, lse_stage)) if interpret
          else plgpu.RefUnion((kv_stages,), (o_stage, lse_stage))),
         plgpu.SMEM((_STAGES, BLOCK_M), jnp.float32),  # alpha of each stage's tile
-        plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to warpgroup 1 at the end
+        plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
         plgpu.Barrier(),  # q landed
         plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),  # stage released by both
         plgpu.Barrier(num_barriers=_STAGES),  # P and alpha of the stage's tile written
-        plgpu.Barrier(),  # row sums written
+        plgpu.Barrier(num_arrivals=2),  # both consumers done; row sums written
     ]
     meta = kv.meta_operands()
     kernel = functools.partial(
