@@ -15,7 +15,8 @@ its KV, with three warpgroups:
 
 The 64 x 512 fp32 accumulator is 128 registers a thread per half, so each consumer owns a half;
 a block reads each KV tile once, as K (576 columns) and V (its first 512). Shared memory: q
-72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reuses them). Tiles wholly
+72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reuses them once both
+consumers have added their last tile: they meet on a barrier before either writes). Tiles wholly
 below every row's causal limit run unmasked; in the others, tokens past the limit are masked
 out of S, and V rows past kv_len are zeroed in shared memory before P V (a pool row past kv_len
 may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
@@ -501,8 +502,9 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     copies = _arrivals_per_tile(kv.page_size)
     scratch = [
         plgpu.SMEM((BLOCK_M, d), q.dtype, transforms=(tiling, swizzle)),
-        # The output staging reuses the KV stages' memory (they are idle by then); the
-        # interpreter has no RefUnion (and no shared-memory limit), so there they are apart.
+        # The output staging reuses the KV stages' memory (idle once both consumers meet at
+        # the end); the interpreter has no RefUnion (and no shared-memory limit), so there
+        # they are apart.
         (((kv_stages,), (o_stage, lse_stage)) if interpret
          else plgpu.RefUnion((kv_stages,), (o_stage, lse_stage))),
         plgpu.SMEM((_STAGES, BLOCK_M), jnp.float32),  # alpha of each stage's tile
