@@ -67,6 +67,29 @@ def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, spl
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
 
 
+@pytest.mark.parametrize("page_size,s_q,lens,splits", [(16, 1, [300, 40], 2), (1, 2, [140, 0], 1)])
+def test_interpret_has_no_data_race(page_size, s_q, lens, splits):
+    """Mosaic GPU's interpreter, with its happens-before race detector on, finds no unordered
+    shared-memory access between the producer and the two consumers: stage refills, the P and
+    alpha hand-off, the zeroed tail, the final row-sum exchange. (Dropping consumer 1's wait
+    for P makes this fail.) The detector is a private jax API: skip where it has moved."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as e:  # pragma: no cover - depends on the jax version
+        pytest.skip(f"Mosaic GPU interpreter's race detector not importable: {e}")
+    rng = np.random.default_rng(11)
+    p = make_problem(rng, batch=len(lens), heads=64, s_q=s_q, page_size=page_size, lens=lens,
+                     max_pages=max(lens) // page_size + 1)
+    kv = (kv_rows_from_csr(p["kv_indptr"], p["kv_indices"]) if page_size == 1 else
+          kv_rows_from_page_table(PageTable(p["table"], p["lens"], page_size)))
+    o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=s_q,
+                                num_splits=splits,
+                                interpret=InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(o)
+    assert not interpret_pallas_call.get_races().races_found
+
+
 @pytest.mark.parametrize("rows,page_size,dtype,needle", [
     (16, 64, jnp.bfloat16, "multiple of 64"),
     (64, 3, jnp.bfloat16, "does not divide"),

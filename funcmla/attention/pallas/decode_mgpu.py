@@ -450,9 +450,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 _finish(*lax.fori_loop(n_plain, count, masked, carry), half)
 
 
-def _mgpu_params(interpret: bool):
+def _mgpu_params(interpret):
+    """Pallas's `interpret` argument: None (compiled), default interpreter parameters for True,
+    else the caller's own (e.g. with the race detector on)."""
     if not interpret:
         return None
+    if interpret is not True:
+        return interpret
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
@@ -461,13 +465,15 @@ def _mgpu_params(interpret: bool):
 def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
                          s_q: int, num_splits: int, v_head_dim: int = 512,
                          config: MgpuDecodeConfig = MgpuDecodeConfig(),
-                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                         interpret=False) -> tuple[jax.Array, jax.Array]:
     """The Mosaic GPU decode kernel alone (no merge), same contract as `mla_decode_rows`.
 
     q [T, H, D] bf16 (T = B * s_q), kv_pool [slots, D] bf16, kv a `KVRows`; rows = s_q * H must
     be a multiple of 64 (`mgpu_decode_supported`). Returns o [B, S, rows, 512] (bf16 when
     S == 1: final output; else float32 partials) and lse float32 [B, S, rows] (S == 1: +inf for
-    no KV; else -inf for an empty split). Not jitted here: call it inside jit.
+    no KV; else -inf for an empty split). `interpret`: False (compiled), True (Mosaic GPU
+    interpret mode) or Pallas's GPU interpreter parameters (`InterpretGPUParams`, e.g. with
+    `detect_races=True`). Not jitted here: call it inside jit.
     """
     kv.check()
     t, h, d = q.shape
