@@ -19,7 +19,8 @@ On the H200 machine the wall clock of one run of the jit carries ~0.4-1 ms of ho
 and after its kernels (the GPU idles then; docs/decode_kernel_notes.md), i.e. 50-120 us per call
 at n = 8: the wall clock measures that, not the kernel, for every case below ~1 ms per call.
 Options: --kernel-alone (the decode kernel alone, `mla_decode_rows`, wall clock),
---merge-alone (the merge kernel alone on partials of the kernel's shape).
+--merge-alone (the merge kernel alone on partials of the kernel's shape), --partial-dtype
+bfloat16 (the grid with bf16 split partials, `DecodeKernelConfig.partial_dtype`).
 
 Reports time, GB/s (bytes = B*ctx*576*2 + q + out), % of the copy ceiling, TFLOP/s
 (2*B*H*ctx*(576+512)), the ratio to the XLA baseline (device span to device span; wall to wall
@@ -501,7 +502,8 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     if merge_alone and ns > 1:  # the merge kernel alone, on partials of the kernel's shape
         rp = num_row_blocks(rows, bm) * bm
         nm = min(n, 8)
-        margs = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (b, ns, rp, DV)),
+        margs = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (b, ns, rp, DV),
+                                    jnp.dtype(cfg.partial_dtype)),
                   jax.random.normal(jax.random.fold_in(key, 200 + i), (b, ns, rp)))
                  for i in range(nm)]
         t_merge = time_calls(lambda o_, l_: merge_splits_pallas(
@@ -787,6 +789,8 @@ def main(argv=None):
                     help="grid: also time the merge kernel alone")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the device-time (CUPTI) trace; the headline is then wall clock")
+    ap.add_argument("--partial-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="grid: storage of the split partials (DecodeKernelConfig.partial_dtype)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     deadline = math.inf if args.time_limit is None else t_start + args.time_limit
@@ -837,7 +841,8 @@ def main(argv=None):
             if time.perf_counter() > deadline:
                 skipped.append((h, b, ctx, ps))
                 continue
-            cfg = tuned.get(h, DecodeKernelConfig())
+            cfg = dataclasses.replace(tuned.get(h, DecodeKernelConfig()),
+                                      partial_dtype=args.partial_dtype)
             try:
                 r = bench_case(jax.random.fold_in(key, i), h, b, ctx, ps, ceiling, args.reps,
                                cfg, profile=not args.no_profile,

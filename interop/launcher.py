@@ -708,6 +708,10 @@ class DecodeLaunchConfig:
         if not isinstance(self.kernel, DecodeKernelConfig):
             raise TypeError(f"DecodeLaunchConfig.kernel must be a DecodeKernelConfig, got "
                             f"{type(self.kernel).__name__}")
+        if self.kernel.partial_dtype != "float32":
+            # The launcher allocates the split partials itself, as float32 torch tensors.
+            raise ValueError("DecodeLaunchConfig.kernel.partial_dtype must be 'float32' (the "
+                             f"launcher's partial buffers), got {self.kernel.partial_dtype!r}")
 
     @property
     def rows(self) -> int:

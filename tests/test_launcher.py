@@ -230,6 +230,7 @@ def test_plans_are_cached_per_static_configuration():
     ("pool_rows", True, "pool_rows"), ("max_kv_len", 0, "max_kv_len"),
     ("num_splits", -2, "num_splits"), ("dtype", "float32", "dtype"),
     ("page_size", 48, "power of two"),
+    ("kernel", DecodeKernelConfig(partial_dtype="bfloat16"), "partial_dtype"),
 ])
 def test_config_rejects_bad_values(field, value, match):
     kw = dict(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32, sm_scale=SCALE)

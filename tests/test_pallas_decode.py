@@ -7,6 +7,7 @@ that padded table entries point at, hold NaN: any read past a sequence's end sho
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -174,6 +175,27 @@ def test_split_count_does_not_change_result():
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l4), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o4, np.float32),
                                atol=2e-2)
+
+
+def test_bfloat16_partials():
+    """partial_dtype="bfloat16": the split partials are stored in bf16 (the merge kernel and
+    the in-launch merge widen them), still within the reference tolerance; one split is
+    unaffected (no partials); other dtypes are refused by name."""
+    rng = np.random.default_rng(13)
+    p = make_problem(rng, batch=3, heads=16, s_q=2, page_size=1, lens=np.array([300, 0, 77]),
+                     max_pages=300)
+    ref = reference(p["q"], p["pool"], p["slot_lists"], 2, SCALE)
+    bf = DecodeKernelConfig(partial_dtype="bfloat16")
+    kv = kv_rows_from_csr(p["kv_indptr"], p["kv_indices"], 300)
+    o, _ = mla_decode_rows(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=2, num_splits=3,
+                           config=bf, interpret=True)
+    assert o.dtype == jnp.bfloat16
+    for cfg in (bf, dataclasses.replace(bf, merge_in_kernel=True)):
+        check(*run_csr(p, s_q=2, num_splits=3, capacity=300, config=cfg), *ref)
+    assert_bitwise(run_csr(p, s_q=2, num_splits=1, capacity=300, config=bf),
+                   run_csr(p, s_q=2, num_splits=1, capacity=300))
+    with pytest.raises(ValueError, match="partial_dtype"):
+        DecodeKernelConfig(partial_dtype="float16")
 
 
 def test_all_empty_and_scale_parameter():

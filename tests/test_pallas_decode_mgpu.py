@@ -150,6 +150,26 @@ def test_mla_decode_dispatches_to_mgpu():
         DecodeKernelConfig(kernel="cuda")
 
 
+def test_bfloat16_partials():
+    """DecodeKernelConfig(partial_dtype="bfloat16") reaches this kernel through `mla_decode`:
+    bf16 partials, merged in float32, within the reference tolerance."""
+    from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
+
+    rng = np.random.default_rng(6)
+    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=[200, 0], max_pages=14)
+    kv = kv_rows_from_page_table(PageTable(p["table"], p["lens"], 16))
+    o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=1, num_splits=2,
+                                partial_dtype="bfloat16", interpret=True)
+    assert o.dtype == jnp.bfloat16
+    cfg = DecodeKernelConfig(kernel="mgpu", partial_dtype="bfloat16")
+    out, lse = mla_decode(p["q"], p["pool"], page_table=PageTable(p["table"], p["lens"], 16),
+                          sm_scale=SCALE, num_splits=2, config=cfg, interpret=True)
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
+    with pytest.raises(ValueError, match="partial_dtype"):
+        mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=1, num_splits=2,
+                             partial_dtype=jnp.float16, interpret=True)
+
+
 @pytest.mark.parametrize("page_size,splits", [(64, 1), (16, 2), (1, 2), (4, 1)])
 def test_lowers_for_cuda(page_size, splits):
     """The compiled (not interpreted) kernel lowers for CUDA on any host: Mosaic GPU's layout

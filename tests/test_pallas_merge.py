@@ -86,6 +86,20 @@ def test_tiling_does_not_change_bits_and_dtype_is_honoured():
     np.testing.assert_array_equal(np.isinf(np.asarray(x_lse)), np.isinf(np.asarray(outs[0][1])))
 
 
+def test_bfloat16_partials_combine_in_float32():
+    """bf16 partials (`DecodeKernelConfig.partial_dtype`) are widened and combined exactly as
+    float32 partials holding the same (bf16-rounded) values."""
+    rng = np.random.default_rng(8)
+    o, lse = random_partials(rng, 2, 3, 16, 64, 0.3)
+    o16 = jnp.asarray(o).astype(jnp.bfloat16)
+    got = merge_splits_pallas(o16, jnp.asarray(lse), jnp.float32, interpret=True)
+    want = merge_splits_pallas(o16.astype(jnp.float32), jnp.asarray(lse), jnp.float32,
+                               interpret=True)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    check(*got, np.asarray(o16, np.float64), lse)
+
+
 def test_block_d_rule():
     # halved from the row width while the grid is short of 264 programs, down to 32 columns
     assert merge_block_d(1, 16, 512) == 32  # batch 1: 16 programs at the narrowest
@@ -112,8 +126,11 @@ def test_bad_inputs_are_named():
         merge_splits_pallas(z((1, 2, 8, 32)), z((1, 2, 8)), jnp.float32, interpret=True)
     with pytest.raises(ValueError, match="lse_part"):
         merge_splits_pallas(z((1, 2, 16, 32)), z((1, 3, 16)), jnp.float32, interpret=True)
-    with pytest.raises(TypeError, match="float32"):
-        merge_splits_pallas(z((1, 2, 16, 32), jnp.bfloat16), z((1, 2, 16)), jnp.float32,
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        merge_splits_pallas(z((1, 2, 16, 32), jnp.float16), z((1, 2, 16)), jnp.float32,
+                            interpret=True)
+    with pytest.raises(TypeError, match="lse_part"):
+        merge_splits_pallas(z((1, 2, 16, 32)), z((1, 2, 16), jnp.bfloat16), jnp.float32,
                             interpret=True)
     with pytest.raises(ValueError, match="block_d"):
         merge_splits_pallas(z((1, 2, 16, 32)), z((1, 2, 16)), jnp.float32, block_d=48,

@@ -84,6 +84,11 @@ class DecodeKernelConfig:
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
+    partial_dtype: storage of the per-split partial outputs when the KV is split ("float32",
+                the default, or "bfloat16": half the bytes written by the decode and read by
+                the merge, which still combines in float32; each partial is rounded to bf16
+                once, about doubling the error against float32). The lse partials stay
+                float32. The torch launcher takes float32 only.
     """
 
     block_m: int | None = None
@@ -100,6 +105,7 @@ class DecodeKernelConfig:
     merge_block_d: int | None = None
     merge_in_kernel: bool = False
     kernel: str = "auto"
+    partial_dtype: str = "float32"
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -132,6 +138,9 @@ class DecodeKernelConfig:
         if not isinstance(self.merge_in_kernel, bool):
             raise ValueError("DecodeKernelConfig.merge_in_kernel must be a bool, got "
                              f"{self.merge_in_kernel!r}")
+        if self.partial_dtype not in ("float32", "bfloat16"):
+            raise ValueError("DecodeKernelConfig.partial_dtype must be 'float32' or 'bfloat16', "
+                             f"got {self.partial_dtype!r}")
         if self.kernel not in ("auto", "triton", "mgpu"):
             raise ValueError("DecodeKernelConfig.kernel must be 'auto', 'triton' or 'mgpu', got "
                              f"{self.kernel!r}")

@@ -464,16 +464,17 @@ def _mgpu_params(interpret):
 
 def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
                          s_q: int, num_splits: int, v_head_dim: int = 512,
+                         partial_dtype="float32",
                          config: MgpuDecodeConfig = MgpuDecodeConfig(),
                          interpret=False) -> tuple[jax.Array, jax.Array]:
     """The Mosaic GPU decode kernel alone (no merge), same contract as `mla_decode_rows`.
 
     q [T, H, D] bf16 (T = B * s_q), kv_pool [slots, D] bf16, kv a `KVRows`; rows = s_q * H must
     be a multiple of 64 (`mgpu_decode_supported`). Returns o [B, S, rows, 512] (bf16 when
-    S == 1: final output; else float32 partials) and lse float32 [B, S, rows] (S == 1: +inf for
-    no KV; else -inf for an empty split). `interpret`: False (compiled), True (Mosaic GPU
-    interpret mode) or Pallas's GPU interpreter parameters (`InterpretGPUParams`, e.g. with
-    `detect_races=True`). Not jitted here: call it inside jit.
+    S == 1: final output; else partials in `partial_dtype`, float32 or bfloat16) and lse float32
+    [B, S, rows] (S == 1: +inf for no KV; else -inf for an empty split). `interpret`: False
+    (compiled), True (Mosaic GPU interpret mode) or Pallas's GPU interpreter parameters
+    (`InterpretGPUParams`, e.g. with `detect_races=True`). Not jitted here: call it inside jit.
     """
     kv.check()
     t, h, d = q.shape
@@ -497,8 +498,10 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     if kv.form == "strided" and kv.table.shape[0] != b * kv.entries_per_seq:
         raise ValueError(f"KVRows.table has {kv.table.shape[0]} entries; {b} sequences of "
                          f"entries_per_seq={kv.entries_per_seq} need {b * kv.entries_per_seq}")
+    if jnp.dtype(partial_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
     final = num_splits == 1
-    o_dtype = q.dtype if final else jnp.float32
+    o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
 
     tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
     swizzle = plgpu.SwizzleTransform(_SWIZZLE)

@@ -190,7 +190,8 @@ def _merge_if_last(o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref, slot, *, num_s
         w, safe, lse_out = merge_weights(lse, ops[1])
         for c in range(d_v // cd):
             cols = pl.ds(c * cd, cd)
-            out = merge_columns(w, safe, lambda s: o_ref[s, :, cols], (block_m, cd), ops)
+            out = merge_columns(w, safe, lambda s: o_ref[s, :, cols].astype(jnp.float32),
+                                (block_m, cd), ops)
             out_ref[:, cols] = out.astype(out_ref.dtype)
         lse_out_ref[...] = lse_out
 
@@ -265,7 +266,7 @@ def _decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, counters: jax.Arr
         s_q=s_q, num_heads=h, d_v=v_head_dim, d_rope=d_rope,
         scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first,
         fuse_merge=fuse, merge_cols=config.merge_block_d, interpret=interpret)
-    o_dtype = q.dtype if final else jnp.float32
+    o_dtype = q.dtype if final else jnp.dtype(config.partial_dtype)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa: E731
     in_specs = [full(m.shape) for m in meta] + [
         full(kv.table.shape),
@@ -331,7 +332,8 @@ def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: f
     Operands of the pallas_call, by `kv.form`: "lens" (table_start [B], kv_lens [B], table,
     q [B, rows_pad, D], pool), "indptr" (kv_indptr [B+1], table, q, pool), "strided"
     (kv_lens [B], table, q, pool). Returns the kernel's results as they are:
-    o [B, S, rows_pad, Dv] (q.dtype when S == 1: final output; else float32 per-split partials)
+    o [B, S, rows_pad, Dv] (q.dtype when S == 1: final output; else per-split partials in
+    `config.partial_dtype`)
     and lse float32 [B, S, rows_pad] (S == 1: +inf for no KV; else -inf for an empty split),
     rows = s_q * H folded token-major, rows_pad = rows rounded up to block_m, S = num_splits
     (or the split rule's choice). `merge_splits_pallas(o, lse, q.dtype)` turns S > 1 partials
@@ -435,7 +437,7 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config,
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
         o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
                                       num_splits=ns, v_head_dim=v_head_dim,
-                                      interpret=interpret)
+                                      partial_dtype=config.partial_dtype, interpret=interpret)
         out, lse_out = _merged(o, lse, q.dtype, config, interpret)
         return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
     b, block_m, n_rb, ns = _decode_shape(q, kv_pool, kv, s_q=s_q, num_splits=num_splits,

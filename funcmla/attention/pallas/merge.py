@@ -94,10 +94,11 @@ def merge_columns(w: list, safe: jax.Array, load_split, shape: tuple[int, int], 
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits: int, interpret: bool):
-    # o_ref [S, block_r, block_d] f32, lse_ref [S, block_r] f32
+    # o_ref [S, block_r, block_d] f32 or bf16, lse_ref [S, block_r] f32
     ops = merge_ops(interpret)
     w, safe, lse_out = merge_weights([lse_ref[s, :] for s in range(num_splits)], ops[1])
-    out = merge_columns(w, safe, lambda s: o_ref[s, :, :], out_ref.shape, ops)
+    out = merge_columns(w, safe, lambda s: o_ref[s, :, :].astype(jnp.float32), out_ref.shape,
+                        ops)
     out_ref[...] = out.astype(out_ref.dtype)
 
     @pl.when(pl.program_id(2) == 0)
@@ -124,15 +125,17 @@ def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bf
                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Log-sum-exp combine of split-KV partials in one Pallas launch.
 
-    o_part:   f32 [B, S, R, Dv]  each split's normalized output (finite; 0 where it is empty).
+    o_part:   f32 or bf16 [B, S, R, Dv]  each split's normalized output (finite; 0 where it is
+              empty); combined in float32 either way.
     lse_part: f32 [B, S, R]      each split's natural-log LSE (-inf where it is empty).
     R must be a multiple of 16 and Dv a power of two (the decode kernel's partials are).
     Returns out [B, R, Dv] (out_dtype) and lse f32 [B, R]; a row whose splits are all empty gets
     out 0 and lse +inf. block_d: output columns per program (default `merge_block_d`).
     """
     b, s, r, dv = o_part.shape
-    if o_part.dtype != jnp.float32 or lse_part.dtype != jnp.float32:
-        raise TypeError(f"o_part ({o_part.dtype}) and lse_part ({lse_part.dtype}) must be float32")
+    if o_part.dtype not in (jnp.float32, jnp.bfloat16) or lse_part.dtype != jnp.float32:
+        raise TypeError(f"o_part ({o_part.dtype}) must be float32 or bfloat16 and lse_part "
+                        f"({lse_part.dtype}) float32")
     if lse_part.shape != (b, s, r):
         raise ValueError(f"lse_part has shape {lse_part.shape}; o_part {o_part.shape} needs "
                          f"{(b, s, r)}")
@@ -156,5 +159,5 @@ def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bf
                    jax.ShapeDtypeStruct((b, r), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"funcmla_merge_s{s}_d{bd}",
+        name=f"funcmla_merge_s{s}_d{bd}" + ("_bf16" if o_part.dtype == jnp.bfloat16 else ""),
     )(o_part, lse_part)
