@@ -26,11 +26,15 @@ from tests.test_pallas_decode import SCALE, check, make_problem, on_gpu, referen
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-def run(p, *, s_q, page_size, num_splits, interpret):
+def kv_rows(p, page_size):
+    """The problem's KV metadata as `KVRows`: its token CSR at page size 1, else its page table."""
     if page_size == 1:
-        kv = kv_rows_from_csr(p["kv_indptr"], p["kv_indices"])
-    else:
-        kv = kv_rows_from_page_table(PageTable(p["table"], p["lens"], page_size))
+        return kv_rows_from_csr(p["kv_indptr"], p["kv_indices"])
+    return kv_rows_from_page_table(PageTable(p["table"], p["lens"], page_size))
+
+
+def run(p, *, s_q, page_size, num_splits, interpret):
+    kv = kv_rows(p, page_size)
     o, lse = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=s_q,
                                   num_splits=num_splits, interpret=interpret)
     b, s, rows, dv = o.shape
@@ -81,9 +85,7 @@ def test_interpret_has_no_data_race(page_size, s_q, lens, splits):
     rng = np.random.default_rng(11)
     p = make_problem(rng, batch=len(lens), heads=64, s_q=s_q, page_size=page_size, lens=lens,
                      max_pages=max(lens) // page_size + 1)
-    kv = (kv_rows_from_csr(p["kv_indptr"], p["kv_indices"]) if page_size == 1 else
-          kv_rows_from_page_table(PageTable(p["table"], p["lens"], page_size)))
-    o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=s_q,
+    o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv_rows(p, page_size), sm_scale=SCALE, s_q=s_q,
                                 num_splits=splits,
                                 interpret=InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
@@ -157,7 +159,7 @@ def test_bfloat16_partials():
 
     rng = np.random.default_rng(6)
     p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=[200, 0], max_pages=14)
-    kv = kv_rows_from_page_table(PageTable(p["table"], p["lens"], 16))
+    kv = kv_rows(p, 16)
     o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=1, num_splits=2,
                                 partial_dtype="bfloat16", interpret=True)
     assert o.dtype == jnp.bfloat16
