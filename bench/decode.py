@@ -20,7 +20,8 @@ and after its kernels (the GPU idles then; docs/decode_kernel_notes.md), i.e. 50
 at n = 8: the wall clock measures that, not the kernel, for every case below ~1 ms per call.
 Options: --kernel-alone (the decode kernel alone, `mla_decode_rows`, wall clock),
 --merge-alone (the merge kernel alone on partials of the kernel's shape), --partial-dtype
-bfloat16 (the grid with bf16 split partials, `DecodeKernelConfig.partial_dtype`).
+float32 (the grid with float32 split partials; the default is bfloat16,
+`DecodeKernelConfig.partial_dtype`).
 
 Reports time, GB/s (bytes = B*ctx*576*2 + q + out), % of the copy ceiling, TFLOP/s
 (2*B*H*ctx*(576+512)), the ratio to the XLA baseline (device span to device span; wall to wall
@@ -43,6 +44,7 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -789,7 +791,10 @@ def main(argv=None):
                     help="grid: also time the merge kernel alone")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the device-time (CUPTI) trace; the headline is then wall clock")
-    ap.add_argument("--partial-dtype", choices=("float32", "bfloat16"), default="float32",
+    ap.add_argument("--only", metavar="REGEX",
+                    help="grid: run only the cases whose label ('H128 B1 L16384 p64') matches")
+    ap.add_argument("--partial-dtype", choices=("float32", "bfloat16"),
+                    default=DecodeKernelConfig().partial_dtype,
                     help="grid: storage of the split partials (DecodeKernelConfig.partial_dtype)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -837,7 +842,10 @@ def main(argv=None):
         log("== grid (" + GRID_ORDER_NOTE + ")")
         ctxs = (4096,) if args.quick else (1024, 4096, 16384)
         skipped = []
+        only = None if args.only is None else re.compile(args.only)
         for i, (h, b, ctx, ps) in enumerate(grid_cases(ctxs)):
+            if only is not None and not only.search(f"H{h} B{b} L{ctx} p{ps}"):
+                continue
             if time.perf_counter() > deadline:
                 skipped.append((h, b, ctx, ps))
                 continue

@@ -708,10 +708,6 @@ class DecodeLaunchConfig:
         if not isinstance(self.kernel, DecodeKernelConfig):
             raise TypeError(f"DecodeLaunchConfig.kernel must be a DecodeKernelConfig, got "
                             f"{type(self.kernel).__name__}")
-        if self.kernel.partial_dtype != "float32":
-            # The launcher allocates the split partials itself, as float32 torch tensors.
-            raise ValueError("DecodeLaunchConfig.kernel.partial_dtype must be 'float32' (the "
-                             f"launcher's partial buffers), got {self.kernel.partial_dtype!r}")
 
     @property
     def rows(self) -> int:
@@ -805,7 +801,8 @@ def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
             "(funcmla.attention.pallas changed its pallas_call)")
     decode = calls[0]
     splits = decode.grid[1]
-    o_dtype = dname if splits == 1 else "f32"
+    o_dtype = dname if splits == 1 else {"float32": "f32", "bfloat16": "bf16"}[
+        c.kernel.partial_dtype]
     want_out = (((b, splits, rp, dv), o_dtype), ((b, splits, rp), "f32"))
     want_merge = (want_out, (((b, rp, dv), dname), ((b, rp), "f32")))
     ok = decode.results == want_out and len(calls) == (1 if splits == 1 else 2)
@@ -903,7 +900,8 @@ class _DecodeLauncherBase:
         fixed = {_NULL: 0}
         dev = device
         if split:
-            self._o_part = torch.empty(b, s, rp, dv, dtype=torch.float32, device=dev)
+            self._o_part = torch.empty(b, s, rp, dv, dtype=getattr(torch, c.kernel.partial_dtype),
+                                       device=dev)
             self._lse_part = torch.empty(b, s, rp, dtype=torch.float32, device=dev)
             fixed.update({_OPART: self._o_part.data_ptr(), _LPART: self._lse_part.data_ptr()})
         if self.padded:

@@ -177,6 +177,19 @@ def test_decode_plan_reads_the_jax_path_kernels(b, h, s_q, max_kv, splits, ps):
                                             else [(b, cap // b), (b,)])
 
 
+@needs_lowering
+@pytest.mark.parametrize("partial_dtype,name", [("bfloat16", "bf16"), ("float32", "f32")])
+def test_decode_plan_partials_follow_partial_dtype(partial_dtype, name):
+    """The split partials the plan wires (decode result -> merge operand, and the buffer the
+    launcher allocates) are in `DecodeKernelConfig.partial_dtype`; the lse partials stay f32."""
+    cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=4096, kv_capacity=1024,
+                               max_kv_len=512, num_splits=4, sm_scale=SCALE,
+                               kernel=DecodeKernelConfig(partial_dtype=partial_dtype))
+    plan = L.decode_plan(cfg)
+    assert plan.decode.results == (((2, 4, 16, 512), name), ((2, 4, 16), "f32"))
+    assert plan.merge.operands == plan.decode.results
+
+
 def test_ttir_divisibility_reads_each_argument():
     text = ("module {\n  tt.func public @k(%arg0: !tt.ptr<i32> {tt.divisibility = 32 : i32}, "
             "%arg1: !tt.ptr<bf16>, %arg2: !tt.ptr<f32> {tt.divisibility = 16 : i32}) {\n"
@@ -230,7 +243,6 @@ def test_plans_are_cached_per_static_configuration():
     ("pool_rows", True, "pool_rows"), ("max_kv_len", 0, "max_kv_len"),
     ("num_splits", -2, "num_splits"), ("dtype", "float32", "dtype"),
     ("page_size", 48, "power of two"),
-    ("kernel", DecodeKernelConfig(partial_dtype="bfloat16"), "partial_dtype"),
 ])
 def test_config_rejects_bad_values(field, value, match):
     kw = dict(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32, sm_scale=SCALE)

@@ -177,22 +177,24 @@ def test_split_count_does_not_change_result():
                                atol=2e-2)
 
 
-def test_bfloat16_partials():
-    """partial_dtype="bfloat16": the split partials are stored in bf16 (the merge kernel and
-    the in-launch merge widen them), still within the reference tolerance; one split is
-    unaffected (no partials); other dtypes are refused by name."""
+def test_partial_dtypes():
+    """The split partials are stored in `partial_dtype` (bf16 by default, float32 on request;
+    the merge kernel and the in-launch merge widen them), both within the reference tolerance;
+    one split is unaffected (no partials); other dtypes are refused by name."""
     rng = np.random.default_rng(13)
     p = make_problem(rng, batch=3, heads=16, s_q=2, page_size=1, lens=np.array([300, 0, 77]),
                      max_pages=300)
     ref = reference(p["q"], p["pool"], p["slot_lists"], 2, SCALE)
-    bf = DecodeKernelConfig(partial_dtype="bfloat16")
+    assert DecodeKernelConfig().partial_dtype == "bfloat16"
     kv = kv_rows_from_csr(p["kv_indptr"], p["kv_indices"], 300)
-    o, _ = mla_decode_rows(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=2, num_splits=3,
-                           config=bf, interpret=True)
-    assert o.dtype == jnp.bfloat16
-    for cfg in (bf, dataclasses.replace(bf, merge_in_kernel=True)):
-        check(*run_csr(p, s_q=2, num_splits=3, capacity=300, config=cfg), *ref)
-    assert_bitwise(run_csr(p, s_q=2, num_splits=1, capacity=300, config=bf),
+    for dtype in ("bfloat16", "float32"):
+        cfg = DecodeKernelConfig(partial_dtype=dtype)
+        o, _ = mla_decode_rows(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=2, num_splits=3,
+                               config=cfg, interpret=True)
+        assert o.dtype == jnp.dtype(dtype)
+        for c in (cfg, dataclasses.replace(cfg, merge_in_kernel=True)):
+            check(*run_csr(p, s_q=2, num_splits=3, capacity=300, config=c), *ref)
+    assert_bitwise(run_csr(p, s_q=2, num_splits=1, capacity=300, config=cfg),
                    run_csr(p, s_q=2, num_splits=1, capacity=300))
     with pytest.raises(ValueError, match="partial_dtype"):
         DecodeKernelConfig(partial_dtype="float16")
@@ -325,7 +327,10 @@ def test_split_rule():
     assert choose_num_splits(128, 2, 4096, cfg) == 1  # 2 waves either way
     assert choose_num_splits(32, 2, 4096, cfg) == 2  # 128 programs of 32 blocks
     assert choose_num_splits(1, 1, 4096, cfg) == 64  # one block per program
-    assert choose_num_splits(1, 1, 16384, cfg) == 128  # 2 blocks each; 256 would be 2 waves
+    assert choose_num_splits(1, 1, 16384, cfg) == 64  # max_splits (128 without it)
+    big = dataclasses.replace(cfg, max_splits=1024)
+    assert choose_num_splits(1, 1, 16384, big) == 128  # 2 blocks each; 256 would be 2 waves
+    assert choose_num_splits(1, 1, 4096, dataclasses.replace(cfg, max_splits=8)) == 8
     assert choose_num_splits(1, 1, 10, cfg) == 1
     assert choose_num_splits(512, 2, 4096, cfg) == 1
     assert choose_num_splits(1, 1, 4096, DecodeKernelConfig(min_blocks_per_split=4)) == 16
@@ -372,7 +377,7 @@ def test_kv_rows_forms_agree_bitwise():
             np.testing.assert_array_equal(np.asarray(o_p[:, 0], np.float32),
                                           np.asarray(o_csr, np.float32))
         else:
-            assert o_p.dtype == jnp.float32 and (np.asarray(l_p)[1] == -np.inf).all()
+            assert o_p.dtype == jnp.bfloat16 and (np.asarray(l_p)[1] == -np.inf).all()
             o_m, l_m = merge_splits_pallas(o_p, l_p, jnp.bfloat16, interpret=True)
             np.testing.assert_array_equal(np.asarray(o_m, np.float32),
                                           np.asarray(o_csr, np.float32))
@@ -412,6 +417,8 @@ def test_bad_inputs_are_named():
         run_csr(p, s_q=1, num_splits=0)
     with pytest.raises(ValueError, match="block_m"):
         DecodeKernelConfig(block_m=24)
+    with pytest.raises(ValueError, match="max_splits must be a positive int, got 0"):
+        DecodeKernelConfig(max_splits=0)
     with pytest.raises(ValueError, match="row width"):
         mla_decode(p["q"], p["pool"][:, :512], kv_indptr=p["kv_indptr"],
                    kv_indices=p["kv_indices"], sm_scale=SCALE)

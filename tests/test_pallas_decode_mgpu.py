@@ -39,7 +39,7 @@ def run(p, *, s_q, page_size, num_splits, interpret):
                                   num_splits=num_splits, interpret=interpret)
     b, s, rows, dv = o.shape
     if s > 1:
-        assert o.dtype == jnp.float32
+        assert o.dtype == jnp.bfloat16  # the default partial_dtype
         o, lse = merge_splits_pallas(o, lse, jnp.bfloat16, interpret=interpret)
     else:
         assert o.dtype == jnp.bfloat16
@@ -152,18 +152,19 @@ def test_mla_decode_dispatches_to_mgpu():
         DecodeKernelConfig(kernel="cuda")
 
 
-def test_bfloat16_partials():
-    """DecodeKernelConfig(partial_dtype="bfloat16") reaches this kernel through `mla_decode`:
-    bf16 partials, merged in float32, within the reference tolerance."""
+@pytest.mark.parametrize("partial_dtype", ["bfloat16", "float32"])
+def test_partial_dtypes(partial_dtype):
+    """DecodeKernelConfig.partial_dtype reaches this kernel through `mla_decode`: partials
+    stored in that dtype, merged in float32, within the reference tolerance."""
     from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
 
     rng = np.random.default_rng(6)
     p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=[200, 0], max_pages=14)
     kv = kv_rows(p, 16)
     o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=1, num_splits=2,
-                                partial_dtype="bfloat16", interpret=True)
-    assert o.dtype == jnp.bfloat16
-    cfg = DecodeKernelConfig(kernel="mgpu", partial_dtype="bfloat16")
+                                partial_dtype=partial_dtype, interpret=True)
+    assert o.dtype == jnp.dtype(partial_dtype)
+    cfg = DecodeKernelConfig(kernel="mgpu", partial_dtype=partial_dtype)
     out, lse = mla_decode(p["q"], p["pool"], page_table=PageTable(p["table"], p["lens"], 16),
                           sm_scale=SCALE, num_splits=2, config=cfg, interpret=True)
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))

@@ -464,7 +464,7 @@ def _mgpu_params(interpret):
 
 def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
                          s_q: int, num_splits: int, v_head_dim: int = 512,
-                         partial_dtype="float32",
+                         partial_dtype="bfloat16",
                          config: MgpuDecodeConfig = MgpuDecodeConfig(),
                          interpret=False) -> tuple[jax.Array, jax.Array]:
     """The Mosaic GPU decode kernel alone (no merge), same contract as `mla_decode_rows`.
