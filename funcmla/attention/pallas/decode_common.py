@@ -97,8 +97,8 @@ class DecodeKernelConfig:
                 and the lse partials stay float32. Each partial is rounded to bf16 once: on
                 the H200 (128 heads, ctx 4k) bf16 took batch 1 from 20.4 to 18.4 us (64
                 splits) and batch 32 from 76.7 to 74.1 us (2 splits), with the relative
-                error against float32 going from 1.7e-3 to 2.4e-3 (the bf16 output's own
-                rounding dominates both). "float32" keeps the extra bits, as FlashMLA and
+                error against float32 going from 1.7e-3 to 2.4e-3 (the bf16 output is
+                rounded in either case). "float32" keeps the extra bits, as FlashMLA and
                 AITER do.
     """
 
