@@ -594,6 +594,7 @@ class LoadedKernel:
 
 # ============================================================================ argument checks
 _TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32"}
+_SHORT_DTYPES = {name: short for short, name in _TORCH_DTYPES.items()}  # "bfloat16" -> "bf16"
 
 
 class TensorSpec:
@@ -791,7 +792,7 @@ def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
     b, d, dv, rp = c.num_seqs, c.head_dim, c.v_head_dim, c.rows_pad
     fn, avals = jax_path(c)
     calls = extract_triton_calls(lower_for_cuda(fn, *avals))
-    dname = "bf16" if c.dtype == "bfloat16" else "f16"
+    dname = _SHORT_DTYPES[c.dtype]
     meta = ((b + 1,), "i32") if c.page_size == 1 else ((b,), "i32")
     want_in = (meta, ((c.kv_capacity,), "i32"), ((b, rp, d), dname), ((c.pool_rows, d), dname))
     if not calls or calls[0].operands != want_in:
@@ -801,8 +802,7 @@ def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
             "(funcmla.attention.pallas changed its pallas_call)")
     decode = calls[0]
     splits = decode.grid[1]
-    o_dtype = dname if splits == 1 else {"float32": "f32", "bfloat16": "bf16"}[
-        c.kernel.partial_dtype]
+    o_dtype = dname if splits == 1 else _SHORT_DTYPES[c.kernel.partial_dtype]
     want_out = (((b, splits, rp, dv), o_dtype), ((b, splits, rp), "f32"))
     want_merge = (want_out, (((b, rp, dv), dname), ((b, rp), "f32")))
     ok = decode.results == want_out and len(calls) == (1 if splits == 1 else 2)

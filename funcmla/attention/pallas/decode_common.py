@@ -33,8 +33,13 @@ __all__ = [
     "merge_splits",
     "MAX_POOL_ROWS",
     "MAX_IN_KERNEL_MERGE_BYTES",
+    "PARTIAL_DTYPES",
     "merges_in_kernel",
 ]
+
+# Storage dtypes of split partials (`DecodeKernelConfig.partial_dtype`) that both decode kernels
+# write and the merges read.
+PARTIAL_DTYPES = ("float32", "bfloat16")
 
 # The in-launch merge (DecodeKernelConfig.merge_in_kernel) runs in one program per row block,
 # which reads all of that block's partials (splits x block_m x v_head_dim, widened to float32):
@@ -150,7 +155,7 @@ class DecodeKernelConfig:
         if not isinstance(self.merge_in_kernel, bool):
             raise ValueError("DecodeKernelConfig.merge_in_kernel must be a bool, got "
                              f"{self.merge_in_kernel!r}")
-        if self.partial_dtype not in ("float32", "bfloat16"):
+        if self.partial_dtype not in PARTIAL_DTYPES:
             raise ValueError("DecodeKernelConfig.partial_dtype must be 'float32' or 'bfloat16', "
                              f"got {self.partial_dtype!r}")
         if self.kernel not in ("auto", "triton", "mgpu"):

@@ -48,6 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.decode_common import (
     MAX_POOL_ROWS,
+    PARTIAL_DTYPES,
     DecodeKernelConfig,
     KVRows,
     causal_limit,
@@ -498,7 +499,7 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     if kv.form == "strided" and kv.table.shape[0] != b * kv.entries_per_seq:
         raise ValueError(f"KVRows.table has {kv.table.shape[0]} entries; {b} sequences of "
                          f"entries_per_seq={kv.entries_per_seq} need {b * kv.entries_per_seq}")
-    if jnp.dtype(partial_dtype) not in (jnp.float32, jnp.bfloat16):
+    if jnp.dtype(partial_dtype).name not in PARTIAL_DTYPES:
         raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)

@@ -190,8 +190,7 @@ def _merge_if_last(o_ref, lse_ref, out_ref, lse_out_ref, cnt_ref, slot, *, num_s
         w, safe, lse_out = merge_weights(lse, ops[1])
         for c in range(d_v // cd):
             cols = pl.ds(c * cd, cd)
-            out = merge_columns(w, safe, lambda s: o_ref[s, :, cols].astype(jnp.float32),
-                                (block_m, cd), ops)
+            out = merge_columns(w, safe, lambda s: o_ref[s, :, cols], (block_m, cd), ops)
             out_ref[:, cols] = out.astype(out_ref.dtype)
         lse_out_ref[...] = lse_out
 

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from funcmla.attention.pallas.decode_common import PARTIAL_DTYPES
+
 __all__ = ["merge_splits_pallas", "merge_block_d", "merge_ops", "merge_weights", "merge_columns",
            "MERGE_BLOCK_R"]
 
@@ -85,11 +87,13 @@ def merge_weights(lse: list, add) -> tuple[list, jax.Array, jax.Array]:
 
 def merge_columns(w: list, safe: jax.Array, load_split, shape: tuple[int, int], ops):
     """One [rows, cols] tile of the combined output (float32): sum over splits, in split
-    order, of w[s] * load_split(s), divided by `safe`; `ops` = `merge_ops(...)`."""
+    order, of w[s] * load_split(s) (float32 or bf16 partials, widened to float32), divided by
+    `safe`; `ops` = `merge_ops(...)`."""
     mul, add, div = ops
     acc = jnp.zeros(shape, jnp.float32)
     for s, ws in enumerate(w):
-        acc = add(acc, mul(jnp.broadcast_to(ws[:, None], shape), load_split(s)))
+        part = load_split(s).astype(jnp.float32)
+        acc = add(acc, mul(jnp.broadcast_to(ws[:, None], shape), part))
     return div(acc, jnp.broadcast_to(safe[:, None], shape))
 
 
@@ -97,8 +101,7 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits: int, inte
     # o_ref [S, block_r, block_d] f32 or bf16, lse_ref [S, block_r] f32
     ops = merge_ops(interpret)
     w, safe, lse_out = merge_weights([lse_ref[s, :] for s in range(num_splits)], ops[1])
-    out = merge_columns(w, safe, lambda s: o_ref[s, :, :].astype(jnp.float32), out_ref.shape,
-                        ops)
+    out = merge_columns(w, safe, lambda s: o_ref[s, :, :], out_ref.shape, ops)
     out_ref[...] = out.astype(out_ref.dtype)
 
     @pl.when(pl.program_id(2) == 0)
@@ -133,7 +136,7 @@ def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bf
     out 0 and lse +inf. block_d: output columns per program (default `merge_block_d`).
     """
     b, s, r, dv = o_part.shape
-    if o_part.dtype not in (jnp.float32, jnp.bfloat16) or lse_part.dtype != jnp.float32:
+    if o_part.dtype.name not in PARTIAL_DTYPES or lse_part.dtype != jnp.float32:
         raise TypeError(f"o_part ({o_part.dtype}) must be float32 or bfloat16 and lse_part "
                         f"({lse_part.dtype}) float32")
     if lse_part.shape != (b, s, r):
