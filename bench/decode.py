@@ -73,7 +73,7 @@ from funcmla.attention.pallas.decode_common import (  # noqa: E402
 )
 from funcmla.layout import PageTable  # noqa: E402
 
-from bench.decode_targets import print_verdicts, target_verdicts  # noqa: E402
+from bench.decode_targets import case_label, print_verdicts, target_verdicts  # noqa: E402
 
 D, DV = 576, 512
 SM_SCALE = 0.1352337788608801
@@ -558,7 +558,8 @@ def fmt_case(r) -> str:
     m = "" if r["merge_alone_device_us"] is None else (
         f", merge alone device {r['merge_alone_device_us']:.1f}")
     e = "" if r["rel_err"] is None else f", err {r['rel_err']:.1e}"
-    return (f"H{r['heads']} B{r['batch']} L{r['ctx']} p{r['page_size']} ns={r['num_splits']} "
+    return (f"{case_label(r['heads'], r['batch'], r['ctx'], r['page_size'])} "
+            f"ns={r['num_splits']} "
             f"[{r.get('kernel', 'triton')}]: "
             f"{dev}wall {r['wall_us']:.1f} us ({r['wall_us_min']:.1f}-{r['wall_us_max']:.1f})"
             f"{k}{m}, {r['pct_ceiling']:.1f}% ceil ({r['time_source']}; wall "
@@ -706,7 +707,8 @@ def variant_sweep(key, ceiling, results, deadline):
                            kernel_only=kw.pop("kernel_only", False),
                            merge_alone=kw.pop("merge_alone", False), **kw)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-            log(f"   H{h} B{b} L{ctx} p{ps} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            log(f"   {case_label(h, b, ctx, ps)} {name}: FAILED {type(e).__name__}: "
+                f"{str(e)[:300]}")
             var.append(dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=ps,
                             error=f"{type(e).__name__}: {str(e)[:300]}"))
             return None
@@ -844,7 +846,7 @@ def main(argv=None):
         skipped = []
         only = None if args.only is None else re.compile(args.only)
         for i, (h, b, ctx, ps) in enumerate(grid_cases(ctxs)):
-            if only is not None and not only.search(f"H{h} B{b} L{ctx} p{ps}"):
+            if only is not None and not only.search(case_label(h, b, ctx, ps)):
                 continue
             if time.perf_counter() > deadline:
                 skipped.append((h, b, ctx, ps))
@@ -856,7 +858,7 @@ def main(argv=None):
                                cfg, profile=not args.no_profile,
                                kernel_only=args.kernel_alone, merge_alone=args.merge_alone)
             except Exception as e:  # noqa: BLE001
-                log(f"   H{h} B{b} L{ctx} p{ps}: FAILED {type(e).__name__}: {e}")
+                log(f"   {case_label(h, b, ctx, ps)}: FAILED {type(e).__name__}: {e}")
                 ok = False
                 continue
             rows.append(r)

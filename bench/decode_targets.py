@@ -18,11 +18,16 @@ import json
 import sys
 from typing import Callable, Iterable
 
-__all__ = ["target_verdicts", "print_verdicts"]
+__all__ = ["target_verdicts", "print_verdicts", "case_label"]
+
+
+def case_label(heads: int, batch: int, ctx: int, page_size: int) -> str:
+    """A grid case's name, as printed and as `bench.decode --only` matches it."""
+    return f"H{heads} B{batch} L{ctx} p{page_size}"
 
 
 def _name(r: dict) -> str:
-    return f"H{r['heads']} B{r['batch']} L{r['ctx']} p{r['page_size']}"
+    return case_label(r["heads"], r["batch"], r["ctx"], r["page_size"])
 
 
 def _judge(title: str, unit: str, cases: list[tuple[str, float]],
