@@ -132,6 +132,31 @@ def test_gpu_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
 
 
+@pytest.mark.skipif(not on_gpu(), reason="needs an NVIDIA GPU (sm_90a)")
+def test_gpu_profile_names_every_phase(tmp_path):
+    """`MgpuDecodeConfig.profile_space` writes Mosaic GPU's per-warpgroup trace, with the
+    kernel's named phases, and leaves the output as it is without the profiler."""
+    import json
+
+    from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
+
+    rng = np.random.default_rng(2)
+    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=64, lens=[300, 130], max_pages=5)
+    kv = kv_rows(p, 64)
+    cfg = MgpuDecodeConfig(profile_space=64, profile_dir=str(tmp_path))
+    profiled = jax.jit(lambda q, pool: mla_decode_rows_mgpu(
+        q, pool, kv, sm_scale=SCALE, s_q=1, num_splits=1, config=cfg))(p["q"], p["pool"])
+    plain = jax.jit(lambda q, pool: mla_decode_rows_mgpu(
+        q, pool, kv, sm_scale=SCALE, s_q=1, num_splits=1))(p["q"], p["pool"])
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(profiled[0], np.float32),
+                                  np.asarray(plain[0], np.float32))
+    traces = list(tmp_path.glob("*.json"))
+    assert traces, "no trace written"
+    names = {e["name"] for e in json.load(open(traces[0]))["traceEvents"]}
+    assert {"qk", "wait_kv", "softmax", "hand_off", "pv", "wait_p", "finish"} <= names
+
+
 def test_mla_decode_dispatches_to_mgpu():
     """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (token CSR, split, merge)
     through the Mosaic GPU kernel; an unsupported shape is refused by name."""

@@ -9,9 +9,13 @@ its KV, with three warpgroups:
   page; page 1 to 4: a row gather, see `_gather_tile`), and refills a stage once both
   consumers released it;
 * warpgroup 0 (consumer): S = q k^T (64 x 64, K = 576, `wgmma`), the masked online softmax in
-  base 2, P (bf16, over the tile's rope columns, dead once q k^T is done) and the row rescale
-  alpha to shared memory, then O[:, :256] += P V[:, :256];
+  base 2, then O[:, :256] += P V[:, :256] with P (bf16) straight from its registers; while that
+  `wgmma` runs, it hands P (over the tile's rope columns, dead once q k^T is done) and the row
+  rescale alpha to consumer 1 through shared memory and adds up P's row sums;
 * warpgroup 1 (consumer): O[:, 256:] += P V[:, 256:] with P from shared memory.
+
+Each warpgroup's phases are named (`jax.named_scope`), so `MgpuDecodeConfig.profile_space`
+gives a per-warpgroup timeline from Mosaic GPU's in-kernel profiler.
 
 The 64 x 512 fp32 accumulator is 128 registers a thread per half, so each consumer owns a half;
 a block reads each KV tile once, as K (576 columns) and V (its first 512). Shared memory: q
@@ -79,6 +83,12 @@ class MgpuDecodeConfig:
 
     consumer_registers: int = 232
     producer_registers: int = 40
+    # Mosaic GPU's in-kernel profiler: `profile_space` timed regions per warpgroup (the named
+    # phases: qk, wait_kv, softmax, hand_off, pv, wait_p, wait_free, copy, finish) written as
+    # a Perfetto trace per call to `profile_dir`. Costs 16 bytes of shared memory per region
+    # and warpgroup beside the kernel's ~217 KB; 0: off.
+    profile_space: int = 0
+    profile_dir: str = ""
 
 
 def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
@@ -140,6 +150,25 @@ def _mma_acc(acc, a, b, interpret: bool):
     if interpret:
         return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
     return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def _mma_acc_and(acc, a, b, x, under, interpret: bool):
+    """(acc + a @ b, under(x)), with `under` (which may also store and arrive on barriers)
+    run while the `wgmma` does; `a` is a shared-memory ref or a bf16 array in registers. The
+    interpreter has no run_state or register operands, so there `under` runs after a plain
+    fp32 dot."""
+    if interpret:
+        a = a if isinstance(a, jax.Array) else a[...]
+        acc = acc + lax.dot_general(a, b[...], (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+        return acc, under(x)
+
+    def body(refs):
+        acc_ref, x_ref = refs
+        plgpu.wgmma(acc_ref, a, b)
+        x_ref[...] = under(x_ref[...])
+
+    return pl.run_state(body)((plgpu.ACC.init(acc), x))
 
 
 def _qk(q_smem, k_smem, interpret: bool):
@@ -297,11 +326,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
             @pl.when(i >= _STAGES)
             def _():
-                plgpu.barrier_wait(k_empty.at[slot])
+                with jax.named_scope("wait_free"):
+                    plgpu.barrier_wait(k_empty.at[slot])
 
             if gather:
-                _gather_tile(kv_ref, table_ref, kv_smem, slot, start_entry, tile * BLOCK_KV,
-                             kv_len - 1, page_size=page_size, interpret=interpret)
+                with jax.named_scope("copy"):
+                    _gather_tile(kv_ref, table_ref, kv_smem, slot, start_entry, tile * BLOCK_KV,
+                                 kv_len - 1, page_size=page_size, interpret=interpret)
                 plgpu.barrier_arrive(k_full.at[slot])
                 return
 
@@ -351,19 +382,20 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         """Consumer `half` once its last P V is added: both consumers meet first (the output
         staging reuses the KV stages, and consumer 0 hands over the row sums); then its output
         half is normalized and written (consumer 0 also writes the lse)."""
-        if half == 0:  # consumer 1 keeps no row sums
-            l_smem[...] = l_i
-        plgpu.barrier_arrive(l_ready)
-        plgpu.barrier_wait(l_ready)
-        l_i = _load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
-        has = l_i > 0.0
-        l_safe = jnp.where(has, l_i, 1.0)
-        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        lse = None
-        if half == 0:
-            empty = jnp.inf if final else -jnp.inf
-            lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, empty)
-        _store(out, half, lse)
+        with jax.named_scope("finish"):
+            if half == 0:  # consumer 1 keeps no row sums
+                l_smem[...] = l_i
+            plgpu.barrier_arrive(l_ready)
+            plgpu.barrier_wait(l_ready)
+            l_i = _load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+            has = l_i > 0.0
+            l_safe = jnp.where(has, l_i, 1.0)
+            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            lse = None
+            if half == 0:
+                empty = jnp.inf if final else -jnp.inf
+                lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, empty)
+            _store(out, half, lse)
 
     @pl.when(wg < 2)
     def _consumers():
@@ -386,18 +418,18 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def scores(slot, tile, masked: bool):
             """q k^T of the tile in `slot` [64, 64] fp32, unscaled; -inf past each row's
             causal limit when `masked`."""
-            plgpu.barrier_wait(k_full.at[slot])
-            s = _qk(q_smem, kv_smem.at[slot], interpret)
+            with jax.named_scope("qk"):
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(k_full.at[slot])
+                s = _qk(q_smem, kv_smem.at[slot], interpret)
             if masked:
                 s = jnp.where(tile * BLOCK_KV + cols_iota < limit, s, -jnp.inf)
             return s
 
-        def publish(slot, tile, s, m_prev, masked: bool):
-            """Online-softmax step on scores s against the running max m_prev: writes P
-            (bf16) over the tile's rope columns (dead once q k^T is done) and alpha next to
-            it (both live as long as the stage, so no handshake with consumer 1 beyond the
-            stage's own barriers), zeroes V rows past kv_len in a partial last tile, then
-            signals p_full[slot]. Returns (m_new, alpha, row sums of P)."""
+        def softmax(slot, tile, s, m_prev, masked: bool):
+            """Online-softmax step on scores s against the running max m_prev: (m_new, alpha,
+            P fp32); in a partial last tile, also zeroes V rows past kv_len (a pool row there
+            may hold NaN) and makes that visible to `wgmma`."""
             # The scale folds into the exponent (one multiply-add an element); it is > 0, so
             # it commutes with the row max.
             m_new = jnp.maximum(m_prev, s.max(axis=1) * scale_log2)
@@ -409,46 +441,72 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
                 @pl.when(valid < BLOCK_KV)
                 def _():
-                    # V rows >= valid of this stage -> 0 (a pool row past kv_len may be NaN).
                     for c in range(d_v // 64):
                         ref = kv_smem.at[slot, :, pl.ds(c * 64, 64)]
                         chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
                         ref[...] = jnp.where(rows_iota < valid, chunk, jnp.zeros_like(chunk))
+                    plgpu.commit_smem()
 
-            p_ref(slot)[...] = p.astype(q_smem.dtype)
-            alpha_smem.at[slot][...] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_full.at[slot])
-            return m_new, alpha, p.sum(axis=1)
+            return m_new, alpha, p
 
-        # Consumer 0 scores every tile and publishes P with alpha (the rescale of the running
-        # output); both add P V into their half of the output.
-        def step(i, carry, masked: bool, half: int):
+        def hand_off(slot, p16, alpha):
+            """P (bf16, over the tile's rope columns, dead once q k^T is done) and alpha next
+            to it, to consumer 1: both live as long as the stage, so the stage's own barriers
+            order them."""
+            with jax.named_scope("hand_off"):
+                p_ref(slot)[...] = p16
+                alpha_smem.at[slot][...] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_full.at[slot])
+
+        def step0(i, carry, masked: bool):
+            """Consumer 0, one tile: q k^T, the softmax, then its P V with P straight from
+            registers; P's hand-off to consumer 1 and the row sums of P (a reduction across
+            threads) run while that P V does."""
             acc, m_i, l_i = carry
             slot = lax.rem(i, _STAGES)
-            if half == 0:
-                tile = first + i
-                m_i, alpha, rowsum = publish(slot, tile, scores(slot, tile, masked), m_i,
-                                             masked)
-                l_i = l_i * alpha + rowsum
-            else:
-                plgpu.barrier_wait(p_full.at[slot])
-                alpha = _load(alpha_smem.at[slot], row_layout, interpret)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(half * _HALF, _HALF)],
-                           interpret)
-            plgpu.barrier_arrive(k_empty.at[slot])
+            tile = first + i
+            s = scores(slot, tile, masked)
+            with jax.named_scope("softmax"):
+                m_i, alpha, p = softmax(slot, tile, s, m_i, masked)
+                p16 = p.astype(q_smem.dtype)
+            with jax.named_scope("pv"):
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                def under_pv(l_i):
+                    hand_off(slot, p16, alpha)
+                    return l_i * alpha + p.sum(axis=1)
+
+                acc, l_i = _mma_acc_and(acc, p16, kv_smem.at[slot, :, pl.ds(0, _HALF)], l_i,
+                                        under_pv, interpret)
+                plgpu.barrier_arrive(k_empty.at[slot])
             return acc, m_i, l_i
 
-        for half in range(2):
-            @pl.when(wg == half)
-            def _():
-                if half == 0:
-                    plgpu.barrier_wait(q_bar)
-                plain = functools.partial(step, masked=False, half=half)
-                masked = functools.partial(step, masked=True, half=half)
-                carry = lax.fori_loop(0, n_plain, plain, (acc0, m0, l0))
-                _finish(*lax.fori_loop(n_plain, count, masked, carry), half)
+        def step1(i, acc):
+            """Consumer 1, one tile: rescale by consumer 0's alpha, add P V[:, 256:]."""
+            slot = lax.rem(i, _STAGES)
+            with jax.named_scope("wait_p"):
+                plgpu.barrier_wait(p_full.at[slot])
+                alpha = _load(alpha_smem.at[slot], row_layout, interpret)
+            with jax.named_scope("pv"):
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(_HALF, _HALF)],
+                               interpret)
+                plgpu.barrier_arrive(k_empty.at[slot])
+            return acc
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.barrier_wait(q_bar)
+            plain = functools.partial(step0, masked=False)
+            masked = functools.partial(step0, masked=True)
+            carry = lax.fori_loop(0, n_plain, plain, (acc0, m0, l0))
+            _finish(*lax.fori_loop(n_plain, count, masked, carry), 0)
+
+        @pl.when(wg == 1)
+        def _():
+            # Consumer 1 keeps neither the running max nor the row sums (it masks nothing).
+            _finish(lax.fori_loop(0, count, step1, acc0), None, None, 1)
 
 
 def _mgpu_params(interpret):
@@ -545,7 +603,9 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             profile_space=config.profile_space,
+                                             profile_dir=config.profile_dir),
         interpret=_mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_ps{kv.page_size}",
     )
