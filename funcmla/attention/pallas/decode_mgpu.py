@@ -6,7 +6,7 @@ its KV, with three warpgroups:
 
 * warpgroup 2 (producer, 40 registers a thread): TMA-copies q once, then each 64-token KV tile
   into one of two shared-memory stages (page >= 64: one TMA copy a tile; page 8 to 32: one a
-  page; page 1 to 4: a row gather, see `_gather_tile`), and refills a stage once both
+  page; page 1 to 4: a row gather, see `_gather_issue`), and refills a stage once both
   consumers released it;
 * warpgroup 0 (consumer): S = q k^T (64 x 64, K = 576, `wgmma`), the masked online softmax in
   base 2, then O[:, :256] += P V[:, :256] with P (bf16) straight from its registers; while that
@@ -196,7 +196,7 @@ def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
 
 
 def _gathers(page_size: int) -> bool:
-    """Whether tiles are gathered row by row (`_gather_tile`) rather than TMA-copied: pages
+    """Whether tiles are gathered row by row (`_gather_issue`) rather than TMA-copied: pages
     under 8 tokens, which a TMA copy cannot place inside an 8-row swizzled tile (Hopper's TMA
     has no row gather)."""
     return page_size < 8
@@ -208,17 +208,63 @@ def _arrivals_per_tile(page_size: int) -> int:
     return 1 if _gathers(page_size) else max(1, BLOCK_KV // page_size)
 
 
-def _gather_tile(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok, *, page_size: int,
-                 interpret: bool):
-    """Producer warpgroup: the pool rows of tokens tok0 .. tok0 + 63 (each clamped to last_tok,
-    so a tile past the sequence's end re-reads its last row and never reads the table past it)
-    into stage `slot`, in the stage's tiled, 128-byte-swizzled layout; returns once they have
-    landed and are visible to `wgmma` (the caller then arrives on the stage's barrier).
+def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret: bool):
+    """Producer warpgroup: the pool rows the row gather (`_gather_issue`) copies for tokens
+    tok0 .. tok0 + 63, each token clamped to [0, last_tok] and each table entry to the table,
+    so it may run ahead of the tile's turn (and past the sequence) without reading out of
+    bounds. Compiled: int32 [512] in the strided warpgroup layout, thread t holding the rows
+    of tokens tok0 + t // 8 + 16 j (j < 4); its loads land while the previous tile's copies
+    do. Interpret mode returns a placeholder (`_gather_issue` reads the table itself)."""
+    layout = plgpu.Layout.WG_STRIDED((4 * 128,), vec_size=1)
+    if interpret:
+        return jnp.zeros((4 * 128,), jnp.int32)
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
+                       return_type=plgpu.ShapeDtypeStruct((4 * 128,), jnp.int32, layout=layout))
+    def rows(ctx, table, entry0, tok0, last_tok):
+        del ctx
+        import numpy as np
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, memref, vector
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i32 = ir.IntegerType.get_signless(32)
+        entry0, tok0, last_tok = (x.registers.item() for x in (entry0, tok0, last_tok))
+
+        def k(n):
+            return mu.c(n, i32)
+
+        r0 = arith.shrui(arith.remui(mu.thread_idx(), k(128)), k(3))
+        log2_page = page_size.bit_length() - 1
+        last_entry = k(ir.MemRefType(table.type).shape[0] - 1)
+        regs = []
+        for j in range(BLOCK_KV // 16):
+            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(16 * j))), last_tok)
+            tok = arith.maxsi(tok, k(0))
+            entry = arith.minsi(arith.addi(entry0, arith.shrui(tok, k(log2_page))), last_entry)
+            row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
+            if page_size > 1:
+                row = arith.addi(arith.shli(row, k(log2_page)), arith.andi(tok, k(page_size - 1)))
+            regs.append(vector.broadcast(ir.VectorType.get((1,), i32), row))
+        return mgpu.FragmentedArray(_registers=np.array(regs), _layout=mgpu.WGStridedFragLayout(
+            (4 * 128,), 1), _is_signed=True)
+
+    return rows(table_ref, entry0, tok0, last_tok)
+
+
+def _gather_issue(kv_ref, table_ref, kv_smem, slot, rows, entry0, tok0, last_tok, *,
+                  page_size: int, interpret: bool):
+    """Producer warpgroup: starts copying pool `rows` (`_gather_rows`) into stage `slot`, in
+    the stage's tiled, 128-byte-swizzled layout, as one committed group of `cp.async` copies
+    (`_gather_wait` waits for it).
 
     Compiled, each of the 128 threads issues 36 16-byte `cp.async` copies: thread t copies
     16-byte column vector t % 8 of each 64-column chunk of rows t // 8 + 16 j (j < 4), so a
     warp reads 4 whole 128-byte row segments per instruction. Pool byte offsets are 64-bit.
-    The interpreter has no inline Mosaic GPU, so there the rows are copied one by one."""
+    The interpreter has no inline Mosaic GPU, so there the rows are copied one by one, from
+    the table, at once."""
     _, d = kv_ref.shape
     if interpret:
         def row(r, carry):
@@ -234,17 +280,18 @@ def _gather_tile(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok, *, pa
     tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
     swizzle = plgpu.SwizzleTransform(_SWIZZLE)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType((tiling, swizzle)), splat, splat, splat, splat))
-    def copy(ctx, pool, table, stages, slot, entry0, tok0, last_tok):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType((tiling, swizzle)), splat,
+                                  plgpu.Layout.WG_STRIDED((4 * 128,), vec_size=1)))
+    def copy(ctx, pool, stages, slot, rows):
         del ctx
         from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+        from jax._src.lib.mlir.dialects import arith, llvm, nvvm, vector
         from jax.experimental.mosaic.gpu import utils as mu
 
         i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        slot, entry0, tok0, last_tok = (x.registers.item() for x in (slot, entry0, tok0,
-                                                                     last_tok))
+        slot = slot.registers.item()
+        src_rows = [vector.extract(r, dynamic_position=[], static_position=[0])
+                    for r in rows.registers.flat]
 
         def k(n):
             return mu.c(n, i32)
@@ -268,29 +315,36 @@ def _gather_tile(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok, *, pa
         pool_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
                                       mu.memref_ptr(pool))
         vec_bytes = arith.extui(i64, arith.shli(vec, k(4)))
-        log2_page = page_size.bit_length() - 1
-        for j in range(BLOCK_KV // 16):
-            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(16 * j))), last_tok)
-            entry = arith.addi(entry0, arith.shrui(tok, k(log2_page)))
-            src_row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
-            if page_size > 1:
-                src_row = arith.addi(arith.shli(src_row, k(log2_page)),
-                                     arith.andi(tok, k(page_size - 1)))
-            # 64-bit byte offset of the row: pools past 2**31 bytes stay addressable.
-            src_off = arith.addi(arith.muli(arith.extui(i64, src_row), mu.c(d * 2, i64)),
-                                 vec_bytes)
-            src = mu.getelementptr(pool_ptr, [src_off], i8)
+        # 64-bit byte offsets of the rows: pools past 2**31 bytes stay addressable.
+        srcs = [mu.getelementptr(pool_ptr, [arith.addi(arith.muli(
+            arith.extui(i64, r), mu.c(d * 2, i64)), vec_bytes)], i8) for r in src_rows]
+        for j, src in enumerate(srcs):
             for c in range(n_chunks):
                 nvvm.cp_async_shared_global(
                     mu.getelementptr(dst0, [(2 * j * n_chunks + c) * chunk], i8),
                     mu.getelementptr(src, [c * _SWIZZLE], i8),
                     16, nvvm.LoadCacheModifierKind.CG)
         nvvm.cp_async_commit_group()
+
+    copy(kv_ref, kv_smem, slot, rows)
+
+
+def _gather_wait(interpret: bool):
+    """Producer warpgroup: waits for the row gather's copies (`_gather_issue`) to land and
+    makes them visible to `wgmma` (cp.async writes go through the generic proxy, wgmma reads
+    through the async one)."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        from jax._src.lib.mlir.dialects import nvvm
+
         nvvm.cp_async_wait_group(0)
-        # cp.async writes go through the generic proxy; wgmma reads through the async one.
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
-    copy(kv_ref, table_ref, kv_smem, slot, entry0, tok0, last_tok)
+    wait()
 
 
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
@@ -319,23 +373,31 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_lo, BLOCK_M)], q_smem, q_bar)
 
-        @pl.loop(0, count)
-        def _tile(i):
-            slot = lax.rem(i, _STAGES)
-            tile = first + i
-
+        def free_stage(i, slot):  # the stage's previous tile is released by both consumers
             @pl.when(i >= _STAGES)
             def _():
                 with jax.named_scope("wait_free"):
                     plgpu.barrier_wait(k_empty.at[slot])
 
-            if gather:
-                with jax.named_scope("copy"):
-                    _gather_tile(kv_ref, table_ref, kv_smem, slot, start_entry, tile * BLOCK_KV,
-                                 kv_len - 1, page_size=page_size, interpret=interpret)
+        def gather_tile(i, rows):
+            slot = lax.rem(i, _STAGES)
+            tile = first + i
+            free_stage(i, slot)
+            with jax.named_scope("copy"):
+                _gather_issue(kv_ref, table_ref, kv_smem, slot, rows, start_entry,
+                              tile * BLOCK_KV, kv_len - 1, page_size=page_size,
+                              interpret=interpret)
+                # The next tile's rows load while this one's copies land.
+                rows = _gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
+                                    page_size=page_size, interpret=interpret)
+                _gather_wait(interpret)
                 plgpu.barrier_arrive(k_full.at[slot])
-                return
+            return rows
 
+        def copy_tile(i, carry):
+            slot = lax.rem(i, _STAGES)
+            tile = first + i
+            free_stage(i, slot)
             dst = kv_smem.at[slot]
             rows = min(page_size, BLOCK_KV)
             for j in range(copies):
@@ -356,6 +418,14 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                     @pl.when(tok >= kv_len)
                     def _():
                         plgpu.barrier_arrive(k_full.at[slot])
+            return carry
+
+        if gather:
+            lax.fori_loop(0, count, gather_tile,
+                          _gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
+                                       page_size=page_size, interpret=interpret))
+        else:
+            lax.fori_loop(0, count, copy_tile, 0)
 
         # Observe each stage's last release too (every wait sees every phase; the block's
         # shared memory is not left while a consumer may still read it).
