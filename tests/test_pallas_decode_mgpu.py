@@ -113,6 +113,20 @@ def test_rejects_unsupported_call():
         run(p, s_q=1, page_size=64, num_splits=1, interpret=True)
 
 
+@pytest.mark.parametrize("space,directory,needle", [
+    (-1, "/tmp", "profile_space=-1"), (161, "/tmp", "profile_space=161"),
+    (8, "", "needs a profile_dir")])
+def test_rejects_bad_profile_config(space, directory, needle):
+    from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
+
+    rng = np.random.default_rng(0)
+    p = make_problem(rng, batch=1, heads=64, s_q=1, page_size=64, lens=[5], max_pages=1)
+    cfg = MgpuDecodeConfig(profile_space=space, profile_dir=directory)
+    with pytest.raises(ValueError, match=needle):
+        mla_decode_rows_mgpu(p["q"], p["pool"], kv_rows(p, 64), sm_scale=SCALE, s_q=1,
+                             num_splits=1, config=cfg, interpret=True)
+
+
 @pytest.mark.skipif(not on_gpu(), reason="needs an NVIDIA GPU (sm_90a)")
 @pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits", [
     (128, 1, 64, [4096, 1000, 63, 1, 0], 64, 2),

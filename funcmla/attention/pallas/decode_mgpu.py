@@ -71,6 +71,7 @@ BLOCK_KV = 64     # KV tokens per tile
 _HALF = 256       # output columns per consumer warpgroup (wgmma N <= 256)
 _SWIZZLE = 128    # bytes; 64 bf16 columns per swizzle tile
 _STAGES = 2
+MAX_PROFILE_SPACE = 160  # x 3 warpgroups x 16 bytes = 7.5 KB of shared memory (run on the H200)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,8 @@ class MgpuDecodeConfig:
     producer_registers: int = 40
     # Mosaic GPU's in-kernel profiler: `profile_space` timed regions per warpgroup (the named
     # phases: qk, wait_kv, softmax, hand_off, pv, wait_p, wait_free, copy, finish) written as
-    # a Perfetto trace per call to `profile_dir`. Costs 16 bytes of shared memory per region
-    # and warpgroup beside the kernel's ~217 KB; 0: off.
+    # a Perfetto trace per call to `profile_dir`. 16 bytes of shared memory per region and
+    # warpgroup, in the ~10 KB the kernel leaves free: at most MAX_PROFILE_SPACE; 0: off.
     profile_space: int = 0
     profile_dir: str = ""
 
@@ -627,6 +628,11 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
     if kv.form == "strided" and kv.table.shape[0] != b * kv.entries_per_seq:
         raise ValueError(f"KVRows.table has {kv.table.shape[0]} entries; {b} sequences of "
                          f"entries_per_seq={kv.entries_per_seq} need {b * kv.entries_per_seq}")
+    if not 0 <= config.profile_space <= MAX_PROFILE_SPACE:
+        raise ValueError(f"MgpuDecodeConfig.profile_space={config.profile_space} must be in "
+                         f"[0, {MAX_PROFILE_SPACE}] (its trace buffer lives in shared memory)")
+    if config.profile_space and not config.profile_dir:
+        raise ValueError("MgpuDecodeConfig.profile_space > 0 needs a profile_dir for the traces")
     if jnp.dtype(partial_dtype).name not in PARTIAL_DTYPES:
         raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
     final = num_splits == 1
