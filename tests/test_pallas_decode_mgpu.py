@@ -18,7 +18,11 @@ import numpy as np
 import pytest
 
 from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
-from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported, mla_decode_rows_mgpu
+from funcmla.attention.pallas.decode_mgpu import (
+    MgpuDecodeConfig,
+    mgpu_decode_supported,
+    mla_decode_rows_mgpu,
+)
 from funcmla.attention.pallas.merge import merge_splits_pallas
 from funcmla.layout import PageTable
 from tests.test_pallas_decode import SCALE, check, make_problem, on_gpu, reference
@@ -117,8 +121,6 @@ def test_rejects_unsupported_call():
     (-1, "/tmp", "profile_space=-1"), (161, "/tmp", "profile_space=161"),
     (8, "", "needs a profile_dir")])
 def test_rejects_bad_profile_config(space, directory, needle):
-    from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
-
     rng = np.random.default_rng(0)
     p = make_problem(rng, batch=1, heads=64, s_q=1, page_size=64, lens=[5], max_pages=1)
     cfg = MgpuDecodeConfig(profile_space=space, profile_dir=directory)
@@ -151,8 +153,6 @@ def test_gpu_profile_names_every_phase(tmp_path):
     """`MgpuDecodeConfig.profile_space` writes Mosaic GPU's per-warpgroup trace, with the
     kernel's named phases, and leaves the output as it is without the profiler."""
     import json
-
-    from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
 
     rng = np.random.default_rng(2)
     p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=64, lens=[300, 130], max_pages=5)

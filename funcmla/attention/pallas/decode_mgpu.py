@@ -71,6 +71,9 @@ BLOCK_KV = 64     # KV tokens per tile
 _HALF = 256       # output columns per consumer warpgroup (wgmma N <= 256)
 _SWIZZLE = 128    # bytes; 64 bf16 columns per swizzle tile
 _STAGES = 2
+# The row gather's per-tile pool rows, as one int32 array over the producer warpgroup: each of
+# its 128 threads copies BLOCK_KV // 16 = 4 rows (`_gather_rows`, `_gather_issue`).
+_GATHER_ROWS = (BLOCK_KV // 16) * 128
 MAX_PROFILE_SPACE = 160  # x 3 warpgroups x 16 bytes = 7.5 KB of shared memory (run on the H200)
 
 
@@ -209,6 +212,11 @@ def _arrivals_per_tile(page_size: int) -> int:
     return 1 if _gathers(page_size) else max(1, BLOCK_KV // page_size)
 
 
+def _gather_rows_layout():
+    """Register layout of `_gather_rows`' result: thread t holds elements t + 128 j, j < 4."""
+    return plgpu.Layout.WG_STRIDED((_GATHER_ROWS,), vec_size=1)
+
+
 def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret: bool):
     """Producer warpgroup: the pool rows the row gather (`_gather_issue`) copies for tokens
     tok0 .. tok0 + 63, each token clamped to [0, last_tok] and each table entry to the table,
@@ -216,13 +224,13 @@ def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret
     bounds. Compiled: int32 [512] in the strided warpgroup layout, thread t holding the rows
     of tokens tok0 + t // 8 + 16 j (j < 4); its loads land while the previous tile's copies
     do. Interpret mode returns a placeholder (`_gather_issue` reads the table itself)."""
-    layout = plgpu.Layout.WG_STRIDED((4 * 128,), vec_size=1)
     if interpret:
-        return jnp.zeros((4 * 128,), jnp.int32)
+        return jnp.zeros((_GATHER_ROWS,), jnp.int32)
     splat = plgpu.Layout.WG_SPLAT(())
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
-                       return_type=plgpu.ShapeDtypeStruct((4 * 128,), jnp.int32, layout=layout))
+                       return_type=plgpu.ShapeDtypeStruct((_GATHER_ROWS,), jnp.int32,
+                                                          layout=_gather_rows_layout()))
     def rows(ctx, table, entry0, tok0, last_tok):
         del ctx
         import numpy as np
@@ -250,7 +258,7 @@ def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret
                 row = arith.addi(arith.shli(row, k(log2_page)), arith.andi(tok, k(page_size - 1)))
             regs.append(vector.broadcast(ir.VectorType.get((1,), i32), row))
         return mgpu.FragmentedArray(_registers=np.array(regs), _layout=mgpu.WGStridedFragLayout(
-            (4 * 128,), 1), _is_signed=True)
+            (_GATHER_ROWS,), 1), _is_signed=True)
 
     return rows(table_ref, entry0, tok0, last_tok)
 
@@ -282,7 +290,7 @@ def _gather_issue(kv_ref, table_ref, kv_smem, slot, rows, entry0, tok0, last_tok
     swizzle = plgpu.SwizzleTransform(_SWIZZLE)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType((tiling, swizzle)), splat,
-                                  plgpu.Layout.WG_STRIDED((4 * 128,), vec_size=1)))
+                                  _gather_rows_layout()))
     def copy(ctx, pool, stages, slot, rows):
         del ctx
         from jax._src.lib.mlir import ir
