@@ -75,6 +75,21 @@ def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, spl
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
 
 
+def test_interpret_running_max_moves():
+    """Keys that grow 1000x along each sequence make the running max rise tile after tile, so
+    every tile rescales the accumulator and the row sums: against the float64 reference, in
+    unmasked and masked tiles. (A running max that never moved would overflow P here.)"""
+    rng = np.random.default_rng(5)
+    lens = [300, 130]
+    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=lens, max_pages=20)
+    pool = np.array(jnp.asarray(p["pool"], jnp.float32))
+    for sl in p["slot_lists"]:
+        pool[sl] *= np.geomspace(0.05, 50.0, len(sl))[:, None]  # scores grow 1000x
+    p["pool"] = jnp.asarray(pool, jnp.bfloat16)
+    out, lse = run(p, s_q=1, page_size=16, num_splits=1, interpret=True)
+    check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
+
+
 @pytest.mark.parametrize("page_size,s_q,lens,splits", [(16, 1, [300, 40], 2), (1, 2, [140, 0], 1)])
 def test_interpret_has_no_data_race(page_size, s_q, lens, splits):
     """Mosaic GPU's interpreter, with its happens-before race detector on, finds no unordered
