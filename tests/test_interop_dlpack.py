@@ -157,6 +157,7 @@ def test_shared_arrays_must_not_be_donated():
     del view
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU with JAX CUDA and torch CUDA")
 def test_cuda_streams_are_ordered_without_blocking_the_host():
     # torch -> JAX: a long torch kernel writes the tensor; the import must not wait on the host,

@@ -328,6 +328,7 @@ def test_backend_selection_on_this_machine():
         select_backend("triton")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs torch CUDA + JAX CUDA")
 def test_torch_cuda_graph_replays_metadata_of_new_lengths():
     rng, b, pool, backend = _setup(15, [30, 7, 90, 12], [1, 1, 1, 1], 16, device="cuda",

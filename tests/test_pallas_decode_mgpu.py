@@ -144,6 +144,7 @@ def test_rejects_bad_profile_config(space, directory, needle):
                              num_splits=1, config=cfg, interpret=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu(), reason="needs an NVIDIA GPU (sm_90a)")
 @pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits", [
     (128, 1, 64, [4096, 1000, 63, 1, 0], 64, 2),
@@ -163,6 +164,7 @@ def test_gpu_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu(), reason="needs an NVIDIA GPU (sm_90a)")
 def test_gpu_profile_names_every_phase(tmp_path):
     """`MgpuDecodeConfig.profile_space` writes Mosaic GPU's per-warpgroup trace, with the

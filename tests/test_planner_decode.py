@@ -527,6 +527,7 @@ def test_chase_refused_where_it_cannot_run():
         plan_mla_decode_jit(z, z, z[:2], config=cfg, walk="fast")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm"), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["mi300x_h128_bf16_fold8", "h16_mtp4_gran1_tail",
                                   "gfx950_h64_fp8_mtp4_ragged_qo"])
