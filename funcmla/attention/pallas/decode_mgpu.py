@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -121,12 +122,20 @@ def mgpu_split_config(config: DecodeKernelConfig) -> DecodeKernelConfig:
     return dataclasses.replace(config, min_blocks_per_split=max(2, config.min_blocks_per_split))
 
 
+# jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
+# is indexed with `.at` first) and lets it be left out.
+_LOAD_NEEDS_INDEX = getattr(inspect.signature(plgpu.load).parameters.get("idx"), "default",
+                            None) is inspect.Parameter.empty
+
+
 def _load(ref, layout, interpret: bool):
     """ref[...] in `layout`. Mosaic GPU's interpreter has no `plgpu.load` (jax 0.10.2), and
     layouts do not exist there, so interpret mode reads the ref plainly."""
     if interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=layout)
+    if _LOAD_NEEDS_INDEX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def _in_layout(x, layout, interpret: bool):
@@ -184,7 +193,7 @@ def _qk(q_smem, k_smem, interpret: bool):
                                preferred_element_type=jnp.float32)
 
     def body(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
