@@ -326,7 +326,7 @@ def main(argv=None):
             got = _xla_kernels.xla_kernels(
                 *plan.source, {c.name: (len(c.operands) + len(c.results), 32 * c.num_warps,
                                         tuple(c.grid)) for c in plan.calls},
-                L.compile_ptx)
+                L.compile.compile_ptx)
         finally:
             del os.environ["FUNCMLA_XLA_DUMP_KEEP"]
         listing = []

@@ -103,7 +103,6 @@ def main(argv=None) -> int:
 
     import jax
     import jaxlib
-    import numpy as np
     import torch
 
     from bench.timing import device_kernel_times

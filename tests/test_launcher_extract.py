@@ -5,26 +5,15 @@ the decode kernel's grid and signature, plan caching, config validation, the com
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import math
-import struct
 import zlib
 
 import jax
-import numpy as np
 import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from funcmla.attention.pallas import DecodeKernelConfig
-from funcmla.interop import _containers, _launch, _xla_kernels
 from funcmla.interop import launcher as L
-from funcmla.layout import PageTable
-
-from tests.launcher_helpers import PTX, SCALE, _field, _lowering_available, needs_lowering  # noqa: F401
-
+from tests.launcher_helpers import PTX, SCALE, _field, _lowering_available, needs_lowering
 
 
 # ----------------------------------------------------------------------------- protobuf
@@ -61,8 +50,6 @@ def test_proto_refuses_what_the_launcher_cannot_launch():
         L.parse_kernel_call_proto(_kernel_call([_field(3, 5)]))  # an i32 scalar parameter
     with pytest.raises(ValueError, match="zeroed bytes"):
         L.parse_kernel_call_proto(_kernel_call([_array(16, zero=64)]))
-
-
 
 
 def test_ptx_entry_and_target():
@@ -220,8 +207,6 @@ def test_kernel_route_resolution(monkeypatch):
     assert L.kernel_route() == ("xla" if jax.default_backend() == "gpu" else "triton")
     with pytest.raises(ValueError, match="one of"):
         L.kernel_route("nvcc")
-
-
 
 
 # ----------------------------------------------------------------------------- Mosaic GPU

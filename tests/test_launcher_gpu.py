@@ -5,25 +5,16 @@ capture and replay with new data, misuse on the device.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import struct
-import zlib
 
 import jax
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from funcmla.attention.pallas import DecodeKernelConfig
-from funcmla.interop import _containers, _launch, _xla_kernels
 from funcmla.interop import launcher as L
 from funcmla.layout import PageTable
-
 from tests.launcher_helpers import SCALE
-
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -7,11 +7,7 @@ GPU host function); the driver layer against a fake libcuda.
 from __future__ import annotations
 
 import ctypes
-import math
-import struct
-import zlib
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -19,12 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcmla.attention.pallas import DecodeKernelConfig
-from funcmla.interop import _containers, _launch, _xla_kernels
+from funcmla.interop import _containers, _launch
 from funcmla.interop import launcher as L
-from funcmla.layout import PageTable
-
 from tests.launcher_helpers import PTX, SCALE, _field, needs_lowering
-
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -538,7 +531,8 @@ def test_loaded_kernel_launch_marshals_pointers_grid_and_stream(monkeypatch):
     fake = _FakeLibcuda()
     drv = _cuda_driver.Driver(fake)
     monkeypatch.setattr(_cuda_driver, "driver", lambda: drv)
-    monkeypatch.setattr(L.compile, "_ptxas_candidates", lambda: [])  # image = PTX for the driver's JIT
+    # no ptxas: the image is the PTX, for the driver's JIT
+    monkeypatch.setattr(L.compile, "_ptxas_candidates", lambda: [])
     call = L.TritonCall(name="mla_decode_ps1_m16_kv64", grid=(1, 8, 4), num_warps=4,
                         num_stages=2, num_ctas=1, shared_mem_bytes=70000,
                         operands=(((4,), "i32"),), results=(((4,), "i32"), ((4,), "f32")),

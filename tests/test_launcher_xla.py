@@ -4,25 +4,13 @@ on the H200 (tests/data/), and hand-built Riegeli files, ELF images, PTX and Tri
 
 from __future__ import annotations
 
-import ctypes
-import math
 import struct
-import zlib
 
-import jax
-import numpy as np
 import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from funcmla.attention.pallas import DecodeKernelConfig
-from funcmla.interop import _containers, _launch, _xla_kernels
+from funcmla.interop import _containers, _xla_kernels
 from funcmla.interop import launcher as L
-from funcmla.layout import PageTable
-
 from tests.launcher_helpers import PTX, SCALE, _lowering_available, _varint
-
 
 
 # ----------------------------------------------------------------------------- XLA route readers
