@@ -5,7 +5,8 @@ A `LaunchProgram` holds, in one ctypes structure (mirrored by `_launch_program.c
   slots[32]        device pointers; the first `per_call` are written per call, the rest once;
   kernels[i]       function handle, grid, block, dynamic shared memory, and a parameter array
                    whose entries point at slots, so writing a slot re-targets every kernel that
-                   reads it.
+                   reads it; or, for a Mosaic GPU kernel, jaxlib's host launch function and its
+                   context (`host`, `host_abi`), called with the stream and the slots' values.
 The hot path (`DecodeLauncher.__call__`) is one `struct.pack_into` of the per-call words and one
 foreign call, `funcmla_run(program)`, which loops over the kernels calling `cuLaunchKernel`.
 

@@ -162,3 +162,41 @@ def test_gpu_misuse_leaves_outputs_untouched():
     assert math.isfinite(float(out.float().sum()))
 
 
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_sglang_backend_decode_runs_the_mosaic_kernel_through_the_launcher():
+    """FuncMLAAttnBackend (pallas, torch_launcher) at 128 heads and 40 requests: the decode goes
+    through the launcher, which runs the Mosaic GPU kernel `mla_decode` picks for the shape."""
+    from funcmla.interop.sglang_backend import (ForwardBatch, ForwardMode, FuncMLAAttnBackend,
+                                                MLATokenToKVPool, RadixAttention)
+    from funcmla.interop.testing import random_paged_batch
+    from funcmla.interop.torch_native import torch_native_mla_decode
+
+    h, n, ps = 128, 40, 16
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(0, 300, size=n).tolist()
+    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=[1] * n, page_size=ps,
+                           max_context_len=320, pool_size=n, num_pages=n * 320 // ps + 8)
+    pool = MLATokenToKVPool(b.num_slots - ps, ps, torch.bfloat16, 1, device="cuda")
+    pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape))
+    backend = FuncMLAAttnBackend(b.req_to_token.cuda(), pool, page_size=ps,
+                                 attention_backend="pallas", torch_launcher=True)
+    seq = b.seq_lens.cuda()
+    fb = ForwardBatch(ForwardMode.DECODE, n, b.req_pool_indices.cuda(), seq, b.seq_lens,
+                      int(b.seq_lens.sum()))
+    backend.init_forward_metadata(fb)
+    q = torch.randn(n, h, 576, device="cuda").to(torch.bfloat16)
+    before = set(L.torch_entry._TORCH_KEYED)
+    out = backend.forward_decode(q, None, None, RadixAttention(h, SCALE), fb,
+                                 save_kv_cache=False)
+    torch.cuda.synchronize()
+    assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
+    new = [L.torch_entry._TORCH_KEYED[k] for k in set(L.torch_entry._TORCH_KEYED) - before]
+    assert new and all(lau.plan.kernel == "mgpu" for lau in new)
+    want = torch_native_mla_decode(q, pool.kv_buffer[0], b.req_to_token.cuda(),
+                                   b.req_pool_indices.cuda(), seq, sm_scale=SCALE,
+                                   compute_dtype=torch.float32)
+    o, w = out.view(n, h, 512).float(), want.float()
+    assert float((o - w).norm() / w.norm()) < 1e-2

@@ -194,12 +194,17 @@ def triton_reason(config: DecodeLaunchConfig) -> str:
             "dispatch picks the Triton kernel")
 
 
-@functools.lru_cache(maxsize=128)
 def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
-    """Lower `mla_decode` for `config` for CUDA and read its kernels back (cached)."""
+    """Lower `mla_decode` for `config` for CUDA and read its kernels back (cached per config).
+    Raises LauncherUnavailable on a jaxlib the extraction was not tested on (`support.py`)."""
     why = jaxlib_unsupported_reason()
     if why is not None:
         raise LauncherUnavailable(why)
+    return _decode_plan(config)
+
+
+@functools.lru_cache(maxsize=128)
+def _decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
     c = config
     b, d, dv, rp = c.num_seqs, c.head_dim, c.v_head_dim, c.rows_pad
     fn, avals = jax_path(c)
