@@ -310,9 +310,10 @@ class DecodeLauncher(_DecodeLauncherBase):
     __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576]), kv_indptr int32
     [B+1] (tokens), kv_indices int32 [kv_capacity] (token slots), out=None [T, H, 512],
     lse=None float32 [T, H]) -> (out, lse), written on torch's current stream: the decode
-    kernel, then the merge kernel when the configuration splits the KV (one foreign call).
-    out/lse are allocated (torch.empty) unless given; give them for the fastest call.
-    Results equal `mla_decode` on the same inputs bit for bit on the "xla" route.
+    kernel `mla_decode` picks (Mosaic GPU or Triton; `plan.kernel`), then the merge kernel when
+    the configuration splits the KV (one foreign call). out/lse are allocated (torch.empty)
+    unless given; give them for the fastest call. Results equal `mla_decode` on the same inputs
+    bit for bit (Triton kernels on the "xla" route).
     """
 
     _x_name, _y_name, _x_decode_operand = "kv_indptr", "kv_indices", 0
