@@ -5,6 +5,7 @@ class LauncherArgumentError(ValueError):
 
 
 class LauncherUnavailable(RuntimeError):
-    """The launcher cannot run here (no CUDA torch, no NVIDIA driver, no Triton lowering)."""
+    """The launcher cannot run here: no CUDA torch or NVIDIA driver, an untested jaxlib, no
+    Mosaic GPU compiler, or kernels it does not wire (the message says which)."""
 
 
