@@ -1,5 +1,6 @@
 """The launcher's two error classes."""
 
+
 class LauncherArgumentError(ValueError):
     """A tensor handed to a launcher does not match its compiled configuration."""
 
