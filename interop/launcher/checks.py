@@ -6,6 +6,7 @@ from typing import Sequence
 
 from funcmla.interop.launcher.errors import LauncherArgumentError
 
+
 _TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32"}
 _SHORT_DTYPES = {name: short for short, name in _TORCH_DTYPES.items()}  # "bfloat16" -> "bf16"
 

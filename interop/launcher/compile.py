@@ -22,6 +22,7 @@ import jax
 from funcmla.interop.launcher.errors import LauncherUnavailable
 from funcmla.interop.launcher.extract import TritonCall, ttir_text
 
+
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\((.*?)\)", re.S)
 
 

@@ -13,8 +13,9 @@ from funcmla.interop.launcher.errors import LauncherUnavailable
 from funcmla.interop.launcher.load import LoadedKernel
 from funcmla.interop.launcher.extract import MosaicCall
 from funcmla.interop.launcher.mosaic import MosaicKernel
-from funcmla.interop.launcher.support import jaxlib_unsupported_reason
 from funcmla.interop.launcher.plan import DecodeLaunchConfig, DecodePlan, decode_plan
+from funcmla.interop.launcher.support import jaxlib_unsupported_reason
+
 
 def launcher_unavailable_reason(device=None) -> str | None:
     """None if the launcher can run on `device` (default: torch's current CUDA device)."""

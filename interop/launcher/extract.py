@@ -18,6 +18,7 @@ import jax
 from funcmla.interop._containers import proto_fields
 from funcmla.interop.launcher.errors import LauncherUnavailable
 
+
 @dataclasses.dataclass(frozen=True)
 class TritonCall:
     """One Pallas Triton kernel as XLA would launch it.

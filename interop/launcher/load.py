@@ -6,6 +6,7 @@ from funcmla.interop.launcher.compile import CompiledImage, _compile_cached
 from funcmla.interop.launcher.errors import LauncherUnavailable
 from funcmla.interop.launcher.extract import TritonCall
 
+
 class LoadedKernel:
     """One compiled kernel in a device's primary context.
 

@@ -18,6 +18,7 @@ from funcmla.interop.launcher.extract import (MosaicCall, TritonCall, extract_ke
 from funcmla.interop.launcher.support import jaxlib_unsupported_reason
 from funcmla.layout import PageTable
 
+
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

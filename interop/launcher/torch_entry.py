@@ -7,6 +7,7 @@ from funcmla.interop.launcher.decode import decode_launcher, launcher_unavailabl
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.plan import DecodeLaunchConfig
 
+
 _TORCH_KEYED: dict[tuple, object] = {}
 
 
