@@ -26,6 +26,8 @@ Checks (PASS/FAIL in the JSON):
 
 Usage: python -m bench.torch_path [--out docs/results/] [--reps 30] [--calls 2000]
        [--skip-grid] [--only-grid]
+       python -m bench.torch_path --plot docs/results/launcher_torch_path_h200.json  (no GPU:
+       the grid as a PNG next to the JSON, torch / JAX device time per case)
 """
 
 from __future__ import annotations
@@ -89,6 +91,32 @@ def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
     return statistics.median(times) / 1e3
 
 
+def plot(path: str) -> str:
+    """Bar chart of the grid in `path` (torch and JAX device time per case, log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        rows = [r for r in json.load(f)["grid"] if "torch_us" in r]
+    fig, ax = plt.subplots(figsize=(14, 5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["torch_us"] for r in rows], 0.4, label="torch launcher")
+    ax.bar([x + 0.2 for x in xs], [r["jax_us"] for r in rows], 0.4, label="JAX mla_decode")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"H{r['H']} B{r['B']} {r['ctx'] // 1024}k p{r['page']}\n{r['kernel']}"
+                        for r in rows], rotation=90, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("device time per call (us)")
+    ax.set_title("funcmla decode on the H200: torch launcher vs JAX path (same kernels)")
+    ax.legend()
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/")
@@ -97,7 +125,11 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-grid", action="store_true")
     ap.add_argument("--only-grid", action="store_true")
+    ap.add_argument("--plot", metavar="JSON", help="plot a saved run's grid and exit")
     args = ap.parse_args(argv)
+    if args.plot:
+        log(plot(args.plot))
+        return 0
     os.makedirs(args.out, exist_ok=True)
     OUT.append(os.path.join(args.out, args.name))
 
