@@ -5,7 +5,8 @@ A `LaunchProgram` holds, in one ctypes structure (mirrored by `_launch_program.c
   slots[32]        device pointers; the first `per_call` are written per call, the rest once;
   kernels[i]       function handle, grid, block, dynamic shared memory, and a parameter array
                    whose entries point at slots, so writing a slot re-targets every kernel that
-                   reads it.
+                   reads it; or, for a Mosaic GPU kernel, jaxlib's host launch function and its
+                   context (`host`, `host_abi`), called with the stream and the slots' values.
 The hot path (`DecodeLauncher.__call__`) is one `struct.pack_into` of the per-call words and one
 foreign call, `funcmla_run(program)`, which loops over the kernels calling `cuLaunchKernel`.
 
@@ -56,8 +57,17 @@ launch_function_type = ctypes.CFUNCTYPE(
     ctypes.c_void_p)
 
 
+# A Mosaic GPU host launch function, by host_abi: 1 = void(context, stream, buffers) (jaxlib
+# 0.11.2); 2 = void(args), args = {&context, &stream, &buffers} (MLIR's packed interface, 0.10.2).
+HOST_ABI_DIRECT, HOST_ABI_PACKED = 1, 2
+_HOST_FN = {HOST_ABI_DIRECT: ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                              ctypes.c_void_p),
+            HOST_ABI_PACKED: ctypes.CFUNCTYPE(None, ctypes.c_void_p)}
+
+
 class _Kernel(ctypes.Structure):
-    _fields_ = [("function", ctypes.c_void_p), ("grid", ctypes.c_uint32 * 3),
+    _fields_ = [("function", ctypes.c_void_p), ("host", ctypes.c_void_p),
+                ("host_abi", ctypes.c_uint64), ("grid", ctypes.c_uint32 * 3),
                 ("block", ctypes.c_uint32 * 3), ("shared_mem_bytes", ctypes.c_uint32),
                 ("num_params", ctypes.c_uint32), ("params", ctypes.c_void_p * MAX_PARAMS)]
 
@@ -204,12 +214,19 @@ def native_reason() -> str | None:
 
 
 class ProgramKernel:
-    """One kernel of a program: handle, launch shape and the slot each parameter reads."""
+    """One kernel of a program: handle, launch shape and the slot each parameter reads.
 
-    __slots__ = ("name", "function", "grid", "block", "shared_mem_bytes", "param_slots")
+    host: 0 for a kernel launched with cuLaunchKernel(function, grid, block, ...); else the
+    address of a Mosaic GPU host launch function (`function` is then its context, and grid /
+    block / shared memory are the host function's business), called as `host_abi` says
+    (HOST_ABI_DIRECT / HOST_ABI_PACKED) with buffers[j] = the value of param_slots[j]."""
+
+    __slots__ = ("name", "function", "grid", "block", "shared_mem_bytes", "param_slots", "host",
+                 "host_abi")
 
     def __init__(self, name: str, function: int, grid: Sequence[int], block: Sequence[int],
-                 shared_mem_bytes: int, param_slots: Sequence[int]):
+                 shared_mem_bytes: int, param_slots: Sequence[int], host: int = 0,
+                 host_abi: int = HOST_ABI_DIRECT):
         if len(param_slots) > MAX_PARAMS:
             raise ValueError(f"{name}: {len(param_slots)} parameters; a program kernel takes at "
                              f"most {MAX_PARAMS}")
@@ -219,6 +236,10 @@ class ProgramKernel:
         self.name, self.function = name, int(function)
         self.grid, self.block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
         self.shared_mem_bytes, self.param_slots = int(shared_mem_bytes), tuple(param_slots)
+        self.host = int(host)
+        if self.host and host_abi not in _HOST_FN:
+            raise ValueError(f"{name}: host_abi must be one of {sorted(_HOST_FN)}, got {host_abi}")
+        self.host_abi = int(host_abi)
 
 
 class LaunchProgram:
@@ -250,6 +271,8 @@ class LaunchProgram:
         for i, k in enumerate(kernels):
             d = p.kernels[i]
             d.function = k.function
+            d.host = k.host
+            d.host_abi = k.host_abi
             d.grid[:] = list(k.grid)
             d.block[:] = list(k.block)
             d.shared_mem_bytes = k.shared_mem_bytes
@@ -278,6 +301,8 @@ class LaunchProgram:
             self._pre = [(ctypes.c_void_p(k.function), u(k.grid[0]), u(k.grid[1]), u(k.grid[2]),
                           u(k.block[0]), u(k.block[1]), u(k.block[2]), u(k.shared_mem_bytes))
                          for k in kernels]
+            self._host = [self._host_call(p, i, k) if k.host else None
+                          for i, k in enumerate(kernels)]
             self._params = [ctypes.c_void_p(ctypes.addressof(p.kernels[i].params))
                             for i in range(len(kernels))]
             self.run = self._run_ctypes
@@ -320,11 +345,42 @@ class LaunchProgram:
         raw = self._raw
         for i, pre in enumerate(self._pre):
             if mask >> i & 1:
+                host = self._host[i]
+                if host is not None:
+                    host(p.stream)
+                    continue
                 rc = raw(*pre, stream, self._params[i], None)
                 if rc:
                     p.failed_kernel = i
                     return rc
         return 0
+
+    @staticmethod
+    def _host_call(p, index: int, k: ProgramKernel):
+        """The ctypes form of funcmla_run's Mosaic GPU branch for kernel `index`."""
+        fn = _HOST_FN[k.host_abi](k.host)
+        n = len(k.param_slots)
+        buffers = (ctypes.c_void_p * max(n, 1))()
+        context, stream = ctypes.c_void_p(k.function), ctypes.c_void_p()
+        buffer_list = ctypes.c_void_p(ctypes.addressof(buffers))
+        args = (ctypes.c_void_p * 3)(ctypes.addressof(context), ctypes.addressof(stream),
+                                     ctypes.addressof(buffer_list))
+        slots = p.slots
+        taken = k.param_slots
+
+        direct = k.host_abi == HOST_ABI_DIRECT
+
+        def call(stream_value: int) -> None:
+            for j, slot in enumerate(taken):
+                buffers[j] = slots[slot]
+            stream.value = stream_value
+            if direct:
+                fn(context, stream, buffer_list)
+            else:
+                fn(args)
+
+        call.keep = (buffers, context, stream, buffer_list, args)
+        return call
 
     def slot(self, index: int) -> int:
         return int(self.struct.slots[index])

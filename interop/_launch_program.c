@@ -15,6 +15,11 @@
  * TensorImpl pointer), replacing each slot with the tensor's data pointer. Any mismatch
  * returns before any launch; Python then runs its own checks to name the argument. Python
  * verifies this reading against torch's own accessors on probe tensors before using it.
+ * A kernel with a `host` function is a Mosaic GPU kernel: jaxlib compiled its module into device
+ * code plus a host launch function that encodes the TMA descriptors from the buffer addresses
+ * and launches the kernel on the stream; `function` then holds its context. `host_abi` says how
+ * that function takes its arguments: 1 = host(context, stream, buffers) (jaxlib 0.11.2),
+ * 2 = MLIR's packed C interface host({&context, &stream, &buffers}) (jaxlib 0.10.2).
  * The struct layout is mirrored by ctypes structures in _launch.py; funcmla_layout lets
  * Python verify the two agree before the first launch.
  */
@@ -59,8 +64,13 @@ typedef int (*funcmla_launch_fn)(void *function, unsigned grid_x, unsigned grid_
                                  unsigned block_z, unsigned shared_mem_bytes, void *stream,
                                  void **params, void **extra);
 
+typedef void (*funcmla_host_fn)(void **args);
+typedef void (*funcmla_host_direct_fn)(void *context, void *stream, void **buffers);
+
 typedef struct {
-  void *function;
+  void *function;                   /* CUfunction, or a Mosaic GPU kernel's context */
+  void *host;                       /* NULL: cuLaunchKernel; else the Mosaic GPU launch */
+  uint64_t host_abi;                /* 1: host(context, stream, buffers); 2: packed */
   uint32_t grid[3];
   uint32_t block[3];
   uint32_t shared_mem_bytes;
@@ -91,6 +101,18 @@ int funcmla_run(funcmla_program *p) {
   for (uint32_t i = 0; i < p->num_kernels; ++i) {
     if (!((mask >> i) & 1u)) continue;
     funcmla_kernel *k = &p->kernels[i];
+    if (k->host) {
+      void *buffers[FUNCMLA_MAX_PARAMS];
+      for (uint32_t j = 0; j < k->num_params; ++j) buffers[j] = *(void **)k->params[j];
+      if (k->host_abi == 1) {
+        ((funcmla_host_direct_fn)k->host)(k->function, stream, buffers);
+      } else {
+        void *context = k->function, *buffer_list = buffers, *st = stream;
+        void *args[3] = {&context, &st, &buffer_list};
+        ((funcmla_host_fn)k->host)(args);
+      }
+      continue;
+    }
     int rc = p->launch(k->function, k->grid[0], k->grid[1], k->grid[2], k->block[0],
                        k->block[1], k->block[2], k->shared_mem_bytes, stream, k->params, NULL);
     if (rc != 0) {

@@ -224,10 +224,15 @@ def mla_attention(
         if launcher_reason is None:
             from funcmla.interop import launcher
 
-            out, lse = launcher.torch_decode(q, *launcher_inputs, sm_scale=float(sm_scale),
-                                             s_q=s_q, max_kv_len=max_kv_len,
-                                             v_head_dim=v_head_dim)
-            return AttentionResult(out, lse if return_lse else None, "pallas", via="launcher")
+            try:  # building a launcher can still refuse (e.g. no Mosaic GPU compiler): say why
+                out, lse = launcher.torch_decode(q, *launcher_inputs, sm_scale=float(sm_scale),
+                                                 s_q=s_q, max_kv_len=max_kv_len,
+                                                 v_head_dim=v_head_dim)
+            except launcher.LauncherUnavailable as err:
+                launcher_reason = f"the launcher is unavailable: {err}"
+            else:
+                return AttentionResult(out, lse if return_lse else None, "pallas",
+                                       via="launcher")
     qj = to_jax(q) if from_torch else q
     kvj = to_jax(kv_pool) if isinstance(kv_pool, torch.Tensor) else kv_pool
     if name == "pallas" and fallback is None:

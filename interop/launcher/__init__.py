@@ -1,0 +1,85 @@
+"""funcmla's Pallas decode kernels as torch ops: compiled once, launched on torch's current stream.
+
+The launcher runs the kernels `mla_decode` runs for the same shapes (its auto dispatch: the Mosaic
+GPU kernel where it applies, else the Triton-lowered one, plus the merge kernel when the KV is
+split), on `torch.cuda.current_stream()`, with one foreign call per step, so a torch CUDA graph
+captures it. Design, invariants, knobs and H200 numbers: docs/torch_launcher.md.
+
+Modules, in the order a launcher is built:
+  extract      the JAX path lowered for CUDA (no GPU): `TritonCall` / `MosaicCall` per kernel.
+  plan         `DecodeLaunchConfig` (static shapes) -> `DecodePlan` (the kernels, checked against
+               the shapes the launcher wires; `kernel_reason` says why Triton where it is).
+  compile      Triton kernels -> cubin: XLA's own (route "xla") or the `triton` package's.
+  mosaic       Mosaic GPU kernels -> jaxlib's compiled module and host launch function.
+  load         cubins into the device's primary context.
+  checks       `TensorSpec`: what each tensor must be.
+  decode       `DecodeLauncher` / `PagedDecodeLauncher`: the launch program and its checks.
+  torch_entry  `torch_decode` and the torch op `torch.ops.funcmla.mla_decode`.
+  support      the jaxlib versions the extraction was tested on.
+"""
+
+from funcmla.interop.launcher.checks import TensorSpec
+from funcmla.interop.launcher.compile import (
+    CompiledImage,
+    compile_call,
+    compile_plan,
+    kernel_route,
+    ptx_entry_params,
+)
+from funcmla.interop.launcher.decode import (
+    DecodeLauncher,
+    PagedDecodeLauncher,
+    decode_launcher,
+    launcher_unavailable_reason,
+)
+from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
+from funcmla.interop.launcher.extract import (
+    MosaicCall,
+    TritonCall,
+    extract_kernel_calls,
+    extract_triton_calls,
+    parse_kernel_call_proto,
+    ttir_divisibility,
+    ttir_text,
+)
+from funcmla.interop.launcher.load import LoadedKernel
+from funcmla.interop.launcher.mosaic import MosaicKernel
+from funcmla.interop.launcher.plan import DecodeLaunchConfig, DecodePlan, decode_plan
+from funcmla.interop.launcher.support import TESTED_JAXLIB, jaxlib_unsupported_reason
+from funcmla.interop.launcher.torch_entry import (
+    register_torch_ops,
+    torch_decode,
+    torch_decode_unsupported_reason,
+)
+
+__all__ = [
+    "LauncherArgumentError",
+    "LauncherUnavailable",
+    "TritonCall",
+    "MosaicCall",
+    "extract_triton_calls",
+    "extract_kernel_calls",
+    "parse_kernel_call_proto",
+    "ptx_entry_params",
+    "TensorSpec",
+    "LoadedKernel",
+    "MosaicKernel",
+    "CompiledImage",
+    "DecodeLaunchConfig",
+    "DecodePlan",
+    "decode_plan",
+    "compile_plan",
+    "kernel_route",
+    "DecodeLauncher",
+    "PagedDecodeLauncher",
+    "decode_launcher",
+    "launcher_unavailable_reason",
+    "compile_call",
+    "ttir_text",
+    "ttir_divisibility",
+    "torch_decode",
+    "torch_decode_unsupported_reason",
+    "register_torch_ops",
+    "TESTED_JAXLIB",
+    "jaxlib_unsupported_reason",
+]

@@ -1,0 +1,245 @@
+"""Plan: the static configuration of a decode launcher and the kernels its JAX path runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
+from funcmla.attention.pallas.decode_common import num_row_blocks
+from funcmla.interop.launcher.checks import _SHORT_DTYPES
+from funcmla.interop.launcher.errors import LauncherUnavailable
+from funcmla.interop.launcher.extract import (MosaicCall, TritonCall, extract_kernel_calls,
+                                              lower_for_cuda)
+from funcmla.interop.launcher.support import jaxlib_unsupported_reason
+from funcmla.layout import PageTable
+
+
+_JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunchConfig:
+    """Static configuration of one compiled decode launcher.
+
+    num_seqs:    B (requests), num_heads: H, s_q: query tokens per request (T = B * s_q).
+    pool_rows:   rows (token slots) of kv_pool [pool_rows, head_dim].
+    page_size:   1: token CSR (kv_indptr [B+1], kv_indices [kv_capacity] token slots);
+                 > 1: page table [B, kv_capacity // B] of page ids + lengths [B] (tokens).
+    kv_capacity: entries of the index table: len(kv_indices), or B * max_pages.
+    max_kv_len:  token CSR only: static bound on KV tokens per request for the split rule;
+                 None: kv_capacity (as `mla_decode`). Page tables imply max_pages * page_size.
+    num_splits:  split-KV count; None: what `mla_decode` picks (its split rule).
+    """
+
+    num_seqs: int
+    num_heads: int
+    pool_rows: int
+    kv_capacity: int
+    sm_scale: float
+    s_q: int = 1
+    max_kv_len: int | None = None
+    num_splits: int | None = None
+    head_dim: int = 576
+    v_head_dim: int = 512
+    dtype: str = "bfloat16"
+    kernel: DecodeKernelConfig = DecodeKernelConfig()
+    page_size: int = 1
+
+    def __post_init__(self):
+        for name in ("num_seqs", "num_heads", "pool_rows", "kv_capacity", "s_q", "head_dim",
+                     "v_head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"DecodeLaunchConfig.{name} must be a positive int, got {value!r}")
+        for name in ("max_kv_len", "num_splits"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise ValueError(f"DecodeLaunchConfig.{name} must be None or a positive int, "
+                                 f"got {value!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"DecodeLaunchConfig.page_size must be a power of two, got "
+                             f"{self.page_size}")
+        if self.page_size > 1:
+            if self.kv_capacity % self.num_seqs:
+                raise ValueError(f"DecodeLaunchConfig.kv_capacity={self.kv_capacity} must be "
+                                 f"num_seqs * max_pages (num_seqs={self.num_seqs}) for a page "
+                                 "table")
+            if self.max_kv_len is not None:
+                raise ValueError("DecodeLaunchConfig.max_kv_len is implied by the page table "
+                                 "(max_pages * page_size); leave it None")
+        if self.dtype not in _JNP_DTYPES:
+            raise ValueError(f"DecodeLaunchConfig.dtype must be one of {sorted(_JNP_DTYPES)}, "
+                             f"got {self.dtype!r}")
+        if not isinstance(self.kernel, DecodeKernelConfig):
+            raise TypeError(f"DecodeLaunchConfig.kernel must be a DecodeKernelConfig, got "
+                            f"{type(self.kernel).__name__}")
+
+    @property
+    def rows(self) -> int:
+        return self.s_q * self.num_heads
+
+    @property
+    def block_m(self) -> int:
+        return self.kernel.resolved_block_m(self.rows)
+
+    @property
+    def rows_pad(self) -> int:
+        return num_row_blocks(self.rows, self.block_m) * self.block_m
+
+    @property
+    def max_pages(self) -> int:
+        """Page-table width (entries per request; kv_capacity // num_seqs)."""
+        return self.kv_capacity // self.num_seqs
+
+    @property
+    def resolved_max_kv_len(self) -> int:
+        if self.page_size > 1:
+            return self.max_pages * self.page_size
+        return self.kv_capacity if self.max_kv_len is None else self.max_kv_len
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """The kernels of one decode configuration, read from its JAX path (no GPU needed).
+
+    decode / merge: the Pallas calls of `mla_decode` for this configuration, in program
+    order (merge only when num_splits > 1): the decode is a `MosaicCall` where `mla_decode`
+    picks the Mosaic GPU kernel, else a `TritonCall`; kernel_reason: None for Mosaic GPU, else
+    why the JAX path runs the Triton kernel for these shapes; source: (the jitted JAX path,
+    its input avals), which the "xla" route compiles."""
+
+    config: DecodeLaunchConfig
+    num_splits: int
+    decode: TritonCall | MosaicCall
+    merge: TritonCall | None
+    source: tuple = dataclasses.field(compare=False, repr=False)
+    kernel_reason: str | None = None
+
+    @property
+    def calls(self) -> tuple[TritonCall | MosaicCall, ...]:
+        return (self.decode,) if self.merge is None else (self.decode, self.merge)
+
+    @property
+    def triton_calls(self) -> tuple[TritonCall, ...]:
+        return tuple(c for c in self.calls if isinstance(c, TritonCall))
+
+    @property
+    def rows_pad(self) -> int:
+        """Query rows per sequence as the decode kernel takes them (Triton pads to its row
+        block; the Mosaic GPU kernel only takes multiples of its own)."""
+        return self.config.rows if isinstance(self.decode, MosaicCall) else self.config.rows_pad
+
+    @property
+    def kernel(self) -> str:
+        """"mgpu" or "triton": the decode kernel this plan runs."""
+        return "mgpu" if isinstance(self.decode, MosaicCall) else "triton"
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
+    """(fn, avals): `mla_decode` for `config` as a function of the launcher's inputs, in the
+    launcher's argument order (q, kv_pool, kv_indptr, kv_indices) or (q, kv_pool, page_table,
+    lengths)."""
+    c = config
+    dt = _JNP_DTYPES[c.dtype]
+    b, t, i32 = c.num_seqs, c.num_seqs * c.s_q, jnp.int32
+    q = _sds((t, c.num_heads, c.head_dim), dt)
+    pool = _sds((c.pool_rows, c.head_dim), dt)
+    # The kernel choice is mla_decode's own (DecodeKernelConfig.kernel, "auto" by default), so
+    # the launcher runs the kernel the JAX path runs for these shapes in this process.
+    common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
+                  config=c.kernel, v_head_dim=c.v_head_dim)
+    if c.page_size == 1:
+        def csr(q, kv_pool, kv_indptr, kv_indices):
+            return mla_decode(q, kv_pool, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                              max_kv_len=c.max_kv_len, **common)
+
+        return csr, (q, pool, _sds((b + 1,), i32), _sds((c.kv_capacity,), i32))
+
+    def paged(q, kv_pool, page_table, lengths):
+        return mla_decode(q, kv_pool, page_table=PageTable(page_table, lengths, c.page_size),
+                          **common)
+
+    return paged, (q, pool, _sds((b, c.max_pages), i32), _sds((b,), i32))
+
+
+def triton_reason(config: DecodeLaunchConfig) -> str:
+    """Why `mla_decode` runs the Triton kernel for `config` in this process (its auto
+    dispatch, restated for the record; the extracted calls are what the launcher trusts)."""
+    from funcmla.attention.pallas import mgpu_decode_supported
+
+    c = config
+    if c.kernel.kernel == "triton":
+        return "DecodeKernelConfig.kernel='triton'"
+    why = mgpu_decode_supported(c.rows, c.page_size, c.head_dim, c.v_head_dim,
+                                _JNP_DTYPES[c.dtype])
+    if why is not None:
+        return f"the Mosaic GPU kernel does not take this shape: {why}"
+    try:
+        backend = jax.default_backend()
+    except RuntimeError as err:
+        backend = f"none ({err})"
+    if backend != "gpu":
+        return (f"JAX's default backend is {backend}, not a GPU: mla_decode's auto dispatch "
+                "picks the Triton kernel")
+    return ("the batch gives fewer than num_sms / 4 blocks of 64 rows: mla_decode's auto "
+            "dispatch picks the Triton kernel")
+
+
+def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
+    """Lower `mla_decode` for `config` for CUDA and read its kernels back (cached per config).
+    Raises LauncherUnavailable on a jaxlib the extraction was not tested on (`support.py`)."""
+    why = jaxlib_unsupported_reason()
+    if why is not None:
+        raise LauncherUnavailable(why)
+    return _decode_plan(config)
+
+
+@functools.lru_cache(maxsize=128)
+def _decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
+    c = config
+    b, d, dv, rp = c.num_seqs, c.head_dim, c.v_head_dim, c.rows_pad
+    fn, avals = jax_path(c)
+    try:
+        calls = extract_kernel_calls(lower_for_cuda(fn, *avals))
+    except ValueError as err:  # e.g. kernel="mgpu" on a shape the Mosaic GPU kernel refuses
+        raise LauncherUnavailable(f"mla_decode does not lower for {c}: {err}") from err
+    dname = _SHORT_DTYPES[c.dtype]
+    meta = ((b + 1,), "i32") if c.page_size == 1 else ((b,), "i32")
+    mosaic = bool(calls) and isinstance(calls[0], MosaicCall)
+    # Both kernels take q as [B, rows, D] (the s_q tokens of a sequence are consecutive, so
+    # this is q's own memory); rows = s_q * H for Mosaic GPU (a multiple of its 64-row block),
+    # rows_pad (s_q * H padded to the Triton row block) for Triton.
+    rows = c.rows if mosaic else rp
+    q_in = ((b, rows, d), dname)
+    want_in = (meta, ((c.kv_capacity,), "i32"), q_in, ((c.pool_rows, d), dname))
+    if not calls or calls[0].operands != want_in:
+        raise LauncherUnavailable(
+            "the JAX path's decode kernel is not the one this launcher wires: got "
+            f"{[(k.name, k.operands) for k in calls]}, expected operands {want_in} "
+            "(funcmla.attention.pallas changed its pallas_call)")
+    decode = calls[0]
+    splits = decode.results[0][0][1] if mosaic else decode.grid[1]
+    o_dtype = dname if splits == 1 else _SHORT_DTYPES[c.kernel.partial_dtype]
+    want_out = (((b, splits, rows, dv), o_dtype), ((b, splits, rows), "f32"))
+    want_merge = (want_out, (((b, rows, dv), dname), ((b, rows), "f32")))
+    ok = decode.results == want_out and len(calls) == (1 if splits == 1 else 2)
+    if ok and splits > 1:
+        ok = (isinstance(calls[1], TritonCall)
+              and (calls[1].operands, calls[1].results) == want_merge)
+    if not ok:
+        raise LauncherUnavailable(
+            "the JAX path's kernels are not the ones this launcher wires: got "
+            f"{[(k.name, k.operands, k.results) for k in calls]}, expected decode -> "
+            f"{want_out}" + (f", then a merge {want_merge}" if splits > 1 else ""))
+    return DecodePlan(c, splits, decode, calls[1] if splits > 1 else None, (fn, avals),
+                      kernel_reason=None if mosaic else triton_reason(c))

@@ -1,0 +1,149 @@
+"""torch entry point: `torch_decode` keyed by tensor shapes, and the registered torch op."""
+
+from __future__ import annotations
+
+from funcmla.attention.pallas import DecodeKernelConfig
+from funcmla.interop.launcher.decode import decode_launcher, launcher_unavailable_reason
+from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
+from funcmla.interop.launcher.plan import DecodeLaunchConfig
+
+
+_TORCH_KEYED: dict[tuple, object] = {}
+
+
+def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | None:
+    """None if `torch_decode` can run these inputs, else why not (the caller then falls back to
+    the DLPack + jit path). Checks kinds only (torch CUDA tensors, bf16/f16 q and pool, int32
+    metadata) and the launcher's availability; shapes and layout are checked by the call."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    for name, t in (("q", q), ("kv_pool", kv_pool), ("kv_indptr", kv_indptr),
+                    ("kv_indices", kv_indices)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a torch.Tensor ({type(t).__name__})"
+        if not t.is_cuda:
+            return f"{name} is on {t.device}, not a CUDA device"
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv_pool.dtype != q.dtype:
+        return f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must both be bf16 or f16"
+    if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
+        return "kv_indptr and kv_indices must be int32"
+    return launcher_unavailable_reason()
+
+
+def _keyed_launcher(q, kv_pool, x, y, *, sm_scale: float, s_q: int, page_size: int,
+                    max_kv_len: int | None, num_splits: int | None, v_head_dim: int,
+                    kernel: DecodeKernelConfig):
+    """The cached launcher for these tensors' static configuration (x, y: kv_indptr and
+    kv_indices at page size 1, else page_table [B, max_pages] and lengths [B])."""
+    key = (tuple(q.shape), kv_pool.shape[0], kv_pool.shape[-1], tuple(x.shape), tuple(y.shape),
+           q.dtype, float(sm_scale), s_q, page_size, max_kv_len, num_splits, v_head_dim, kernel,
+           q.get_device())
+    launcher = _TORCH_KEYED.get(key)
+    if launcher is not None:
+        return launcher
+    reason = torch_decode_unsupported_reason(q, kv_pool, x, y)
+    if reason is not None:
+        raise LauncherUnavailable(reason)
+    if page_size == 1:
+        b = x.shape[0] - 1 if x.dim() == 1 else -1
+        capacity = y.shape[0] if y.dim() == 1 else -1
+        layout = "kv_indptr [B+1], kv_indices [capacity]"
+    else:
+        b = x.shape[0] if x.dim() == 2 else -1
+        capacity = x.shape[0] * x.shape[1] if x.dim() == 2 else -1
+        layout = "page_table [B, max_pages], lengths [B]"
+        if y.dim() != 1 or y.shape[0] != b:
+            b = -1
+    if b <= 0 or capacity <= 0 or q.dim() != 3 or q.shape[0] != b * s_q:
+        raise LauncherArgumentError(
+            f"q {list(q.shape)} must be [B * s_q, H, D] with s_q = {s_q} and B from {layout}; "
+            f"got index tensors {list(x.shape)} and {list(y.shape)}")
+    config = DecodeLaunchConfig(
+        num_seqs=b, num_heads=q.shape[1], pool_rows=kv_pool.shape[0], kv_capacity=capacity,
+        sm_scale=float(sm_scale), s_q=s_q, max_kv_len=max_kv_len if page_size == 1 else None,
+        num_splits=num_splits, head_dim=q.shape[2], v_head_dim=v_head_dim,
+        dtype=str(q.dtype).removeprefix("torch."), kernel=kernel, page_size=page_size)
+    launcher = decode_launcher(config, q.device)
+    _TORCH_KEYED[key] = launcher
+    return launcher
+
+
+def torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int = 1,
+                 max_kv_len: int | None = None, num_splits: int | None = None,
+                 v_head_dim: int = 512, out=None, lse=None,
+                 kernel: DecodeKernelConfig = DecodeKernelConfig()):
+    """`mla_decode` on torch CUDA tensors through the launcher of their static configuration
+    (derived from the shapes; built once per configuration and cached).
+
+    q [B*s_q, H, D], kv_pool [rows, D] / [rows, 1, D], kv_indptr int32 [B+1], kv_indices int32
+    [capacity] -> (out [B*s_q, H, v_head_dim], lse float32 [B*s_q, H]).
+    Raises LauncherUnavailable where the launcher cannot run (see
+    `torch_decode_unsupported_reason`), LauncherArgumentError for misuse.
+    """
+    launcher = _keyed_launcher(q, kv_pool, kv_indptr, kv_indices, sm_scale=sm_scale, s_q=s_q,
+                               page_size=1, max_kv_len=max_kv_len, num_splits=num_splits,
+                               v_head_dim=v_head_dim, kernel=kernel)
+    return launcher(q, kv_pool, kv_indptr, kv_indices, out=out, lse=lse)
+
+
+_REGISTERED: dict[str, object] = {}
+
+
+def register_torch_ops() -> dict[str, object]:
+    """Register the launcher as torch ops (idempotent) and return them by name:
+
+    torch.ops.funcmla.mla_decode(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size,
+        max_kv_len, num_splits, v_head_dim) -> (out, lse)
+    torch.ops.funcmla.mla_decode_out(q, kv_pool, index_a, index_b, out, lse, ...same) -> ()
+        (writes out / lse in place)
+
+    index_a / index_b: kv_indptr / kv_indices at page_size 1, else page_table / lengths;
+    max_kv_len / num_splits: 0 for None. Each has a fake implementation (shapes only), so
+    torch.compile and piecewise CUDA graphs trace them as one opaque op; the real one is the
+    cached launcher (one foreign call). The default `DecodeKernelConfig` applies."""
+    if _REGISTERED:
+        return _REGISTERED
+    import torch
+
+    def launcher(q, kv_pool, a, b, sm_scale, s_q, page_size, max_kv_len, num_splits, v_head_dim):
+        return _keyed_launcher(q, kv_pool, a, b, sm_scale=sm_scale, s_q=s_q, page_size=page_size,
+                               max_kv_len=max_kv_len or None, num_splits=num_splits or None,
+                               v_head_dim=v_head_dim, kernel=DecodeKernelConfig())
+
+    statics = "float sm_scale, int s_q, int page_size, int max_kv_len, int num_splits, " \
+              "int v_head_dim"
+
+    @torch.library.custom_op("funcmla::mla_decode", mutates_args=(), device_types="cuda",
+                             schema=f"(Tensor q, Tensor kv_pool, Tensor index_a, Tensor index_b, "
+                                    f"{statics}) -> (Tensor, Tensor)")
+    def mla_decode_op(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len,
+                      num_splits, v_head_dim):
+        run = launcher(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len,
+                       num_splits, v_head_dim)
+        return run(q, kv_pool, index_a, index_b)
+
+    @mla_decode_op.register_fake
+    def _(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len, num_splits,
+          v_head_dim):
+        t, h = q.shape[0], q.shape[1]
+        return q.new_empty((t, h, v_head_dim)), q.new_empty((t, h), dtype=torch.float32)
+
+    @torch.library.custom_op("funcmla::mla_decode_out", mutates_args=("out", "lse"),
+                             device_types="cuda",
+                             schema=f"(Tensor q, Tensor kv_pool, Tensor index_a, Tensor index_b, "
+                                    f"Tensor(a!) out, Tensor(b!) lse, {statics}) -> ()")
+    def mla_decode_out_op(q, kv_pool, index_a, index_b, out, lse, sm_scale, s_q, page_size,
+                          max_kv_len, num_splits, v_head_dim):
+        run = launcher(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len,
+                       num_splits, v_head_dim)
+        run(q, kv_pool, index_a, index_b, out=out, lse=lse)
+
+    @mla_decode_out_op.register_fake
+    def _(q, kv_pool, index_a, index_b, out, lse, sm_scale, s_q, page_size, max_kv_len,
+          num_splits, v_head_dim):
+        return None
+
+    _REGISTERED.update(mla_decode=mla_decode_op, mla_decode_out=mla_decode_out_op)
+    return _REGISTERED

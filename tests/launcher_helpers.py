@@ -1,0 +1,56 @@
+"""Shared pieces of the launcher tests (tests/test_launcher_*.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from funcmla.interop import launcher as L
+
+SCALE = 0.1352337788608801
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(num: int, value) -> bytes:
+    if isinstance(value, int):
+        return _varint(num << 3) + _varint(value)
+    return _varint(num << 3 | 2) + _varint(len(value)) + value
+
+
+PTX = """
+.version 8.7
+.target sm_90a
+.address_size 64
+.extern .shared .align 16 .b8 global_smem[];
+.visible .entry mla_decode_ps1_m16_kv64(
+\t.param .u64 .ptr .global .align 1 mla_decode_ps1_m16_kv64_param_0,
+\t.param .u64 .ptr .global .align 1 mla_decode_ps1_m16_kv64_param_1,
+\t.param .u64 .ptr .global .align 1 mla_decode_ps1_m16_kv64_param_2
+)
+.reqntid 128
+{
+\tret;
+}
+"""
+
+
+def _lowering_available() -> str | None:
+    try:
+        L.decode_plan(L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64,
+                                           kv_capacity=32, sm_scale=SCALE))
+    except RuntimeError as err:  # jaxlib > 0.10.2 without the CUDA plugin cannot compile
+        return str(err)
+    return None
+
+
+needs_lowering = pytest.mark.skipif(_lowering_available() is not None,
+                                    reason="no Pallas Triton lowering for CUDA on this install")
+

@@ -1,0 +1,360 @@
+"""Launcher extraction and plans (CPU): the protobuf, PTX and Triton-IR readers against hand-built
+inputs, the kernels extracted from the JAX path's CUDA lowering (Triton and Mosaic GPU) against
+the decode kernel's grid and signature, plan caching, config validation, the compile routes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import pytest
+
+from funcmla.attention.pallas import DecodeKernelConfig
+from funcmla.interop import launcher as L
+from tests.launcher_helpers import PTX, SCALE, _field, _lowering_available, needs_lowering
+
+
+# ----------------------------------------------------------------------------- protobuf
+
+def _kernel_call(params: list[bytes], *, name="k", ptx="PTX", warps=4, smem=1024,
+                 grid=(3, 2, 5), num_ctas=None) -> bytes:
+    kernel = (_field(1, name.encode()) + _field(2, warps) + _field(3, smem)
+              + _field(4, ptx.encode()) + _field(5, b"ttir") + _field(6, 90))
+    if num_ctas is not None:
+        kernel += _field(10, num_ctas)
+    call = _field(1, kernel) + _field(2, grid[0]) + _field(3, grid[1]) + _field(4, grid[2])
+    for p in params:
+        call += _field(5, p)
+    return _field(1, call) + _field(3, b"") + _field(4, b"user")
+
+
+def _array(div=16, zero=0) -> bytes:
+    inner = (_field(1, zero) if zero else b"") + _field(2, div)
+    return _field(1, inner)
+
+
+def test_proto_reads_a_kernel_call():
+    raw = _kernel_call([_array(16), _array(8), _array(16)], name="mla", ptx=".entry mla()",
+                       warps=8, smem=70000, grid=(2, 7, 300), num_ctas=1)
+    p = L.parse_kernel_call_proto(zlib.decompress(zlib.compress(raw)))
+    assert p == {"name": "mla", "num_warps": 8, "num_ctas": 1, "shared_mem_bytes": 70000,
+                 "ptx": ".entry mla()", "grid": (2, 7, 300), "ptr_divisibility": (16, 8, 16)}
+
+
+def test_proto_refuses_what_the_launcher_cannot_launch():
+    with pytest.raises(ValueError, match="autotuned"):
+        L.parse_kernel_call_proto(_field(2, b""))
+    with pytest.raises(ValueError, match="array parameters"):
+        L.parse_kernel_call_proto(_kernel_call([_field(3, 5)]))  # an i32 scalar parameter
+    with pytest.raises(ValueError, match="zeroed bytes"):
+        L.parse_kernel_call_proto(_kernel_call([_array(16, zero=64)]))
+
+
+def test_ptx_entry_and_target():
+    entry, params = L.ptx_entry_params(PTX, "mla_decode_ps1_m16_kv64")
+    assert entry == "mla_decode_ps1_m16_kv64" and len(params) == 3
+    assert all(p.endswith(f"_param_{i}") for i, p in enumerate(params))
+    assert L.compile.ptx_target(PTX) == "sm_90a"
+    with pytest.raises(ValueError, match="expected one .entry other"):
+        L.ptx_entry_params(PTX, "other")
+
+
+# ----------------------------------------------------------------------------- plans
+
+def _expected_splits(b, rows, max_kv, kc: DecodeKernelConfig) -> int:
+    from funcmla.attention.pallas import choose_num_splits
+
+    block_m = kc.resolved_block_m(rows)
+    return choose_num_splits(b, -(-rows // block_m), max_kv, kc, block_m)
+
+
+@needs_lowering
+@pytest.mark.parametrize("b,h,s_q,max_kv,splits,ps", [
+    (4, 16, 1, 1024, None, 1),   # split-KV with merge
+    (300, 16, 1, 256, None, 1),  # many programs
+    (3, 8, 3, 256, None, 1),     # rows 24 -> padded to 32
+    (2, 128, 1, 512, 1, 1),      # two row blocks, forced single split
+    (4, 16, 1, 1024, None, 64),  # page table
+])
+def test_decode_plan_reads_the_jax_path_kernels(b, h, s_q, max_kv, splits, ps):
+    if ps == 1:
+        cap, pool = b * max_kv, b * max_kv + 64
+        cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=pool,
+                                   kv_capacity=cap, max_kv_len=max_kv, num_splits=splits,
+                                   sm_scale=SCALE)
+        meta = ((b + 1,), "i32")
+    else:
+        cap, pool = b * (max_kv // ps), b * max_kv + ps
+        cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=pool,
+                                   kv_capacity=cap, num_splits=splits, sm_scale=SCALE,
+                                   page_size=ps)
+        meta = ((b,), "i32")
+    plan = L.decode_plan(cfg)
+    rows = s_q * h
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    nrb = -(-rows // block_m)
+    s = splits or _expected_splits(b, rows, max_kv, cfg.kernel)
+    assert plan.num_splits == s
+    assert plan.decode.name == f"mla_decode_ps{ps}_m{block_m}_kv64"
+    assert plan.decode.grid == (nrb, s, b)
+    assert plan.decode.num_warps == (4 if block_m <= 16 else 8)
+    assert plan.decode.operands == (meta, ((cap,), "i32"), ((b, nrb * block_m, 576), "bf16"),
+                                    ((pool, 576), "bf16"))
+    assert plan.decode.results[1] == ((b, s, nrb * block_m), "f32")
+    if s == 1:
+        assert plan.merge is None and plan.calls == (plan.decode,)
+    else:
+        assert plan.merge.name.startswith(f"funcmla_merge_s{s}_d")
+        assert plan.merge.operands == plan.decode.results
+        assert plan.merge.results == (((b, nrb * block_m, 512), "bf16"),
+                                      ((b, nrb * block_m), "f32"))
+    assert all(d in (16, 32) for k in plan.calls for d in k.ptr_divisibility)
+    fn, avals = plan.source
+    assert [a.shape for a in avals][2:] == ([(b + 1,), (cap,)] if ps == 1
+                                            else [(b, cap // b), (b,)])
+
+
+@needs_lowering
+@pytest.mark.parametrize("partial_dtype,name", [("bfloat16", "bf16"), ("float32", "f32")])
+def test_decode_plan_partials_follow_partial_dtype(partial_dtype, name):
+    """The split partials the plan wires (decode result -> merge operand, and the buffer the
+    launcher allocates) are in `DecodeKernelConfig.partial_dtype`; the lse partials stay f32."""
+    cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=4096, kv_capacity=1024,
+                               max_kv_len=512, num_splits=4, sm_scale=SCALE,
+                               kernel=DecodeKernelConfig(partial_dtype=partial_dtype))
+    plan = L.decode_plan(cfg)
+    assert plan.decode.results == (((2, 4, 16, 512), name), ((2, 4, 16), "f32"))
+    assert plan.merge.operands == plan.decode.results
+
+
+def test_ttir_divisibility_reads_each_argument():
+    text = ("module {\n  tt.func public @k(%arg0: !tt.ptr<i32> {tt.divisibility = 32 : i32}, "
+            "%arg1: !tt.ptr<bf16>, %arg2: !tt.ptr<f32> {tt.divisibility = 16 : i32}) {\n"
+            "    tt.return\n  }\n}")
+    assert L.ttir_divisibility(text) == (32, 1, 16)
+    with pytest.raises(ValueError, match="no public tt.func"):
+        L.ttir_divisibility("module {}")
+
+
+def _triton_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as err:
+        return f"triton not importable ({err})"
+    return _lowering_available()
+
+
+@pytest.mark.skipif(_triton_reason() is not None, reason=str(_triton_reason()))
+def test_triton_route_compiles_the_plan_to_cubin_without_a_gpu():
+    cfg = L.DecodeLaunchConfig(num_seqs=8, num_heads=16, pool_rows=4096, kv_capacity=2048,
+                               max_kv_len=256, sm_scale=SCALE, num_splits=4)
+    plan = L.decode_plan(cfg)
+    images = L.compile_plan(plan, "9.0", "triton")
+    assert set(images) == {plan.decode.name, plan.merge.name}
+    for call in plan.calls:
+        img = images[call.name]
+        n = len(call.operands) + len(call.results)
+        assert img.entry == call.name and n <= img.num_params <= n + 2 and img.route == "triton"
+        assert img.image[:4] == b"\x7fELF"  # a cubin
+        entry, params = L.ptx_entry_params(img.ptx, img.entry)
+        assert len(params) == img.num_params
+    assert images[plan.decode.name].shared_mem_bytes > 48 * 1024
+
+
+@needs_lowering
+def test_plans_are_cached_per_static_configuration():
+    a = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32,
+                             sm_scale=SCALE)
+    b = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32,
+                             sm_scale=SCALE)
+    c = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=48,
+                             sm_scale=SCALE)
+    assert L.decode_plan(a) is L.decode_plan(b)
+    assert L.decode_plan(c) is not L.decode_plan(a)
+    assert L.decode_plan(c).decode.operands[1] == ((48,), "i32")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_seqs", 0, "num_seqs"), ("num_heads", -1, "num_heads"), ("s_q", 1.5, "s_q"),
+    ("pool_rows", True, "pool_rows"), ("max_kv_len", 0, "max_kv_len"),
+    ("num_splits", -2, "num_splits"), ("dtype", "float32", "dtype"),
+    ("page_size", 48, "power of two"),
+])
+def test_config_rejects_bad_values(field, value, match):
+    kw = dict(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32, sm_scale=SCALE)
+    kw[field] = value
+    with pytest.raises(ValueError, match=match):
+        L.DecodeLaunchConfig(**kw)
+
+
+def test_paged_config_rules():
+    kw = dict(num_seqs=4, num_heads=16, pool_rows=4096, sm_scale=SCALE, page_size=64)
+    assert L.DecodeLaunchConfig(kv_capacity=32, **kw).resolved_max_kv_len == 8 * 64
+    with pytest.raises(ValueError, match="num_seqs \\* max_pages"):
+        L.DecodeLaunchConfig(kv_capacity=30, **kw)
+    with pytest.raises(ValueError, match="implied by the page table"):
+        L.DecodeLaunchConfig(kv_capacity=32, max_kv_len=100, **kw)
+
+
+def test_kernel_route_resolution(monkeypatch):
+    assert L.kernel_route("triton") == "triton" and L.kernel_route("xla") == "xla"
+    monkeypatch.setenv("FUNCMLA_LAUNCHER_COMPILER", "triton")
+    assert L.kernel_route() == "triton"
+    monkeypatch.setenv("FUNCMLA_LAUNCHER_COMPILER", "auto")
+    assert L.kernel_route() == ("xla" if jax.default_backend() == "gpu" else "triton")
+    with pytest.raises(ValueError, match="one of"):
+        L.kernel_route("nvcc")
+
+
+# ----------------------------------------------------------------------------- Mosaic GPU
+_MGPU = DecodeKernelConfig(kernel="mgpu")
+
+
+@needs_lowering
+@pytest.mark.parametrize("b,h,s_q,ps,splits", [
+    (32, 128, 1, 1, None),   # the split rule splits: Mosaic GPU decode + Triton merge
+    (8, 128, 1, 64, 1),      # one split: the Mosaic GPU kernel alone
+    (4, 64, 2, 1, 2),        # s_q = 2: q folded to [B, s_q * H, D]
+    (4, 64, 1, 16, 3),       # page 16: one TMA copy per page
+])
+def test_mosaic_decode_is_extracted_with_its_module_and_buffers(b, h, s_q, ps, splits):
+    import hashlib
+
+    ctx = 1024
+    cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 4 * ps,
+                               kv_capacity=b * ctx // ps, num_splits=splits, sm_scale=SCALE,
+                               page_size=ps, kernel=_MGPU)
+    plan = L.decode_plan(cfg)
+    dec = plan.decode
+    assert isinstance(dec, L.MosaicCall) and plan.kernel == "mgpu" and plan.kernel_reason is None
+    # the module XLA would compile: MLIR bytecode, keyed by its SHA-256 like the custom call
+    assert dec.module.startswith(b"ML\xefR") and dec.kernel_hash == hashlib.sha256(
+        dec.module).digest()
+    rows, meta = s_q * h, ((b + 1,) if ps == 1 else (b,))
+    assert dec.operands == ((meta, "i32"), ((b * ctx // ps,), "i32"),
+                            ((b, rows, 576), "bf16"), ((b * ctx + 4 * ps, 576), "bf16"))
+    s = plan.num_splits
+    assert s == splits if splits else s > 1
+    o_dtype = "bf16"  # final output (s == 1) or bf16 partials (the default partial_dtype)
+    assert dec.results == (((b, s, rows, 512), o_dtype), ((b, s, rows), "f32"))
+    assert (plan.merge is None) == (s == 1)
+    if s > 1:
+        assert isinstance(plan.merge, L.TritonCall)
+        assert plan.merge.operands == dec.results
+    assert plan.triton_calls == ((plan.merge,) if s > 1 else ())
+    assert plan.rows_pad == rows
+
+
+@needs_lowering
+def test_auto_dispatch_records_why_the_triton_kernel_runs():
+    def plan(h, kernel="auto", b=8):
+        return L.decode_plan(L.DecodeLaunchConfig(
+            num_seqs=b, num_heads=h, pool_rows=b * 256, kv_capacity=b * 256, sm_scale=SCALE,
+            kernel=DecodeKernelConfig(kernel=kernel)))
+
+    # JAX's default backend here is the CPU: mla_decode's auto dispatch picks Triton
+    got = plan(128)
+    assert got.kernel == "triton" and isinstance(got.decode, L.TritonCall)
+    assert "default backend is cpu" in got.kernel_reason
+    assert "not a multiple of 64" in plan(16).kernel_reason
+    assert plan(128, "triton").kernel_reason == "DecodeKernelConfig.kernel='triton'"
+    with pytest.raises(L.LauncherUnavailable, match="not a multiple of 64"):
+        plan(16, "mgpu")
+
+
+@needs_lowering
+def test_auto_dispatch_on_a_gpu_backend_follows_mla_decode(monkeypatch):
+    # what the extraction trusts is the lowered custom call: with a GPU default backend the
+    # auto dispatch lowers the Mosaic GPU kernel at a batch that fills a quarter of the SMs
+    import funcmla.attention.pallas.decode_triton as dt
+
+    monkeypatch.setattr(dt.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(L.plan.jax, "default_backend", lambda: "gpu")
+    big = L.DecodeLaunchConfig(num_seqs=40, num_heads=128, pool_rows=40 * 256 + 1,
+                               kv_capacity=40 * 256, sm_scale=SCALE)
+    small = dataclasses.replace(big, num_seqs=2, kv_capacity=2 * 256)
+    assert L.decode_plan(big).kernel == "mgpu"
+    got = L.decode_plan(small)
+    assert got.kernel == "triton" and "num_sms / 4" in got.kernel_reason
+
+
+class _Lowered:
+    """A stand-in for jax's Lowered: compiler_ir() returns a module parsed from text."""
+
+    def __init__(self, text: str):
+        from jax._src.interpreters import mlir
+        from jax._src.lib.mlir import ir
+
+        with mlir.make_ir_context():
+            self.module = ir.Module.parse(text)
+
+    def compiler_ir(self, dialect):
+        return self.module
+
+
+def _mosaic_text(config: str, aliases: str = "") -> str:
+    return f'''
+func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {{
+  %0 = stablehlo.custom_call @mosaic_gpu_v2(%arg0) {{api_version = 2 : i32,
+    backend_config = "", mhlo.backend_config = {{{config}}}{aliases}}}
+    : (tensor<4xf32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}}'''
+
+
+def test_mosaic_call_is_read_from_its_backend_config():
+    calls = L.extract_kernel_calls(_Lowered(_mosaic_text(
+        'kernel_hash = "h", module = "ML\\EFRfuncmla_k", use_custom_barrier = false, '
+        'uses_xla_collective_metadata = false, skip_device_barrier = false')))
+    assert len(calls) == 1 and isinstance(calls[0], L.MosaicCall)
+    c = calls[0]
+    assert c.module == b"ML\xefRfuncmla_k" and c.kernel_hash == b"h"
+    assert c.operands == c.results == (((4,), "f32"),) and c.name == "funcmla_k"
+    assert L.extract_triton_calls(_Lowered(_mosaic_text('module = "x"'))) == []
+
+
+@pytest.mark.parametrize("config,aliases,match", [
+    ('kernel_hash = "h"', "", "without a module"),
+    ('module = "m", use_custom_barrier = true', "", "use_custom_barrier=true"),
+    ('module = "m", uses_xla_collective_metadata = true', "", "collective_metadata=true"),
+    ('module = "m", xla_replica_ids = "0,1"', "", "xla_replica_ids"),
+    ('module = "m"', ", output_operand_aliases = [#stablehlo.output_operand_alias<"
+     "output_tuple_indices = [], operand_index = 0, operand_tuple_indices = []>]", "aliases"),
+])
+def test_mosaic_calls_the_launcher_cannot_wire_are_refused(config, aliases, match):
+    with pytest.raises(L.LauncherUnavailable, match=match):
+        L.extract_kernel_calls(_Lowered(_mosaic_text(config, aliases)))
+
+
+# ----------------------------------------------------------------------------- jaxlib support
+def test_untested_jaxlib_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.delenv("FUNCMLA_LAUNCHER_ANY_JAXLIB", raising=False)
+    assert L.jaxlib_unsupported_reason() is None  # this CI's jaxlib is a tested one
+    monkeypatch.setattr(L.support, "jaxlib_version", lambda: "0.99.0")
+    why = L.jaxlib_unsupported_reason()
+    assert "jaxlib 0.99.0" in why and "0.10.2" in why and "0.11.2" in why
+    cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32,
+                               sm_scale=SCALE)
+    with pytest.raises(L.LauncherUnavailable, match="jaxlib 0.99.0"):
+        L.decode_plan(cfg)
+    monkeypatch.setenv("FUNCMLA_LAUNCHER_ANY_JAXLIB", "1")
+    assert L.jaxlib_unsupported_reason() is None
+
+
+@pytest.mark.parametrize("version,abi", [("0.10.2", 2), ("0.11.2", 1), ("0.12.0", 1)])
+def test_mosaic_host_abi_follows_the_jaxlib(monkeypatch, version, abi):
+    monkeypatch.setattr(L.support, "jaxlib_version", lambda: version)
+    assert L.support.mosaic_host_abi() == abi
+
+
+def test_mosaic_compiler_absent_here_says_why():
+    # CPU CI has no jaxlib CUDA plugin: building a Mosaic GPU kernel must refuse, not crash
+    why = L.mosaic.mosaic_unavailable_reason()
+    if why is None:
+        pytest.skip("this machine has jaxlib's Mosaic GPU compiler")
+    assert "MosaicGpuCompile" in why
+    with pytest.raises(L.LauncherUnavailable, match="MosaicGpuCompile"):
+        L.mosaic.mosaic_library()

@@ -1,0 +1,202 @@
+"""The launcher on a GPU (skipped without CUDA torch + JAX GPU): bit-identity with `mla_decode`
+(token CSR and page table, split and unsplit, the Triton and the Mosaic GPU kernel), CUDA-graph
+capture and replay with new data, misuse on the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from funcmla.interop import launcher as L
+from funcmla.layout import PageTable
+from tests.launcher_helpers import SCALE
+
+
+# ----------------------------------------------------------------------------- GPU
+def _gpu_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA torch"
+    if jax.devices()[0].platform != "gpu":
+        return "JAX has no GPU"
+    return L.launcher_unavailable_reason()
+
+
+gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+
+
+def _gpu_batch(cfg, seed):
+    rng = np.random.default_rng(seed)
+    dev = torch.device("cuda", 0)
+    lens = rng.integers(1, cfg.resolved_max_kv_len + 1, size=cfg.num_seqs)
+    lens[0] = 0
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(cfg.num_seqs * cfg.s_q, cfg.num_heads, 576, device=dev,
+                    generator=g).to(torch.bfloat16)
+    kv = torch.randn(cfg.pool_rows, 576, device=dev, generator=g).to(torch.bfloat16)
+    if cfg.page_size > 1:
+        pages = cfg.pool_rows // cfg.page_size
+        table = rng.integers(0, pages, size=(cfg.num_seqs, cfg.max_pages)).astype(np.int32)
+        return (q, kv, torch.from_numpy(table).to(dev),
+                torch.from_numpy(lens.astype(np.int32)).to(dev))
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    indices = np.zeros(cfg.kv_capacity, np.int32)
+    indices[: indptr[-1]] = rng.integers(0, cfg.pool_rows, size=indptr[-1])
+    return q, kv, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev)
+
+
+def _jax_path(cfg, q, kv, x, y):
+    from funcmla.attention.pallas import mla_decode
+
+    j = jax.dlpack.from_dlpack
+    common = dict(sm_scale=cfg.sm_scale, s_q=cfg.s_q, num_splits=cfg.num_splits,
+                  v_head_dim=cfg.v_head_dim)
+    if cfg.page_size > 1:
+        out, lse = mla_decode(j(q), j(kv), page_table=PageTable(j(x), j(y), cfg.page_size),
+                              **common)
+    else:
+        out, lse = mla_decode(j(q), j(kv), kv_indptr=j(x), kv_indices=j(y),
+                              max_kv_len=cfg.resolved_max_kv_len, **common)
+    return torch.from_dlpack(out), torch.from_dlpack(lse)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,s_q,splits,ps,kernel", [
+    (8, 16, 1, 1, 1, "triton"), (4, 16, 1, None, 1, "triton"), (3, 8, 3, None, 1, "triton"),
+    (4, 128, 1, None, 64, "triton"),  # batch below num_sms / 4 row blocks: Triton
+    (40, 128, 1, None, 1, "mgpu"), (40, 128, 1, 1, 64, "mgpu"), (24, 64, 2, None, 1, "mgpu")])
+def test_gpu_bit_identical_to_jax(b, h, s_q, splits, ps, kernel):
+    if ps == 1:
+        cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=8192,
+                                   kv_capacity=b * 512, max_kv_len=512, num_splits=splits,
+                                   sm_scale=SCALE)
+    else:
+        cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=8192,
+                                   kv_capacity=b * 8, num_splits=splits, sm_scale=SCALE,
+                                   page_size=ps)
+    lau = L.decode_launcher(cfg)
+    assert lau.plan.kernel == kernel, lau.plan.kernel_reason  # mla_decode's auto dispatch
+    q, kv, x, y = _gpu_batch(cfg, 1)
+    out, lse = lau(q, kv, x, y)
+    ref_out, ref_lse = _jax_path(cfg, q, kv, x, y)
+    torch.cuda.synchronize()
+    if not all(k.route in ("xla", "mosaic") for k in (lau.decode, lau.merge) if k is not None):
+        # The triton-package fallback (jaxlib 0.11.2: XLA's cubin was not recovered, see
+        # docs/torch_launcher.md): close to the JAX path, but not its bits.
+        o, r = out.float(), ref_out.float()
+        assert float((o - r).norm() / r.norm()) < 1e-2
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        pytest.xfail(f"launcher on the {lau.decode.route!r} route: not bit-identical by design")
+    assert torch.equal(_bits(out), _bits(ref_out))
+    assert torch.equal(_bits(lse), _bits(ref_lse))
+    if ps == 1:
+        out3, _ = L.torch_decode(q, kv, x, y, sm_scale=SCALE, s_q=s_q, max_kv_len=512,
+                                 num_splits=splits)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(out3), _bits(out))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,b", [(16, 4), (128, 40)])  # Triton decode + merge; Mosaic GPU + merge
+def test_gpu_graph_replay_runs_the_kernels_on_new_data(h, b):
+    cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=b * 512 + 64,
+                               kv_capacity=b * 512, max_kv_len=512, num_splits=4,
+                               sm_scale=SCALE)
+    lau = L.decode_launcher(cfg)
+    assert lau.plan.kernel == ("mgpu" if h == 128 else "triton")
+    layers = 3
+    q, kv, indptr, indices = _gpu_batch(cfg, 3)
+    qs = [q.clone() for _ in range(layers)]
+    outs = [torch.empty(b, h, 512, dtype=torch.bfloat16, device=q.device)
+            for _ in range(layers)]
+    lses = [torch.empty(b, h, device=q.device) for _ in range(layers)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        lau(qs[0], kv, indptr, indices, out=outs[0], lse=lses[0])
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(layers):
+            lau(qs[i], kv, indptr, indices, out=outs[i], lse=lses[i])
+    nq, _, nindptr, nindices = _gpu_batch(cfg, 4)
+    for i in range(layers):
+        qs[i].copy_(nq * (i + 1))
+    indptr.copy_(nindptr)
+    indices.copy_(nindices)
+    g.replay()
+    torch.cuda.synchronize()
+    for i in range(layers):
+        ro, rl = lau(qs[i], kv, indptr, indices)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(outs[i]), _bits(ro))
+        assert torch.equal(_bits(lses[i]), _bits(rl))
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_misuse_leaves_outputs_untouched():
+    cfg = L.DecodeLaunchConfig(num_seqs=4, num_heads=16, pool_rows=8192, kv_capacity=4 * 512,
+                               max_kv_len=512, sm_scale=SCALE)
+    lau = L.decode_launcher(cfg)
+    q, kv, indptr, indices = _gpu_batch(cfg, 5)
+    out = torch.full((4, 16, 512), 7.0, dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((4, 16), 7.0, device=q.device)
+    for bad in (dict(q=q.float()), dict(q=q.cpu()), dict(indices=indices[:-1]),
+                dict(q=q.transpose(0, 1).contiguous().transpose(0, 1))):
+        a = {"q": q, "indices": indices, **bad}
+        with pytest.raises(L.LauncherArgumentError):
+            lau(a["q"], kv, indptr, a["indices"], out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert bool((out == 7).all()) and bool((lse == 7).all())
+    assert math.isfinite(float(out.float().sum()))
+
+
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_sglang_backend_decode_runs_the_mosaic_kernel_through_the_launcher():
+    """FuncMLAAttnBackend (pallas, torch_launcher) at 128 heads and 40 requests: the decode goes
+    through the launcher, which runs the Mosaic GPU kernel `mla_decode` picks for the shape."""
+    from funcmla.interop.sglang_backend import (ForwardBatch, ForwardMode, FuncMLAAttnBackend,
+                                                MLATokenToKVPool, RadixAttention)
+    from funcmla.interop.testing import random_paged_batch
+    from funcmla.interop.torch_native import torch_native_mla_decode
+
+    h, n, ps = 128, 40, 16
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(0, 300, size=n).tolist()
+    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=[1] * n, page_size=ps,
+                           max_context_len=320, pool_size=n, num_pages=n * 320 // ps + 8)
+    pool = MLATokenToKVPool(b.num_slots - ps, ps, torch.bfloat16, 1, device="cuda")
+    pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape))
+    backend = FuncMLAAttnBackend(b.req_to_token.cuda(), pool, page_size=ps,
+                                 attention_backend="pallas", torch_launcher=True)
+    seq = b.seq_lens.cuda()
+    fb = ForwardBatch(ForwardMode.DECODE, n, b.req_pool_indices.cuda(), seq, b.seq_lens,
+                      int(b.seq_lens.sum()))
+    backend.init_forward_metadata(fb)
+    q = torch.randn(n, h, 576, device="cuda").to(torch.bfloat16)
+    before = set(L.torch_entry._TORCH_KEYED)
+    out = backend.forward_decode(q, None, None, RadixAttention(h, SCALE), fb,
+                                 save_kv_cache=False)
+    torch.cuda.synchronize()
+    assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
+    new = [L.torch_entry._TORCH_KEYED[k] for k in set(L.torch_entry._TORCH_KEYED) - before]
+    assert new and all(lau.plan.kernel == "mgpu" for lau in new)
+    want = torch_native_mla_decode(q, pool.kv_buffer[0], b.req_to_token.cuda(),
+                                   b.req_pool_indices.cuda(), seq, sm_scale=SCALE,
+                                   compute_dtype=torch.float32)
+    o, w = out.view(n, h, 512).float(), want.float()
+    assert float((o - w).norm() / w.norm()) < 1e-2

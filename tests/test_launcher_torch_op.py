@@ -1,0 +1,81 @@
+"""The launcher as torch ops (CPU): `torch.ops.funcmla.mla_decode(_out)` have fake
+implementations with the launcher's output shapes, so torch.export and torch.compile trace a
+decode step as one opaque op without a GPU (the real launches run on the GPU:
+bench/torch_path.py and tests/test_launcher_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from funcmla.interop import launcher as L
+from tests.launcher_helpers import SCALE
+
+B, H, T, CAP, POOL = 4, 128, 8, 4 * 64, 300  # s_q = 2
+
+
+def _inputs(page_size: int):
+    q = torch.empty(T, H, 576, dtype=torch.bfloat16)
+    kv = torch.empty(POOL, 576, dtype=torch.bfloat16)
+    if page_size == 1:
+        return q, kv, torch.empty(B + 1, dtype=torch.int32), torch.empty(CAP, dtype=torch.int32)
+    return (q, kv, torch.empty(B, CAP // page_size // B, dtype=torch.int32),
+            torch.empty(B, dtype=torch.int32))
+
+
+def test_registration_is_idempotent():
+    ops = L.register_torch_ops()
+    assert L.register_torch_ops() is ops and set(ops) == {"mla_decode", "mla_decode_out"}
+    assert hasattr(torch.ops.funcmla, "mla_decode") and hasattr(torch.ops.funcmla,
+                                                                "mla_decode_out")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fake_implementations_give_the_launchers_outputs(page_size):
+    L.register_torch_ops()
+    with FakeTensorMode():
+        q, kv, a, b = _inputs(page_size)
+        out, lse = torch.ops.funcmla.mla_decode(q, kv, a, b, SCALE, 2, page_size, 0, 0, 512)
+        assert out.shape == (T, H, 512) and out.dtype == torch.bfloat16
+        assert lse.shape == (T, H) and lse.dtype == torch.float32
+        o, s = torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H)
+        assert torch.ops.funcmla.mla_decode_out(q, kv, a, b, o, s, SCALE, 2, page_size, 0, 0,
+                                                512) is None
+
+
+class _Step(torch.nn.Module):
+    def forward(self, q, kv, a, b):
+        out, lse = torch.ops.funcmla.mla_decode(q, kv, a, b, SCALE, 2, 1, 0, 0, 512)
+        return out.float().sum(-1), lse
+
+
+def test_torch_export_traces_one_opaque_op():
+    L.register_torch_ops()
+    ep = torch.export.export(_Step(), _inputs(1))
+    calls = [n for n in ep.graph.nodes if n.op == "call_function"
+             and "funcmla" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["funcmla.mla_decode.default"]
+    out_meta = calls[0].meta["val"]
+    assert out_meta[0].shape == (T, H, 512) and out_meta[1].shape == (T, H)
+
+
+def test_torch_compile_fullgraph_sees_one_op():
+    L.register_torch_ops()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        metas = [n.meta["example_value"] for n in gm.graph.output_node().args[0]]
+
+        def run(*args):  # the real op needs a GPU: hand back tensors of the traced outputs
+            return [torch.zeros(m.shape, dtype=m.dtype) for m in metas]
+
+        return run
+
+    step = torch.compile(_Step(), backend=backend, fullgraph=True)
+    got = step(*_inputs(1))
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("funcmla.mla_decode" in t for t in targets) == 1, targets
+    assert got[0].shape == (T, H) and got[1].shape == (T, H)
