@@ -28,3 +28,13 @@ from funcmla.parallel.tp import (  # noqa: F401
     tp_mla_decode,
     tp_run_work_plan,
 )
+from funcmla.parallel.dp_schedule import POLICIES, DPSplit, split_batch  # noqa: F401
+from funcmla.parallel.dp import DPLayout, DPRank, DPStep, check_split, pad_step, rank_step  # noqa: F401,E501
+from funcmla.parallel.dp_attention import (  # noqa: F401
+    build_dp_step,
+    dp_attention,
+    gather_global,
+    rank_rows,
+    stack_pools,
+    stack_rows,
+)
