@@ -86,6 +86,9 @@ def test_split_invariants(loads, n, policy):
 
 # ------------------------------------------------------------------------ a global problem
 
+plan_jit = jax.jit(plan_mla_decode, static_argnames=("config",))
+
+
 def global_problem(heads, seed=0):
     """N requests (one empty) laid out in one slot space; q, pool, and the reference."""
     rng = np.random.default_rng(seed)
@@ -170,11 +173,12 @@ def test_dp4_executor_with_an_idle_rank_equals_single_device():
 
 
 def test_rank_steps_are_the_single_device_builders_and_stay_valid_padded():
-    """A rank's metadata is `decode_metadata` over its requests; its plan is `plan_mla_decode`
+    """A rank's metadata is `decode_metadata` over its requests (padded with empty ones to its
+    max_bs; rank 0 is IDLE: all padding); its plan is `plan_mla_decode`
     on its own CU count; after padding to the layout's common shapes the validator finds
     nothing new in the plan."""
-    g = global_problem(heads=16, seed=3)
-    split = split_batch(N, 4, policy="round_robin")
+    g = global_problem(heads=16)  # the executor test's problem: its rank steps compile once
+    split = split_batch(N, 4, policy="shortest_queue", loads=[3, 0, 0, 0])
     layout = layout_for(split, 16)
     mesh = make_mesh(dp=4)
     inputs = [(g["req_to_token"], g["rpi"][ids], g["lens"][ids]) for ids in split.requests]
@@ -183,13 +187,14 @@ def test_rank_steps_are_the_single_device_builders_and_stay_valid_padded():
         rank = layout.ranks[r]
         own = rank_step(g["req_to_token"], g["rpi"][ids], g["lens"][ids], rank=rank,
                         plan_config=layout.plan_config(r))
-        md = decode_metadata(g["req_to_token"], g["rpi"][ids], g["lens"][ids],
-                             capacity=rank.kv_capacity)
-        b, total = len(ids), int(g["lens"][ids].sum())
-        np.testing.assert_array_equal(own.metadata.kv_indptr[: b + 1], md.kv_indptr)
-        np.testing.assert_array_equal(own.metadata.kv_indices[:total], md.kv_indices[:total])
+        pad = rank.max_bs - len(ids)  # empty requests up to the rank's max_bs
+        md = decode_metadata(g["req_to_token"], np.pad(g["rpi"][ids], (0, pad)),
+                             np.pad(g["lens"][ids], (0, pad)), capacity=rank.kv_capacity)
+        for f in ("kv_indptr", "kv_indices", "qo_indptr", "kv_last_page_len"):
+            np.testing.assert_array_equal(getattr(own.metadata, f), getattr(md, f))
+        assert own.metadata.kv_indptr[len(ids)] == g["lens"][ids].sum()
         assert own.plan.num_cu == rank.device.num_cu
-        direct = plan_mla_decode(own.metadata.qo_indptr, own.metadata.kv_indptr,
+        direct = plan_jit(own.metadata.qo_indptr, own.metadata.kv_indptr,
                                  own.metadata.kv_last_page_len, config=layout.plan_config(r))
         for f in ("work_indptr", "work_info", "reduce_indptr", "reduce_final_map",
                   "reduce_partial_map"):
