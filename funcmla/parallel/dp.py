@@ -147,7 +147,7 @@ class DPLayout:
 
 def check_split(layout: DPLayout, split: DPSplit, seq_lens: Any) -> None:
     """Host check that every rank's batch fits its capacities; a ValueError naming the rank and
-    the field (`max_bs`, `max_context_len`, `kv_indices_capacity`)."""
+    the field (`max_bs`, `max_context_len`; these two bound `kv_indices_capacity`)."""
     if split.dp != layout.dp:
         raise ValueError(f"the split has {split.dp} ranks, DPLayout.ranks has {layout.dp}")
     seq_lens = np.asarray(seq_lens)
@@ -162,9 +162,6 @@ def check_split(layout: DPLayout, split: DPSplit, seq_lens: Any) -> None:
         if len(ids) and lens.max() > rank.buffers.max_context_len:
             raise ValueError(f"DP rank {r}: seq_lens max {lens.max()} exceeds its buffers' "
                              f"max_context_len={rank.buffers.max_context_len}")
-        if lens.sum() > rank.kv_capacity:
-            raise ValueError(f"DP rank {r}: {lens.sum()} KV tokens exceed its "
-                             f"kv_indices_capacity={rank.kv_capacity}")
 
 
 @functools.partial(jax.jit, static_argnames=("rank", "plan_config"))

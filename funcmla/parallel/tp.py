@@ -35,7 +35,7 @@ def local_heads(num_heads: int, mesh: Mesh, axis: str = TP_AXIS) -> int:
     tp = require_axis(mesh, axis)
     if num_heads % tp:
         raise ValueError(
-            f"num_heads={num_heads} (q.shape[1]) is not divisible by the {axis!r} axis size "
+            f"num_heads={num_heads} is not divisible by the {axis!r} axis size "
             f"{tp}: tensor parallelism gives every device the same number of heads")
     return num_heads // tp
 
