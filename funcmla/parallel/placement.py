@@ -66,14 +66,13 @@ def stack_ranks(per_rank: Sequence[Any], mesh: Mesh, *, axis: str = DP_AXIS,
     if len(per_rank) != dp:
         raise ValueError(f"stack_ranks got {len(per_rank)} ranks for the {axis!r} axis of "
                          f"size {dp}")
-    held = [r for r in local_ranks(mesh, axis)]
+    held = local_ranks(mesh, axis)
     missing = [r for r in held if per_rank[r] is None]
     if missing:
         raise ValueError(f"ranks {missing} have devices in this process but no data")
     template = per_rank[held[0]]
     leaves0, treedef = jax.tree_util.tree_flatten(template)
     per_leaf = [jax.tree_util.tree_leaves(per_rank[r]) for r in held]
-    me = jax.process_index()
     out = []
     for i, leaf0 in enumerate(leaves0):
         shape = tuple(np.shape(leaf0))
@@ -90,6 +89,5 @@ def stack_ranks(per_rank: Sequence[Any], mesh: Mesh, *, axis: str = DP_AXIS,
                                  f"{held[0]} has {shape}; pad every rank to one shape first")
             block = jnp.asarray(leaf)[None][(slice(None),) + tuple(idx[1:])]
             blocks.append(jax.device_put(block, dev))
-        assert all(d.process_index == me for d in index_map)
         out.append(jax.make_array_from_single_device_arrays(global_shape, sharding, blocks))
     return jax.tree_util.tree_unflatten(treedef, out)

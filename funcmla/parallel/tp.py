@@ -17,7 +17,7 @@ Bad layouts (heads not divisible, a mesh without the axis) fail before any compi
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -66,16 +66,12 @@ def _run(impl: str, q, kv_pool, metadata, plan, *, mesh: Mesh, axis: str, static
     return fn(q, kv_pool, metadata, plan)
 
 
-class _CSR(tuple):
-    """(qo_indptr, kv_indptr, kv_indices) as a pytree with the metadata field names."""
+class _CSR(NamedTuple):
+    """The token CSR with the metadata field names (`local_attention` reads them)."""
 
-    qo_indptr = property(lambda self: self[0])
-    kv_indptr = property(lambda self: self[1])
-    kv_indices = property(lambda self: self[2])
-
-
-jax.tree_util.register_pytree_node(_CSR, lambda c: (tuple(c), None),
-                                   lambda _, xs: _CSR(xs))
+    qo_indptr: Any
+    kv_indptr: Any
+    kv_indices: Any
 
 
 def tp_mla_decode(q: jax.Array, kv_pool: jax.Array, *, mesh: Mesh, axis: str = TP_AXIS,
@@ -90,7 +86,7 @@ def tp_mla_decode(q: jax.Array, kv_pool: jax.Array, *, mesh: Mesh, axis: str = T
                     static=kwargs)
     if kv_indptr is None or kv_indices is None:
         raise ValueError("pass kv_indptr and kv_indices (token CSR) or page_table")
-    return _run("pallas", q, kv_pool, _CSR((kv_indptr, kv_indptr, kv_indices)), None,
+    return _run("pallas", q, kv_pool, _CSR(None, kv_indptr, kv_indices), None,
                 mesh=mesh, axis=axis, static=kwargs)
 
 
@@ -98,7 +94,7 @@ def tp_attention_reference(q: jax.Array, kv_pool: jax.Array, qo_indptr: jax.Arra
                            kv_indptr: jax.Array, kv_indices: jax.Array, *, mesh: Mesh,
                            axis: str = TP_AXIS, **kwargs) -> tuple[jax.Array, jax.Array]:
     """`mla_attention_reference` with q split by heads over `axis` (kwargs static, as there)."""
-    return _run("reference", q, kv_pool, _CSR((qo_indptr, kv_indptr, kv_indices)), None,
+    return _run("reference", q, kv_pool, _CSR(qo_indptr, kv_indptr, kv_indices), None,
                 mesh=mesh, axis=axis, static=kwargs)
 
 
