@@ -207,13 +207,15 @@ def test_rank_steps_are_the_single_device_builders_and_stay_valid_padded():
         assert int(padded.plan.num_works) == int(own.plan.num_works)
 
 
-def test_dp2_tp2_reference_equals_single_device():
-    """--tp 4 --dp 2 --enable-dp-attention: 2 ranks, 32 heads split 16 + 16 inside each."""
+@pytest.mark.parametrize("impl", ["reference", "executor"])
+def test_dp2_tp2_equals_single_device(impl):
+    """--tp 4 --dp 2 --enable-dp-attention: 2 ranks, 32 heads split 16 + 16 inside each (the
+    executor runs each rank's plan for its 16 local heads)."""
     g = global_problem(heads=32, seed=1)
     split = split_batch(N, 2, policy="round_robin")
     layout = layout_for(split, 16)
     mesh = make_mesh(dp=2, tp=2)
-    (out, lse), _ = run_dp(g, split, layout, mesh, "reference")
+    (out, lse), _ = run_dp(g, split, layout, mesh, impl)
     check_global(g, out, lse)
     assert out.sharding.spec[:2] == (None, "tp")
 
