@@ -16,7 +16,7 @@ Timing, two views of each case (and of the XLA baseline):
     end of a run, / n: the GPU time per call when calls are issued back to back, gaps between
     kernels included) and the median duration of the decode and merge kernels.
 On the H200 machine the wall clock of one run of the jit carries ~0.4-1 ms of host work before
-and after its kernels (the GPU idles then; docs/decode_kernel_notes.md), i.e. 50-120 us per call
+and after its kernels (the GPU idles then; docs/decode_kernel.md), i.e. 50-120 us per call
 at n = 8: the wall clock measures that, not the kernel, for every case below ~1 ms per call.
 Options: --kernel-alone (the decode kernel alone, `mla_decode_rows`, wall clock),
 --merge-alone (the merge kernel alone on partials of the kernel's shape), --partial-dtype
@@ -65,18 +65,19 @@ from funcmla.attention.pallas import (  # noqa: E402
     mla_decode_rows,
 )
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
-from funcmla.attention.pallas.decode_triton import decode_num_splits, uses_mgpu  # noqa: E402
+from funcmla.attention.pallas.api import decode_num_splits, uses_mgpu  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     kv_rows_from_csr,
     kv_rows_from_page_table,
     num_row_blocks,
 )
+from funcmla.config import MLADims  # noqa: E402
 from funcmla.layout import PageTable  # noqa: E402
 
 from bench.decode_targets import case_label, print_verdicts, target_verdicts  # noqa: E402
 
 D, DV = 576, 512
-SM_SCALE = 0.1352337788608801
+SM_SCALE = MLADims().sm_scale
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -229,8 +230,8 @@ def device_stats(events, calls: int, runs: int) -> dict | None:
                    device time per call when calls are issued back to back (gaps included);
       busy_us      per call: sum of all durations / (runs * calls);
       decode_us / merge_us: median duration of the kernels named mla_decode* / *merge*;
-      memset_us    per call: summed duration of the memset activities (e.g. the zeroed arrival
-                   counters of the in-launch merge), memsets_per_call;
+      memset_us    per call: summed duration of the memset activities (e.g. zeroed buffers),
+                   memsets_per_call;
       kernels_per_call, kernels: the 6 largest kernels by total time (name, median us, count).
     None without events."""
     if not events or calls <= 0 or runs <= 0:
@@ -719,7 +720,7 @@ def variant_sweep(key, ceiling, results, deadline):
 
     # 16 heads: the default (kv64, 5 stages: two 64-token tiles in flight, one program per SM)
     # against 32-token tiles with 3 or 4 in flight. 128 heads: no cheap tiling change left
-    # (docs/decode_kernel_notes.md); the default runs.
+    # (docs/decode_kernel.md); the default runs.
     sweeps = {
         16: ([(32, 4096, 1), (128, 4096, 1)], {
             "kv64-st5": C(), "kv32-st9": C(block_kv=32, num_stages=9),

@@ -10,24 +10,25 @@ the result.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
-from funcmla.attention.pallas.decode_mgpu import (
+from funcmla.attention.pallas import (
+    DecodeKernelConfig,
     MgpuDecodeConfig,
+    merge_splits_pallas,
     mgpu_decode_supported,
+    mla_decode,
     mla_decode_rows_mgpu,
 )
-from funcmla.attention.pallas.merge import merge_splits_pallas
+from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
 from funcmla.layout import PageTable
 from tests.test_pallas_decode import SCALE, check, make_problem, reference
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
+# The merge kernel runs on the Pallas Triton lowering, which JAX deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
 
 def kv_rows(p, page_size):
@@ -132,16 +133,16 @@ def test_rejects_unsupported_call():
         run(p, s_q=1, page_size=64, num_splits=1, interpret=True)
 
 
-@pytest.mark.parametrize("space,directory,needle", [
-    (-1, "/tmp", "profile_space=-1"), (161, "/tmp", "profile_space=161"),
-    (8, "", "needs a profile_dir")])
-def test_rejects_bad_profile_config(space, directory, needle):
-    rng = np.random.default_rng(0)
-    p = make_problem(rng, batch=1, heads=64, s_q=1, page_size=64, lens=[5], max_pages=1)
-    cfg = MgpuDecodeConfig(profile_space=space, profile_dir=directory)
+@pytest.mark.parametrize("fields,needle", [
+    (dict(profile_space=-1, profile_dir="/tmp"), "profile_space=-1"),
+    (dict(profile_space=161, profile_dir="/tmp"), r"profile_space=161 .*\[0, 160\]"),
+    (dict(profile_space=8), "needs a profile_dir"),
+    (dict(consumer_registers=236), "consumer_registers must be a multiple of 8"),
+    (dict(consumer_registers=240, producer_registers=40), "exceeds 512"),
+])
+def test_rejects_bad_config(fields, needle):
     with pytest.raises(ValueError, match=needle):
-        mla_decode_rows_mgpu(p["q"], p["pool"], kv_rows(p, 64), sm_scale=SCALE, s_q=1,
-                             num_splits=1, config=cfg, interpret=True)
+        MgpuDecodeConfig(**fields)
 
 
 @pytest.mark.gpu
@@ -189,8 +190,6 @@ def test_gpu_profile_names_every_phase(tmp_path):
 def test_mla_decode_dispatches_to_mgpu():
     """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (token CSR, split, merge)
     through the Mosaic GPU kernel; an unsupported shape is refused by name."""
-    from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
-
     rng = np.random.default_rng(5)
     lens = [70, 3]
     p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=1, lens=lens, max_pages=80)
@@ -210,8 +209,6 @@ def test_mla_decode_dispatches_to_mgpu():
 def test_partial_dtypes(partial_dtype):
     """DecodeKernelConfig.partial_dtype reaches this kernel through `mla_decode`: partials
     stored in that dtype, merged in float32, within the reference tolerance."""
-    from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
-
     rng = np.random.default_rng(6)
     p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=[200, 0], max_pages=14)
     kv = kv_rows(p, 16)
