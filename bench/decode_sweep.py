@@ -114,14 +114,14 @@ def _bitwise_runs(jf, args, want, got, repeat: int) -> dict:
     return dict(calls=total, equal=equal)
 
 
-def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: int = 2):
+def run_case(key, h, b, ctx, page_size, variants, reps, ceiling, deadline, prof_runs: int = 2):
     kv_bytes = b * ctx * D * 2
     copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
     n = max(copies, 32 if kv_bytes < 64e6 else 8)
-    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, ps, 1, copies, n)
+    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, page_size, 1, copies, n)
     ref_o, ref_l = _ref_fn(qs[0], pools[0], slot_mat, 1)
     args = [(qs[i], pools[i % copies], meta) for i in range(n)]
-    mkl = dict(max_kv_len=ctx) if ps == 1 else {}
+    mkl = dict(max_kv_len=ctx) if page_size == 1 else {}
     nbytes = kv_bytes + qs[0].size * 2 + b * h * DV * 2
     flops = 2 * b * h * ctx * (D + DV)
     out, fns = [], []
@@ -129,7 +129,7 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: i
     for variant in variants:
         name, cfg, ns = variant
         if time.perf_counter() > deadline:
-            log(f"   (time limit) skipped H{h} B{b} L{ctx} p{ps} {name}")
+            log(f"   (time limit) skipped H{h} B{b} L{ctx} p{page_size} {name}")
             continue
         bm = cfg.resolved_block_m(h)
         rule = choose_num_splits(b, num_row_blocks(h, bm), ctx, cfg, bm)
@@ -138,7 +138,7 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: i
             q, p, **m, **mkl, sm_scale=SM_SCALE, num_splits=s, config=c,
             interpret=INTERPRET))(cfg, ns_eff)
         jf = jax.jit(lambda all_args, k=kern: [k(*a) for a in all_args])
-        r = dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=ps, num_splits=ns_eff,
+        r = dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=page_size, num_splits=ns_eff,
                  rule_splits=rule, block_m=bm, block_kv=cfg.block_kv,
                  num_warps=cfg.resolved_num_warps(bm), num_stages=cfg.resolved_num_stages(bm),
                  config=dataclasses.asdict(cfg), calls=n, copies=copies)
@@ -201,7 +201,7 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: i
     for r in out:
         if "error" in r:
             continue
-        log(f"   H{h} B{b} L{ctx} p{ps} {r['variant']:>14} ns={r['num_splits']:>3} "
+        log(f"   H{h} B{b} L{ctx} p{page_size} {r['variant']:>14} ns={r['num_splits']:>3} "
             f"(rule {r['rule_splits']}): wall {r['wall_us']:7.1f} us "
             f"({r['wall_pct_ceiling']:4.1f}%)"
             f" | device dec {r.get('decode_us', 0):7.1f} + merge {r.get('merge_us', 0):5.1f} = "
@@ -271,13 +271,13 @@ def main(argv=None):
         cases = [((16, 2, 256, 1), [("w4s5", w4s5, 2), ("w8s3", w8s3, None)]),
                  ((16, 2, 256, 64), [("w8s5", w8s5, 1)])]
     key = jax.random.PRNGKey(0)
-    for i, ((h, b, ctx, ps), variants) in enumerate(cases):
+    for i, ((h, b, ctx, page_size), variants) in enumerate(cases):
         if time.perf_counter() > deadline:
-            log(f"(time limit) skipped case H{h} B{b} L{ctx} p{ps}")
+            log(f"(time limit) skipped case H{h} B{b} L{ctx} p{page_size}")
             continue
-        log(f"== H{h} B{b} L{ctx} p{ps}")
+        log(f"== H{h} B{b} L{ctx} p{page_size}")
         try:
-            res["cases"] += run_case(jax.random.fold_in(key, i), h, b, ctx, ps, variants,
+            res["cases"] += run_case(jax.random.fold_in(key, i), h, b, ctx, page_size, variants,
                                      a.reps, ceiling, deadline)
         except Exception as e:  # noqa: BLE001
             log(f"   case failed: {type(e).__name__}: {str(e)[:400]}")

@@ -82,7 +82,8 @@ _PT = PageTable(_TABLE, jnp.array([20, 16], jnp.int32), 16)
 
 CASES: list[BadInput] = [
     # ------------------------------------------------------------------ mla_decode: q / kv_pool
-    BadInput("pallas.decode.q_float32", _csr(q=_q(dtype=jnp.float32), pool=_pool(dtype=jnp.float32)),
+    BadInput("pallas.decode.q_float32",
+             _csr(q=_q(dtype=jnp.float32), pool=_pool(dtype=jnp.float32)),
              TypeError, (r"q \(float32\)", "bfloat16 or float16")),
     BadInput("pallas.decode.pool_dtype_differs", _csr(pool=_pool(dtype=jnp.float16)),
              TypeError, (r"kv_pool \(float16\)", r"q \(bfloat16\)")),

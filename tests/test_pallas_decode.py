@@ -50,8 +50,10 @@ def reference(q, pool, slot_lists, s_q, sm_scale):
                                 qo_indptr, kv_indptr, kv_indices, sm_scale, DV)
 
 
-def make_problem(rng, *, batch, heads, s_q, page_size, lens, max_pages, capacity_pad=17):
-    """Random q and pool, a page table (page ids from a permutation of 1..), NaN elsewhere."""
+def make_problem(rng, *, batch, heads, s_q, page_size, lens, max_pages, capacity_pad=17,
+                 poison=np.nan):
+    """Random q and pool, a page table (page ids from a permutation of 1..); every pool row no
+    sequence uses (page 0 included, where padded table entries point) holds `poison`."""
     n_pages = batch * max_pages + 1
     slots = n_pages * page_size
     pool = rng.standard_normal((slots, D)).astype(np.float32)
@@ -68,7 +70,7 @@ def make_problem(rng, *, batch, heads, s_q, page_size, lens, max_pages, capacity
     live = np.zeros(slots, bool)
     for sl in slot_lists:
         live[sl] = True
-    pool[~live] = np.nan
+    pool[~live] = poison
     indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     indices = np.zeros(int(indptr[-1]) + capacity_pad, np.int32)
     if indptr[-1]:
@@ -138,11 +140,11 @@ def test_page_table_matches_reference(page_size, heads, s_q, num_splits):
 
 
 @settings(max_examples=6)
-@given(seed=st.integers(0, 2**31 - 1),
-       lens=st.lists(st.integers(0, 200), min_size=3, max_size=3))
-def test_random_lengths_token_csr(seed, lens):
-    """Any lengths (zero, partial blocks, several blocks) on one compiled shape."""
-    rng = np.random.default_rng(seed)
+@given(lens=st.lists(st.integers(0, 200), min_size=3, max_size=3))
+def test_random_lengths_token_csr(lens):
+    """Any lengths (zero, partial blocks, several blocks) on one compiled shape; Hypothesis
+    draws the lengths (the data is fixed), so a failure shrinks to the smallest lengths."""
+    rng = np.random.default_rng(0)
     lens = np.array(lens)
     p = make_problem(rng, batch=3, heads=16, s_q=2, page_size=1, lens=lens, max_pages=200,
                      capacity_pad=600 - int(lens.sum()))

@@ -144,9 +144,10 @@ def _triton_rows(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
                                               "interpret", "v_head_dim"))
-def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int = 1,
-                    num_splits: int | None = None, config: DecodeKernelConfig = DecodeKernelConfig(),
-                    v_head_dim: int = 512, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
+                    s_q: int = 1, num_splits: int | None = None,
+                    config: DecodeKernelConfig = DecodeKernelConfig(), v_head_dim: int = 512,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The Triton-lowered decode kernel alone (one pallas_call, no merge) on a `KVRows`;
     arguments as in `mla_decode`.
 

@@ -2,11 +2,8 @@
 they read (`KVRows`), the split rule (`choose_num_splits`) and the split-KV combine as XLA ops
 (`merge_splits`, the reference restatement of `merge.merge_splits_pallas`).
 
-`KVRows`: token t of sequence b lives in pool row
-`table[start[b] + t // page_size] * page_size + t % page_size`. A token CSR (page size 1) and a
-page table both map onto it without copying the index array; the kernels read `start` and
-`kv_len` themselves, so no XLA op runs before the launch. Design and measurements:
-docs/decode_kernel.md.
+A token CSR (page size 1) and a page table both map onto `KVRows` without copying the index
+array. Design and measurements: docs/decode_kernel.md.
 """
 
 from __future__ import annotations
@@ -128,9 +125,8 @@ class DecodeKernelConfig:
             raise ValueError("DecodeKernelConfig.kernel must be 'auto', 'triton' or 'mgpu', got "
                              f"{self.kernel!r}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(
-                f"DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
-            )
+            raise ValueError("DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got "
+                             f"{self.num_warps!r}")
 
     def resolved_block_m(self, rows: int) -> int:
         """Rows per program for `rows` folded query rows per sequence."""
