@@ -55,8 +55,6 @@ from bench.decode import (  # noqa: E402
 from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
-    kv_rows_from_csr,
-    kv_rows_from_page_table,
     num_row_blocks,
 )
 
