@@ -16,7 +16,7 @@ Timing, two views of each case (and of the XLA baseline):
     end of a run, / n: the GPU time per call when calls are issued back to back, gaps between
     kernels included) and the median duration of the decode and merge kernels.
 On the H200 machine the wall clock of one run of the jit carries ~0.4-1 ms of host work before
-and after its kernels (the GPU idles then; docs/decode_kernel_notes.md), i.e. 50-120 us per call
+and after its kernels (the GPU idles then; docs/decode_kernel.md), i.e. 50-120 us per call
 at n = 8: the wall clock measures that, not the kernel, for every case below ~1 ms per call.
 Options: --kernel-alone (the decode kernel alone, `mla_decode_rows`, wall clock),
 --merge-alone (the merge kernel alone on partials of the kernel's shape), --partial-dtype
@@ -65,18 +65,19 @@ from funcmla.attention.pallas import (  # noqa: E402
     mla_decode_rows,
 )
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
-from funcmla.attention.pallas.decode_triton import decode_num_splits, uses_mgpu  # noqa: E402
+from funcmla.attention.pallas.api import decode_num_splits, uses_mgpu  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     kv_rows_from_csr,
     kv_rows_from_page_table,
     num_row_blocks,
 )
+from funcmla.config import MLADims  # noqa: E402
 from funcmla.layout import PageTable  # noqa: E402
 
 from bench.decode_targets import case_label, print_verdicts, target_verdicts  # noqa: E402
 
 D, DV = 576, 512
-SM_SCALE = 0.1352337788608801
+SM_SCALE = MLADims().sm_scale
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -229,8 +230,8 @@ def device_stats(events, calls: int, runs: int) -> dict | None:
                    device time per call when calls are issued back to back (gaps included);
       busy_us      per call: sum of all durations / (runs * calls);
       decode_us / merge_us: median duration of the kernels named mla_decode* / *merge*;
-      memset_us    per call: summed duration of the memset activities (e.g. the zeroed arrival
-                   counters of the in-launch merge), memsets_per_call;
+      memset_us    per call: summed duration of the memset activities (e.g. zeroed buffers),
+                   memsets_per_call;
       kernels_per_call, kernels: the 6 largest kernels by total time (name, median us, count).
     None without events."""
     if not events or calls <= 0 or runs <= 0:
@@ -360,25 +361,25 @@ def correctness_sweep(rng, results):
     for h in (16, 32, 64, 128):
         for s_q in (1, 2, 3, 4):
             cases.append((h, s_q, (1, 16, 64)[len(cases) % 3]))
-    for h, s_q, ps in cases:
+    for h, s_q, page_size in cases:
         b = 5
         lens = rng.integers(0, 700, size=b)
         lens[1] = 0
         lens[2] = max(lens[2], 1)
-        max_pages = -(-int(lens.max()) // ps) + 1
+        max_pages = -(-int(lens.max()) // page_size) + 1
         n_pages = b * max_pages + 1
-        slots = n_pages * ps
+        slots = n_pages * page_size
         pool = rng.standard_normal((slots, D)).astype(np.float32)
-        pool[:ps] = np.nan  # reserved page / padding target
+        pool[:page_size] = np.nan  # reserved page / padding target
         q = rng.standard_normal((b * s_q, h, D)).astype(np.float32)
         page_perm = rng.permutation(np.arange(1, n_pages)).astype(np.int32)
         table = page_perm[: b * max_pages].reshape(b, max_pages).copy()
         slot_lists = []
         for i in range(b):
-            np_ = -(-int(lens[i]) // ps)
+            np_ = -(-int(lens[i]) // page_size)
             table[i, np_:] = 0  # padded entries
             pos = np.arange(lens[i])
-            slot_lists.append(table[i, pos // ps] * ps + pos % ps)
+            slot_lists.append(table[i, pos // page_size] * page_size + pos % page_size)
         # poison rows not used by any sequence
         used = np.zeros(slots, bool)
         for sl in slot_lists:
@@ -388,14 +389,14 @@ def correctness_sweep(rng, results):
         pb = jnp.asarray(pool, jnp.bfloat16)
         ref_o, ref_l = np_reference(qb, pb, slot_lists, s_q, SM_SCALE)
         for ns in (None, 1, 3):
-            if ps == 1:
+            if page_size == 1:
                 indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
                 ind = np.zeros(int(indptr[-1]) + 37, np.int32)
                 ind[: indptr[-1]] = np.concatenate(slot_lists) if indptr[-1] else []
                 meta = dict(kv_indptr=jnp.asarray(indptr), kv_indices=jnp.asarray(ind))
             else:
                 meta = dict(page_table=PageTable(jnp.asarray(table), jnp.asarray(
-                    lens.astype(np.int32)), ps))
+                    lens.astype(np.int32)), page_size))
             o, lse = mla_decode(qb, pb, **meta, sm_scale=SM_SCALE, s_q=s_q, num_splits=ns)
             o = np.asarray(jnp.asarray(o, jnp.float32), np.float64)
             lse = np.asarray(lse, np.float64)
@@ -406,7 +407,7 @@ def correctness_sweep(rng, results):
                   and (lse[~live] == np.inf).all() and (o[~live] == 0).all())
             worst = max(worst, err)
             if not ok:
-                fails.append(dict(h=h, s_q=s_q, ps=ps, ns=ns, err=float(err)))
+                fails.append(dict(h=h, s_q=s_q, page_size=page_size, ns=ns, err=float(err)))
     log(f"   {len(cases) * 3} runs, worst rel err {worst:.2e}, failures {len(fails)}: {fails[:5]}")
     results["correctness"] = dict(runs=len(cases) * 3, worst_rel_err=worst, failures=fails)
     return not fails
@@ -447,7 +448,7 @@ def _ref_fn(q, p, slot_mat, s_q):
                       sm_scale=SM_SCALE, precision=HI)
 
 
-def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, baseline=True,
+def bench_case(key, h, b, ctx, page_size, ceiling, reps, config, num_splits=None, baseline=True,
                s_q=1, kernel_only=False, merge_alone=False, profile=True, check=True):
     """One case, timed two ways (see the module docstring): `wall_us`, the wall clock per
     `mla_decode` call of a jit of n calls; `device_us`, the device span per call of that jit
@@ -459,10 +460,10 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     kv_bytes = b * ctx * D * 2
     copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
     n = max(copies, 32 if kv_bytes < 64e6 else 8)
-    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, ps, s_q, copies, n)
+    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, page_size, s_q, copies, n)
     # metadata travels as jit arguments (never as baked-in constants)
     args = [(qs[i], pools[i % copies], meta) for i in range(n)]
-    mkl = dict(max_kv_len=ctx) if ps == 1 else {}
+    mkl = dict(max_kv_len=ctx) if page_size == 1 else {}
     kern = lambda q, p, m: mla_decode(q, p, **m, **mkl, sm_scale=SM_SCALE,  # noqa: E731
                                       s_q=s_q, num_splits=num_splits, config=config)
     t0 = time.perf_counter()
@@ -471,13 +472,13 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     rows = s_q * h
     cfg = config
     bm = cfg.resolved_block_m(rows)
-    mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), ps, s_q)
+    mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), page_size, s_q)
     kernel = "mgpu" if mgpu else "triton"
     ns = num_splits or decode_num_splits(cfg, b, rows, ctx, mgpu=mgpu)
     t_kern = None
     if kernel_only and ns > 1:
         def parts(q, p, m):
-            kv = (kv_rows_from_csr(m["kv_indptr"], m["kv_indices"], ctx) if ps == 1
+            kv = (kv_rows_from_csr(m["kv_indptr"], m["kv_indices"], ctx) if page_size == 1
                   else kv_rows_from_page_table(m["page_table"]))
             return mla_decode_rows(q, p, kv, sm_scale=SM_SCALE, s_q=s_q, num_splits=ns,
                                    config=cfg)
@@ -487,7 +488,7 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
         o, lse = jax.jit(kern)(qs[0], pools[0], meta)
         ref_key = (tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
                    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-                   else tuple(np.asarray(key).ravel().tolist()), h, b, ctx, ps, s_q)
+                   else tuple(np.asarray(key).ravel().tolist()), h, b, ctx, page_size, s_q)
         if ref_key not in _REFS:
             _REFS.clear()  # one case's reference at a time (they can be large)
             _REFS[ref_key] = _ref_fn(qs[0], pools[0], slot_mat, s_q)
@@ -522,7 +523,7 @@ def bench_case(key, h, b, ctx, ps, ceiling, reps, config, num_splits=None, basel
     x_dev = None if t_x is None or t_x.dev is None else t_x.dev["span_us"]
     x_wall = None if t_x is None else t_x.wall_s * 1e6
     x_us = x_dev if device_us else x_wall
-    return dict(heads=h, batch=b, ctx=ctx, page_size=ps, s_q=s_q, num_splits=ns, block_m=bm,
+    return dict(heads=h, batch=b, ctx=ctx, page_size=page_size, s_q=s_q, num_splits=ns, block_m=bm,
                 kernel=kernel,
                 block_kv=cfg.block_kv, num_stages=cfg.resolved_num_stages(bm),
                 num_warps=cfg.resolved_num_warps(bm), copies=copies, calls_per_timing=n,
@@ -682,8 +683,9 @@ GRID_ORDER_NOTE = ("grid order: target cases first (B >= 32 ctx 4k, batch 1 ctx 
 
 
 def grid_cases(ctxs):
-    """(h, b, ctx, ps) in priority order (see GRID_ORDER_NOTE)."""
-    allc = [(h, b, c, ps) for h in (16, 128) for b in (1, 32, 128) for c in ctxs for ps in (1, 64)]
+    """(h, b, ctx, page_size) in priority order (see GRID_ORDER_NOTE)."""
+    allc = [(h, b, c, page_size) for h in (16, 128) for b in (1, 32, 128) for c in ctxs
+            for page_size in (1, 64)]
     t4k = [x for x in allc if x[1] >= 32 and x[2] == 4096]
     b1 = [x for x in allc if x[1] == 1 and x[2] == 4096]
     t16k = [x for x in allc if x[1] >= 32 and x[2] > 4096]
@@ -698,18 +700,18 @@ def variant_sweep(key, ceiling, results, deadline):
     results["variants"] = var
     tuned = {}
 
-    def run(name, h, b, ctx, ps, c, ns=None, **kw):
+    def run(name, h, b, ctx, page_size, c, ns=None, **kw):
         if time.perf_counter() > deadline:
             log(f"   (time limit) skipped H{h} B{b} {name}")
             return None
         try:
-            r = bench_case(key, h, b, ctx, ps, ceiling, 5, c, num_splits=ns, baseline=False,
+            r = bench_case(key, h, b, ctx, page_size, ceiling, 5, c, num_splits=ns, baseline=False,
                            kernel_only=kw.pop("kernel_only", False),
                            merge_alone=kw.pop("merge_alone", False), **kw)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-            log(f"   {case_label(h, b, ctx, ps)} {name}: FAILED {type(e).__name__}: "
+            log(f"   {case_label(h, b, ctx, page_size)} {name}: FAILED {type(e).__name__}: "
                 f"{str(e)[:300]}")
-            var.append(dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=ps,
+            var.append(dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=page_size,
                             error=f"{type(e).__name__}: {str(e)[:300]}"))
             return None
         r["variant"] = name
@@ -719,7 +721,7 @@ def variant_sweep(key, ceiling, results, deadline):
 
     # 16 heads: the default (kv64, 5 stages: two 64-token tiles in flight, one program per SM)
     # against 32-token tiles with 3 or 4 in flight. 128 heads: no cheap tiling change left
-    # (docs/decode_kernel_notes.md); the default runs.
+    # (docs/decode_kernel.md); the default runs.
     sweeps = {
         16: ([(32, 4096, 1), (128, 4096, 1)], {
             "kv64-st5": C(), "kv32-st9": C(block_kv=32, num_stages=9),
@@ -731,8 +733,8 @@ def variant_sweep(key, ceiling, results, deadline):
         score = {}
         for name, c in cfgs.items():
             tot = 0.0
-            for (b, ctx, ps) in cases:
-                r = run(name, h, b, ctx, ps, c)
+            for (b, ctx, page_size) in cases:
+                r = run(name, h, b, ctx, page_size, c)
                 tot += math.inf if r is None else r["time_us"] / (b * ctx)
             score[name] = tot
         first = next(iter(cfgs))  # the default: replaced only by a variant >= 3% faster
@@ -845,20 +847,20 @@ def main(argv=None):
         ctxs = (4096,) if args.quick else (1024, 4096, 16384)
         skipped = []
         only = None if args.only is None else re.compile(args.only)
-        for i, (h, b, ctx, ps) in enumerate(grid_cases(ctxs)):
-            if only is not None and not only.search(case_label(h, b, ctx, ps)):
+        for i, (h, b, ctx, page_size) in enumerate(grid_cases(ctxs)):
+            if only is not None and not only.search(case_label(h, b, ctx, page_size)):
                 continue
             if time.perf_counter() > deadline:
-                skipped.append((h, b, ctx, ps))
+                skipped.append((h, b, ctx, page_size))
                 continue
             cfg = dataclasses.replace(tuned.get(h, DecodeKernelConfig()),
                                       partial_dtype=args.partial_dtype)
             try:
-                r = bench_case(jax.random.fold_in(key, i), h, b, ctx, ps, ceiling, args.reps,
+                r = bench_case(jax.random.fold_in(key, i), h, b, ctx, page_size, ceiling, args.reps,
                                cfg, profile=not args.no_profile,
                                kernel_only=args.kernel_alone, merge_alone=args.merge_alone)
             except Exception as e:  # noqa: BLE001
-                log(f"   {case_label(h, b, ctx, ps)}: FAILED {type(e).__name__}: {e}")
+                log(f"   {case_label(h, b, ctx, page_size)}: FAILED {type(e).__name__}: {e}")
                 ok = False
                 continue
             rows.append(r)

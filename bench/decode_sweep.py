@@ -1,4 +1,6 @@
-"""Tiling / split sweep of the Pallas decode kernel with CUPTI device times (one GPU call).
+"""Tiling / split sweep of the Triton-lowered decode kernel with CUPTI device times (one GPU
+call): the measurements behind `DecodeKernelConfig`'s Triton defaults (block_kv, num_stages,
+num_warps, block_m) and the split rule's choices (docs/decode_kernel.md, "Knobs").
 
 For each case (heads, batch, ctx, page size) the data (pool copies, q, metadata) and the float32
 reference are made once; then every candidate (DecodeKernelConfig, num_splits) is
@@ -53,22 +55,21 @@ from bench.decode import (  # noqa: E402
 from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
     choose_num_splits,
-    kv_rows_from_csr,
-    kv_rows_from_page_table,
     num_row_blocks,
 )
-from funcmla.attention.pallas.decode_triton import (  # noqa: E402
-    decode_counters,
-    mla_decode_merged_rows,
-)
 
-C = DecodeKernelConfig
+
+def C(**fields) -> DecodeKernelConfig:  # noqa: N802 - the sweep's short name for a config
+    """A Triton-kernel config (the sweep times the Triton tiling at 128 heads too)."""
+    return DecodeKernelConfig(kernel="triton", **fields)
+
+
 INTERPRET = False  # --dry: Pallas interpret mode (CPU), tiny cases
 
 
 def segment_stats(evs, n_calls: int, runs: int) -> dict:
-    """device_us = decode + merge kernel medians + the memsets per call (the in-launch merge's
-    zeroed counters); busy_us = every device activity per call; span as bench.decode."""
+    """device_us = decode + merge kernel medians + the memsets per call; busy_us = every
+    device activity per call; span as bench.decode."""
     st = device_stats(evs, n_calls, runs) or dict(span_us=0.0, decode_us=0.0, merge_us=0.0,
                                                    memset_us=0.0, memsets_per_call=0.0,
                                                    busy_us=0.0, kernels_per_call=0.0,
@@ -97,34 +98,6 @@ def host_floor(n=32, reps=5) -> float:
     return statistics.median(ts)
 
 
-def _threaded_calls(h, b, ctx, ps, cfg, ns):
-    """A jit of n calls of `mla_decode_merged_rows` (the in-launch merge) passing its arrival
-    counters from call to call (donated between runs), so no call clears them: what a caller
-    that keeps the counters across steps pays. Returns fn(all_args) -> [(out, lse)] * n."""
-    rows = h  # s_q = 1
-    state = [decode_counters(b, h, config=cfg)]
-
-    def many(all_args, counters):
-        outs = []
-        for q, p, m in all_args:
-            kv = (kv_rows_from_csr(m["kv_indptr"], m["kv_indices"], ctx) if ps == 1
-                  else kv_rows_from_page_table(m["page_table"]))
-            o, lse, counters = mla_decode_merged_rows(q, p, kv, counters, sm_scale=SM_SCALE,
-                                                      num_splits=ns, config=cfg,
-                                                      interpret=INTERPRET)
-            outs.append((o[:, :rows].reshape(b, h, DV), lse[:, :rows].reshape(b, h)))
-        return outs, counters
-
-    jfd = jax.jit(many, donate_argnums=1)
-
-    def run(all_args):
-        outs, state[0] = jfd(all_args, state[0])
-        return outs
-
-    run.counters = state
-    return run
-
-
 def _bitwise_runs(jf, args, want, got, repeat: int) -> dict:
     """Calls (of 1 + repeat runs of jf) whose out and lse equal `want`'s bit for bit."""
     def same(a, b):
@@ -139,39 +112,34 @@ def _bitwise_runs(jf, args, want, got, repeat: int) -> dict:
     return dict(calls=total, equal=equal)
 
 
-def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: int = 2):
+def run_case(key, h, b, ctx, page_size, variants, reps, ceiling, deadline, prof_runs: int = 2):
     kv_bytes = b * ctx * D * 2
     copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
     n = max(copies, 32 if kv_bytes < 64e6 else 8)
-    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, ps, 1, copies, n)
+    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, page_size, 1, copies, n)
     ref_o, ref_l = _ref_fn(qs[0], pools[0], slot_mat, 1)
     args = [(qs[i], pools[i % copies], meta) for i in range(n)]
-    mkl = dict(max_kv_len=ctx) if ps == 1 else {}
+    mkl = dict(max_kv_len=ctx) if page_size == 1 else {}
     nbytes = kv_bytes + qs[0].size * 2 + b * h * DV * 2
     flops = 2 * b * h * ctx * (D + DV)
     out, fns = [], []
     first_res = {}  # split count -> the first variant's n results with it (bitwise checks)
     for variant in variants:
-        name, cfg, ns = variant[:3]
-        threaded = len(variant) > 3 and variant[3] == "threaded"
+        name, cfg, ns = variant
         if time.perf_counter() > deadline:
-            log(f"   (time limit) skipped H{h} B{b} L{ctx} p{ps} {name}")
+            log(f"   (time limit) skipped H{h} B{b} L{ctx} p{page_size} {name}")
             continue
         bm = cfg.resolved_block_m(h)
         rule = choose_num_splits(b, num_row_blocks(h, bm), ctx, cfg, bm)
         ns_eff = rule if ns is None else ns
-        if threaded:
-            jf = _threaded_calls(h, b, ctx, ps, cfg, ns_eff)
-        else:
-            kern = (lambda c, s: lambda q, p, m: mla_decode(
-                q, p, **m, **mkl, sm_scale=SM_SCALE, num_splits=s, config=c,
-                interpret=INTERPRET))(cfg, ns_eff)
-            jf = jax.jit(lambda all_args, k=kern: [k(*a) for a in all_args])
-        r = dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=ps, num_splits=ns_eff,
+        kern = (lambda c, s: lambda q, p, m: mla_decode(
+            q, p, **m, **mkl, sm_scale=SM_SCALE, num_splits=s, config=c,
+            interpret=INTERPRET))(cfg, ns_eff)
+        jf = jax.jit(lambda all_args, k=kern: [k(*a) for a in all_args])
+        r = dict(variant=name, heads=h, batch=b, ctx=ctx, page_size=page_size, num_splits=ns_eff,
                  rule_splits=rule, block_m=bm, block_kv=cfg.block_kv,
                  num_warps=cfg.resolved_num_warps(bm), num_stages=cfg.resolved_num_stages(bm),
-                 config=dataclasses.asdict(cfg), calls=n, copies=copies,
-                 counters="threaded (mla_decode_merged_rows)" if threaded else None)
+                 config=dataclasses.asdict(cfg), calls=n, copies=copies)
         try:
             t0 = time.perf_counter()
             res = jax.block_until_ready(jf(args))
@@ -182,9 +150,8 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: i
             if ns_eff not in first_res:
                 first_res[ns_eff] = res
             else:
-                # same split count as an earlier variant: every call's out and lse must be
-                # bit-identical to it, on `repeat` more runs too (a missed ordering between
-                # a split's stores and the last arriver's reads would show up here)
+                # same split count as an earlier variant: how many calls' out and lse are
+                # bit-identical to it, on `repeat` more runs too
                 r["bitwise_vs_first"] = _bitwise_runs(jf, args, first_res[ns_eff], res,
                                                       repeat=6)
             del res, o, lse
@@ -232,7 +199,7 @@ def run_case(key, h, b, ctx, ps, variants, reps, ceiling, deadline, prof_runs: i
     for r in out:
         if "error" in r:
             continue
-        log(f"   H{h} B{b} L{ctx} p{ps} {r['variant']:>14} ns={r['num_splits']:>3} "
+        log(f"   H{h} B{b} L{ctx} p{page_size} {r['variant']:>14} ns={r['num_splits']:>3} "
             f"(rule {r['rule_splits']}): wall {r['wall_us']:7.1f} us "
             f"({r['wall_pct_ceiling']:4.1f}%)"
             f" | device dec {r.get('decode_us', 0):7.1f} + merge {r.get('merge_us', 0):5.1f} = "
@@ -251,8 +218,6 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--time-limit", type=float, default=250.0)
     ap.add_argument("--dry", action="store_true", help="CPU interpret mode, tiny cases")
-    ap.add_argument("--set", choices=("v4", "v5"), default="v4",
-                    help="v4: the tiling / split sweep; v5: the in-launch merge (issue #5)")
     a = ap.parse_args(argv)
     global INTERPRET
     INTERPRET = a.dry
@@ -300,43 +265,18 @@ def main(argv=None):
         ((128, 32, 4096, 64), [("m64", C(), None), ("m32w8s5", C(block_m=32), None)]),
         ((128, 128, 4096, 64), [("m64", C(), None), ("m32w8s5", C(block_m=32), None)]),
     ]
-    # v5 (issue #5): the in-launch merge against the two-launch default, same data and run.
-    # "inkm": mla_decode with merge_in_kernel (fresh zeroed counters per call: a memset);
-    # "inkm-thr": mla_decode_merged_rows with the counters passed from call to call.
-    inkm = C(merge_in_kernel=True)
-    md32 = C(merge_block_d=32)
-    v5 = [
-        ((16, 32, 4096, 1), [("w4s5", w4s5, 4), ("w4s5-md32", md32, 4), ("inkm", inkm, 4),
-                             ("inkm-thr", inkm, 4, "threaded"), ("w4s6", C(num_stages=6), 4),
-                             ("w4s5", w4s5, 4)]),
-        ((16, 32, 4096, 64), [("w4s5", w4s5, 4), ("w4s5-md32", md32, 4), ("inkm", inkm, 4),
-                              ("inkm-thr", inkm, 4, "threaded"), ("w4s5", w4s5, 4)]),
-        ((128, 32, 4096, 64), [("m64", C(), None), ("inkm", inkm, None),
-                               ("inkm-thr", inkm, None, "threaded")]),
-        ((16, 128, 4096, 1), [("w4s5", w4s5, None)]),  # one split: inkm is the same kernel
-        ((16, 32, 16384, 1), [("w4s5", w4s5, 4), ("inkm", inkm, 4),
-                              ("inkm-thr", inkm, 4, "threaded")]),
-        # batch 1: 64 splits (2 MB of partials per row block) keep the merge kernel, with
-        # merge_in_kernel too; 8 splits is the most the in-launch merge takes at 16 rows
-        ((16, 1, 4096, 1), [("w4s5", w4s5, None), ("inkm", inkm, None),
-                            ("w4s5", w4s5, 8), ("inkm-thr", inkm, 8, "threaded")]),
-    ]
-    if a.set == "v5":
-        cases = v5
     if a.dry:
-        cases = [((16, 2, 256, 1), [("w4s5", w4s5, 2), ("w8s3", w8s3, None),
-                                    ("inkm", inkm, 2), ("inkm-thr", inkm, 2, "threaded")]),
+        cases = [((16, 2, 256, 1), [("w4s5", w4s5, 2), ("w8s3", w8s3, None)]),
                  ((16, 2, 256, 64), [("w8s5", w8s5, 1)])]
     key = jax.random.PRNGKey(0)
-    for i, ((h, b, ctx, ps), variants) in enumerate(cases):
+    for i, ((h, b, ctx, page_size), variants) in enumerate(cases):
         if time.perf_counter() > deadline:
-            log(f"(time limit) skipped case H{h} B{b} L{ctx} p{ps}")
+            log(f"(time limit) skipped case H{h} B{b} L{ctx} p{page_size}")
             continue
-        log(f"== H{h} B{b} L{ctx} p{ps}")
+        log(f"== H{h} B{b} L{ctx} p{page_size}")
         try:
-            res["cases"] += run_case(jax.random.fold_in(key, i), h, b, ctx, ps, variants,
-                                     a.reps, ceiling, deadline,
-                                     prof_runs=4 if a.set == "v5" else 2)
+            res["cases"] += run_case(jax.random.fold_in(key, i), h, b, ctx, page_size, variants,
+                                     a.reps, ceiling, deadline)
         except Exception as e:  # noqa: BLE001
             log(f"   case failed: {type(e).__name__}: {str(e)[:400]}")
         dump()

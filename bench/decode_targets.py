@@ -59,9 +59,9 @@ def target_verdicts(rows: list[dict]) -> list[dict]:
     ]
     by_key = {(r["heads"], r["batch"], r["ctx"], r["page_size"]): r for r in rows}
     pairs = []
-    for (h, b, ctx, ps), r1 in sorted(by_key.items()):
+    for (h, b, ctx, page_size), r1 in sorted(by_key.items()):
         r64 = by_key.get((h, b, ctx, 64))
-        if ps == 1 and r64 is not None:
+        if page_size == 1 and r64 is not None:
             pairs.append((f"H{h} B{b} L{ctx} p1/p64", r1["time_us"] / r64["time_us"]))
     out.append(_judge("page 1 within 10% of page 64", "time ratio", pairs,
                       lambda v: v <= 1.10, max))

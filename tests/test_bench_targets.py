@@ -5,8 +5,8 @@ import json
 from bench.decode_targets import main, target_verdicts
 
 
-def _row(h, b, ctx, ps, *, us, pct=50.0, tf=100.0, err=2e-3):
-    return dict(heads=h, batch=b, ctx=ctx, page_size=ps, time_us=us, pct_ceiling=pct,
+def _row(h, b, ctx, page_size, *, us, pct=50.0, tf=100.0, err=2e-3):
+    return dict(heads=h, batch=b, ctx=ctx, page_size=page_size, time_us=us, pct_ceiling=pct,
                 tflops=tf, rel_err=err)
 
 

@@ -10,24 +10,25 @@ the result.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
-from funcmla.attention.pallas.decode_mgpu import (
+from funcmla.attention.pallas import (
+    DecodeKernelConfig,
     MgpuDecodeConfig,
+    merge_splits_pallas,
     mgpu_decode_supported,
+    mla_decode,
     mla_decode_rows_mgpu,
 )
-from funcmla.attention.pallas.merge import merge_splits_pallas
+from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
 from funcmla.layout import PageTable
 from tests.test_pallas_decode import SCALE, check, make_problem, reference
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
+# The merge kernel runs on the Pallas Triton lowering, which JAX deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
 
 def kv_rows(p, page_size):
@@ -52,36 +53,38 @@ def run(p, *, s_q, page_size, num_splits, interpret):
     return o.reshape(b * s_q, h, dv), lse.reshape(b * s_q, h)
 
 
-# heads, s_q, page size, lengths (0 = empty sequence), max pages, splits. Each case compiles
-# once; together they cover a full tile, a partial last tile, an empty sequence, empty splits,
-# one copy per tile (page 64) and several (pages 16 and 8), the row gather (pages 1, 2, 4; the
-# clamped reads of a partial last tile), the causal fold of s_q > 1 and the unmasked interior
-# tiles ahead of masked ones.
+# heads, s_q, page size, lengths (0 = empty sequence), max pages, splits, what unused pool rows
+# hold. The interpreter's cost grows with the blocks (sequences x splits), so each case runs
+# few. Together they cover a full tile, a partial last tile, an empty sequence, an empty split
+# (70 tokens = 2 tiles in 3 splits), one copy per tile (page 64) and several (pages 16 and 8),
+# the row gather (pages 2 and 4; the clamped reads of a partial last tile), the causal fold of
+# s_q > 1, and the unmasked interior tiles ahead of masked ones. Unused rows (slot 0 included)
+# hold NaN, +Inf or -Inf, which must not reach the output.
 CPU_CASES = [
-    (64, 1, 64, [100, 0, 64], 3, 1),
-    (64, 1, 16, [130, 7], 10, 3),
-    (16, 4, 8, [33, 90], 12, 2),
-    (16, 4, 2, [130, 1], 70, 1),  # tile 1 ends past the causal limit of token 0
-    (64, 1, 4, [5, 0, 129], 40, 2),
+    (64, 1, 64, [100, 0], 3, 1, np.nan),
+    (64, 1, 16, [70], 6, 3, np.inf),
+    (16, 4, 8, [90], 13, 2, -np.inf),
+    (16, 4, 2, [130], 70, 1, np.inf),  # tile 1 ends past the causal limit of token 0
+    (64, 1, 4, [129], 40, 2, np.nan),
 ]
 
 
-@pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits", CPU_CASES)
-def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
+@pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits,poison", CPU_CASES)
+def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, splits, poison):
     rng = np.random.default_rng(heads * 7 + page_size)
     p = make_problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size,
-                     lens=lens, max_pages=max_pages)
+                     lens=lens, max_pages=max_pages, poison=poison)
     out, lse = run(p, s_q=s_q, page_size=page_size, num_splits=splits, interpret=True)
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
 
 
 def test_interpret_running_max_moves():
-    """Keys that grow 1000x along each sequence make the running max rise tile after tile, so
+    """Keys that grow 1000x along the sequence make the running max rise tile after tile, so
     every tile rescales the accumulator and the row sums: against the float64 reference, in
-    unmasked and masked tiles. (A running max that never moved would overflow P here.)"""
+    the three unmasked tiles and the masked last one. (A running max that never moved would
+    overflow P here.)"""
     rng = np.random.default_rng(5)
-    lens = [300, 130]
-    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=lens, max_pages=20)
+    p = make_problem(rng, batch=1, heads=64, s_q=1, page_size=16, lens=[200], max_pages=14)
     pool = np.array(jnp.asarray(p["pool"], jnp.float32))
     for sl in p["slot_lists"]:
         pool[sl] *= np.geomspace(0.05, 50.0, len(sl))[:, None]  # scores grow 1000x
@@ -90,20 +93,21 @@ def test_interpret_running_max_moves():
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
 
 
-@pytest.mark.parametrize("page_size,s_q,lens,splits", [(16, 1, [300, 40], 2), (1, 2, [140, 0], 1)])
+@pytest.mark.parametrize("page_size,s_q,lens,splits", [(16, 1, [300], 2), (1, 2, [140], 1)])
 def test_interpret_has_no_data_race(page_size, s_q, lens, splits):
     """Mosaic GPU's interpreter, with its happens-before race detector on, finds no unordered
-    shared-memory access between the producer and the two consumers: stage refills, the P and
-    alpha hand-off, the zeroed tail, the final row-sum exchange. (Dropping consumer 1's wait
-    for P makes this fail.) The detector is a private jax API: skip where it has moved."""
+    shared-memory access between the producer and the two consumers: stage refills (3 tiles in
+    split 0 of 300 tokens; 3 tiles of the page-1 gather), the P and alpha hand-off, the zeroed
+    tail, the final row-sum exchange. (Dropping consumer 1's wait for P makes this fail.)
+    The detector is a private jax API: skip where it has moved."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as e:  # pragma: no cover - depends on the jax version
         pytest.skip(f"Mosaic GPU interpreter's race detector not importable: {e}")
     rng = np.random.default_rng(11)
-    p = make_problem(rng, batch=len(lens), heads=64, s_q=s_q, page_size=page_size, lens=lens,
-                     max_pages=max(lens) // page_size + 1)
+    p = make_problem(rng, batch=len(lens), heads=64 // s_q, s_q=s_q, page_size=page_size,
+                     lens=lens, max_pages=max(lens) // page_size + 1)
     o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv_rows(p, page_size), sm_scale=SCALE, s_q=s_q,
                                 num_splits=splits,
                                 interpret=InterpretGPUParams(detect_races=True))
@@ -132,16 +136,16 @@ def test_rejects_unsupported_call():
         run(p, s_q=1, page_size=64, num_splits=1, interpret=True)
 
 
-@pytest.mark.parametrize("space,directory,needle", [
-    (-1, "/tmp", "profile_space=-1"), (161, "/tmp", "profile_space=161"),
-    (8, "", "needs a profile_dir")])
-def test_rejects_bad_profile_config(space, directory, needle):
-    rng = np.random.default_rng(0)
-    p = make_problem(rng, batch=1, heads=64, s_q=1, page_size=64, lens=[5], max_pages=1)
-    cfg = MgpuDecodeConfig(profile_space=space, profile_dir=directory)
+@pytest.mark.parametrize("fields,needle", [
+    (dict(profile_space=-1, profile_dir="/tmp"), "profile_space=-1"),
+    (dict(profile_space=161, profile_dir="/tmp"), r"profile_space=161 .*\[0, 160\]"),
+    (dict(profile_space=8), "needs a profile_dir"),
+    (dict(consumer_registers=236), "consumer_registers must be a multiple of 8"),
+    (dict(consumer_registers=240, producer_registers=40), "exceeds 512"),
+])
+def test_rejects_bad_config(fields, needle):
     with pytest.raises(ValueError, match=needle):
-        mla_decode_rows_mgpu(p["q"], p["pool"], kv_rows(p, 64), sm_scale=SCALE, s_q=1,
-                             num_splits=1, config=cfg, interpret=True)
+        MgpuDecodeConfig(**fields)
 
 
 @pytest.mark.gpu
@@ -188,12 +192,11 @@ def test_gpu_profile_names_every_phase(tmp_path):
 
 def test_mla_decode_dispatches_to_mgpu():
     """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (token CSR, split, merge)
-    through the Mosaic GPU kernel; an unsupported shape is refused by name."""
-    from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
-
+    through the Mosaic GPU kernel (the page-1 row gather, -Inf in unused rows); an unsupported
+    shape is refused by name."""
     rng = np.random.default_rng(5)
-    lens = [70, 3]
-    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=1, lens=lens, max_pages=80)
+    p = make_problem(rng, batch=1, heads=64, s_q=1, page_size=1, lens=[70], max_pages=80,
+                     poison=-np.inf)
     cfg = DecodeKernelConfig(kernel="mgpu")
     out, lse = mla_decode(p["q"], p["pool"], kv_indptr=p["kv_indptr"],
                           kv_indices=p["kv_indices"], sm_scale=SCALE, num_splits=2, config=cfg,
@@ -206,21 +209,26 @@ def test_mla_decode_dispatches_to_mgpu():
         DecodeKernelConfig(kernel="cuda")
 
 
-@pytest.mark.parametrize("partial_dtype", ["bfloat16", "float32"])
-def test_partial_dtypes(partial_dtype):
-    """DecodeKernelConfig.partial_dtype reaches this kernel through `mla_decode`: partials
-    stored in that dtype, merged in float32, within the reference tolerance."""
-    from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
-
+def test_partial_dtypes():
+    """DecodeKernelConfig.partial_dtype reaches this kernel through `mla_decode`: the kernel's
+    partials have that dtype (read off the traced program, nothing runs), and float32 partials
+    merge within the reference tolerance (bf16 ones, the default, run in CPU_CASES)."""
     rng = np.random.default_rng(6)
-    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=16, lens=[200, 0], max_pages=14)
+    p = make_problem(rng, batch=1, heads=64, s_q=1, page_size=16, lens=[200], max_pages=14)
     kv = kv_rows(p, 16)
-    o, _ = mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=1, num_splits=2,
-                                partial_dtype=partial_dtype, interpret=True)
-    assert o.dtype == jnp.dtype(partial_dtype)
-    cfg = DecodeKernelConfig(kernel="mgpu", partial_dtype=partial_dtype)
-    out, lse = mla_decode(p["q"], p["pool"], page_table=PageTable(p["table"], p["lens"], 16),
-                          sm_scale=SCALE, num_splits=2, config=cfg, interpret=True)
+    pt = PageTable(p["table"], p["lens"], 16)
+    for dtype, short in (("bfloat16", "bf16"), ("float32", "f32")):
+        o, _ = jax.eval_shape(lambda q, pool: mla_decode_rows_mgpu(
+            q, pool, kv, sm_scale=SCALE, s_q=1, num_splits=2, partial_dtype=dtype,
+            interpret=True), p["q"], p["pool"])
+        assert o.dtype == jnp.dtype(dtype) and o.shape == (1, 2, 64, 512)
+        cfg = DecodeKernelConfig(kernel="mgpu", partial_dtype=dtype)
+        text = str(jax.make_jaxpr(lambda q, pool: mla_decode(
+            q, pool, page_table=pt, sm_scale=SCALE, num_splits=2, config=cfg,
+            interpret=True))(p["q"], p["pool"]))
+        assert f"{short}[1,2,64,512]" in text
+    out, lse = mla_decode(p["q"], p["pool"], page_table=pt, sm_scale=SCALE, num_splits=2,
+                          config=cfg, interpret=True)
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
     with pytest.raises(ValueError, match="partial_dtype"):
         mla_decode_rows_mgpu(p["q"], p["pool"], kv, sm_scale=SCALE, s_q=1, num_splits=2,

@@ -6,19 +6,19 @@ CPU: Pallas interpret mode. GPU (skips without one): the compiled kernel against
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from funcmla.attention.pallas import merge_splits, merge_splits_pallas
 from funcmla.attention.pallas.merge import merge_block_d
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
+# JAX deprecates the Pallas Triton lowering the merge kernel uses; that one warning is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
 
 def oracle(o, lse):
@@ -53,17 +53,28 @@ def check(out, lse_out, o, lse, rtol=1e-5):
     np.testing.assert_allclose(np.asarray(lse_out)[fin], ref_lse[fin], rtol=1e-6, atol=1e-6)
 
 
-@settings(max_examples=8, deadline=None)
-@given(splits=st.sampled_from([1, 2, 3, 7]), seed=st.integers(0, 2**16),
-       empty=st.floats(0, 0.7))
-def test_interpret_matches_float64(splits, seed, empty):
-    rng = np.random.default_rng(seed)
-    o, lse = random_partials(rng, 2, splits, 32, 128, empty)
+@st.composite
+def partials(draw):
+    """o f32 [2, S, 32, 32] and lse f32 [2, S, 32] drawn by Hypothesis (so failures shrink):
+    lse in [-30, 30] or -inf (an empty split, whose o is 0); row 3 of sequence 0 empty in
+    every split."""
+    splits = draw(st.sampled_from([1, 2, 3, 7]))
+    finite = st.floats(-30, 30, width=32)
+    lse = draw(hnp.arrays(np.float32, (2, splits, 32),
+                          elements=st.one_of(finite, st.just(-np.inf))))
+    o = draw(hnp.arrays(np.float32, (2, splits, 32, 32), elements=st.floats(-4, 4, width=32)))
     lse[0, :, 3] = -np.inf  # a row with no KV at all
-    o[0, :, 3] = 0.0
+    o[np.isinf(lse)] = 0.0
+    return o, lse
+
+
+@settings(max_examples=8, deadline=None)
+@given(partials())
+def test_interpret_matches_float64(parts):
+    o, lse = parts
     out, lse_out = merge_splits_pallas(jnp.asarray(o), jnp.asarray(lse), jnp.float32,
                                        interpret=True)
-    assert out.shape == (2, 32, 128) and lse_out.shape == (2, 32)
+    assert out.shape == (2, 32, 32) and lse_out.shape == (2, 32)
     check(out, lse_out, o, lse)
 
 

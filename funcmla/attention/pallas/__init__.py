@@ -1,10 +1,10 @@
 """Pallas kernels for absorbed MLA decode over the paged latent pool (NVIDIA GPUs).
 
-`mla_decode` with its configuration `DecodeKernelConfig` (which kernel and its tiling), the
-split rule `choose_num_splits`, and the one-launch split-KV combine `merge_splits_pallas`. Two
-decode kernels: the Triton-lowered one (`mla_decode_rows`; every shape) and the warp-specialized
-Mosaic GPU one for Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks). Both run in
-Pallas interpret mode on CPU.
+`mla_decode` (in `api`) checks its arguments, runs one of two decode kernels, the
+Triton-lowered one (`mla_decode_rows`; every shape) or the warp-specialized Mosaic GPU one for
+Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks), and merges split-KV partials with
+`merge_splits_pallas`. `DecodeKernelConfig` is the static tiling, `choose_num_splits` the split
+rule. All of it runs in Pallas interpret mode on CPU. Design: docs/decode_kernel.md.
 """
 
 from funcmla.attention.pallas.decode_common import (  # noqa: F401
@@ -15,11 +15,12 @@ from funcmla.attention.pallas.decode_common import (  # noqa: F401
 )
 from funcmla.attention.pallas.merge import merge_splits_pallas  # noqa: F401
 from funcmla.attention.pallas.decode_mgpu import (  # noqa: F401
+    MgpuDecodeConfig,
     mgpu_decode_supported,
-    mla_decode_rows_mgpu,
 )
-from funcmla.attention.pallas.decode_triton import (  # noqa: F401
+from funcmla.attention.pallas.api import (  # noqa: F401
     mla_decode,
     mla_decode_rows,
+    mla_decode_rows_mgpu,
     validate_decode_inputs,
 )

@@ -1,14 +1,9 @@
-"""Backend-independent pieces of the paged MLA decode kernel.
+"""What both decode kernels share: the static tiling (`DecodeKernelConfig`), the one index form
+they read (`KVRows`), the split rule (`choose_num_splits`) and the split-KV combine as XLA ops
+(`merge_splits`, the reference restatement of `merge.merge_splits_pallas`).
 
-* `DecodeKernelConfig`: static tiling (hashable, a jit static argument).
-* `KVRows`: the one index form the kernel reads: token `t` of sequence `b` lives in pool row
-  `table[start[b] + t // page_size] * page_size + t % page_size`. A token CSR (`kv_indptr`,
-  `kv_indices`; page size 1, SGLang/AITER style) and a page table (page size 16/64, FlashMLA
-  style) both map onto it without copying the index array; `start` and `kv_len` are read in the
-  kernel from kv_indptr (CSR) or the lengths (page table).
-* `choose_num_splits`: the documented split-KV rule.
-* `merge_splits`: the log-sum-exp combine of per-split partial results as XLA ops (a reference
-  restatement; `mla_decode` merges with the one-launch Pallas kernel of `merge.py`).
+A token CSR (page size 1) and a page table both map onto `KVRows` without copying the index
+array. Design and measurements: docs/decode_kernel.md.
 """
 
 from __future__ import annotations
@@ -31,80 +26,52 @@ __all__ = [
     "kv_rows_from_page_table",
     "choose_num_splits",
     "merge_splits",
+    "num_row_blocks",
     "MAX_POOL_ROWS",
-    "MAX_IN_KERNEL_MERGE_BYTES",
     "PARTIAL_DTYPES",
-    "merges_in_kernel",
 ]
 
-# Storage dtypes of split partials (`DecodeKernelConfig.partial_dtype`) that both decode kernels
-# write and the merges read.
+# Storage dtypes of split partials that both decode kernels write and the merges read.
 PARTIAL_DTYPES = ("float32", "bfloat16")
 
-# The in-launch merge (DecodeKernelConfig.merge_in_kernel) runs in one program per row block,
-# which reads all of that block's partials (splits x block_m x v_head_dim, widened to float32):
-# beyond this a single program's read is slower than the separate merge kernel spread over many
-# programs.
-MAX_IN_KERNEL_MERGE_BYTES = 256 * 1024
-
-# Pool rows are addressed by int32 slot ids; the kernels compute element offsets
-# (slot * row_width + col) in 64-bit once the pool exceeds 4 GiB (see decode_triton.py).
+# Slot ids are int32 (the kernels form 64-bit element offsets from them).
 MAX_POOL_ROWS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernelConfig:
-    """Static tiling of the decode kernel.
+    """Static tiling of the decode kernels and the split rule (hashable: a jit static argument).
 
-    block_m:    query rows per program (rows = s_q * heads of one sequence, folded); a power of
-                two >= 16. None: min(64, next power of two >= rows).
-    block_kv:   KV tokens per inner-loop step; a power of two >= 16.
-    num_warps:  warps per program. None: 4 when block_m <= 16, else 8.
-    num_stages: software-pipelining depth of the KV loads. None: 5 for block_m < 64 (two KV
-                tiles in flight; the mma.sync path), 2 for block_m >= 64 (the wgmma path, which
-                keeps q in shared memory). Both chosen on the H200 (docs/decode_kernel_notes.md).
-    num_sms:    multiprocessors the split rule fills (132 on H200).
+    Each default is the fastest setting measured on the H200 (`python -m bench.decode_sweep`,
+    `python -m bench.decode --variants`); docs/decode_kernel.md gives the figures.
+
+    block_m:    query rows per Triton program (rows = s_q * heads of one sequence, folded); a
+                power of two >= 16. None: min(64, next power of two >= rows).
+    block_kv:   KV tokens per Triton inner-loop step; a power of two >= 16.
+    num_warps:  warps per Triton program. None: 4 when block_m <= 16, else 8.
+    num_stages: Triton pipelining depth. None: 5 below 64 rows (two KV tiles in flight), 2 at
+                64 rows (the wgmma path keeps q in shared memory).
+    num_sms:    multiprocessors the split rule fills (132 on the H200).
     waves:      the split rule never makes more than `waves` full waves of programs.
     min_blocks_per_split: the split rule never makes a split shorter than this many KV blocks.
-    max_splits: the split rule never picks more splits than this (an explicit `num_splits`
-                may). The merge kernel unrolls its loop over splits: on the H200 (batch 1,
-                16 heads, bf16 partials) it took 4.7 us at 64 splits and 35.4 us at 128, so
-                batch 1 at ctx 16k ran 45.7 us with the 128 splits the cost model picks
-                (ptxas, sm_90a: 96 registers and no spills at 64 splits; 2.3 KB of stack
-                spills at 128).
+    max_splits: the most splits the split rule picks (an explicit `num_splits` may exceed it):
+                the merge unrolls its loop over splits and spills registers past 64.
     evict_first: load KV rows with the evict-first cache policy (they are read once).
     programs_per_sm: programs resident per multiprocessor, for the split rule. None: estimated
                 (`resolved_programs_per_sm`) from shared memory and registers.
-    merge_block_d: output columns per program of the merge kernel (None: `merge_block_d`);
-                with merge_in_kernel, the column chunk of the in-launch merge (None: as wide
-                as 32768 partial elements per chunk allow).
-    merge_in_kernel: when the KV is split, merge the splits inside the decode launch (the last
-                split program of a row block to finish combines the partials, found with an
-                atomic arrival counter) instead of a second launch, as long as one row
-                block's partials are at most `MAX_IN_KERNEL_MERGE_BYTES` (else the merge
-                kernel runs). Off by default: slower on the H200 in every measured case
-                (+2-9 us per call at 16 heads, +14 us at 128: one program reads a row block's
-                partials at ~25-30 GB/s; docs/decode_kernel_notes.md, v5), and the torch
-                launcher wires the two-launch plan.
-    kernel:     which decode kernel `mla_decode` runs: "triton" (Pallas on the Triton lowering,
-                every shape), "mgpu" (the warp-specialized Mosaic GPU kernel of
-                `decode_mgpu`: sm_90a, bf16, s_q * H a multiple of 64, a page size that
-                divides 64 tokens or is a multiple of them), or
-                "auto" (default): "mgpu" where it applies, the default backend is a GPU (not
-                in interpret mode) and the batch gives at least num_sms / 4 blocks of 64 rows
-                (smaller batches are faster on Triton), else "triton".
+    merge_block_d: output columns per program of the merge kernel (None: `merge.merge_block_d`).
+    kernel:     which decode kernel `mla_decode` runs: "triton" (every shape), "mgpu" (the
+                warp-specialized Mosaic GPU kernel: sm_90a, bf16, s_q * H a multiple of 64, a
+                page size that divides 64 tokens or is a multiple of 64), or "auto" (default):
+                "mgpu" where it applies on a GPU (not interpret mode) and the batch gives at
+                least num_sms / 4 blocks of 64 rows, else "triton" (`api.uses_mgpu`).
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
-    partial_dtype: storage of the per-split partial outputs when the KV is split
-                ("bfloat16", the default, or "float32"). bf16 halves the bytes the decode
-                writes and the merge reads; the merge still widens and combines in float32,
-                and the lse partials stay float32. Each partial is rounded to bf16 once: on
-                the H200 (128 heads, ctx 4k) bf16 took batch 1 from 20.4 to 18.4 us (64
-                splits) and batch 32 from 76.7 to 74.1 us (2 splits), with the relative
-                error against float32 going from 1.7e-3 to 2.4e-3 (the bf16 output is
-                rounded in either case). "float32" keeps the extra bits, as FlashMLA and
-                AITER do.
+    partial_dtype: storage of per-split partial outputs ("bfloat16", default, or "float32").
+                bf16 halves the bytes the decode writes and the merge reads; the merge still
+                combines in float32 and the lse partials stay float32. "float32" keeps the
+                extra bits (each partial is otherwise rounded to bf16 once).
     """
 
     block_m: int | None = None
@@ -120,7 +87,6 @@ class DecodeKernelConfig:
     program_overhead_blocks: int = 2
     merge_overhead_blocks: int = 1
     merge_block_d: int | None = None
-    merge_in_kernel: bool = False
     kernel: str = "auto"
     partial_dtype: str = "bfloat16"
 
@@ -152,9 +118,6 @@ class DecodeKernelConfig:
         if self.merge_block_d is not None and not is_power_of_two(self.merge_block_d):
             raise ValueError("DecodeKernelConfig.merge_block_d must be None or a power of two, "
                              f"got {self.merge_block_d!r}")
-        if not isinstance(self.merge_in_kernel, bool):
-            raise ValueError("DecodeKernelConfig.merge_in_kernel must be a bool, got "
-                             f"{self.merge_in_kernel!r}")
         if self.partial_dtype not in PARTIAL_DTYPES:
             raise ValueError("DecodeKernelConfig.partial_dtype must be 'float32' or 'bfloat16', "
                              f"got {self.partial_dtype!r}")
@@ -162,9 +125,8 @@ class DecodeKernelConfig:
             raise ValueError("DecodeKernelConfig.kernel must be 'auto', 'triton' or 'mgpu', got "
                              f"{self.kernel!r}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(
-                f"DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
-            )
+            raise ValueError("DecodeKernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got "
+                             f"{self.num_warps!r}")
 
     def resolved_block_m(self, rows: int) -> int:
         """Rows per program for `rows` folded query rows per sequence."""
@@ -183,17 +145,15 @@ class DecodeKernelConfig:
         return 2 if block_m >= 64 else 5
 
     def kv_buffers(self, block_m: int = 16) -> int:
-        """KV tiles the Triton pipeliner keeps in shared memory: the slot ids are loaded one
-        stage before the rows they address, so `num_stages` stages give (num_stages - 1) // 2
-        tiles (at least 1). Read off the compiled kernels (triton 3.6, sm_90a, 16 rows): 94.7 KB
-        of shared memory at block_kv 64 for 3 and 4 stages, 169 KB for 5 and 6."""
+        """KV tiles the Triton pipeliner keeps in shared memory: the slot ids load one stage
+        ahead of the rows they address, so `num_stages` stages hold (num_stages - 1) // 2
+        tiles, at least 1 (read off the compiled kernels, triton 3.6, sm_90a)."""
         return max(1, (self.resolved_num_stages(block_m) - 1) // 2)
 
     def resolved_programs_per_sm(self, block_m: int | None = None, head_dim: int = 576) -> int:
-        """Programs per multiprocessor the split rule assumes (see `programs_per_sm`); block_m
-        None: the 16-row case. Shared memory holds q (block_m rows) and `kv_buffers()` KV
-        tiles (227 KiB per SM); registers allow 2 programs of 4 warps at ~200-255 registers a
-        thread (4 at block_kv 16, 128 registers), and 1 program at block_m >= 64."""
+        """Programs per multiprocessor the split rule assumes (`programs_per_sm`; block_m None:
+        16 rows): as many as shared memory (q and `kv_buffers()` KV tiles in 227 KiB) and
+        registers (~255 a thread, 128 at block_kv 16) allow, and 1 at block_m >= 64."""
         if self.programs_per_sm is not None:
             return self.programs_per_sm
         bm = 16 if block_m is None else block_m
@@ -362,22 +322,17 @@ def choose_num_splits(num_seqs: int, num_row_blocks: int, max_kv_len: int,
                       config: DecodeKernelConfig, block_m: int | None = None) -> int:
     """The split-KV rule (static: a function of shapes only).
 
-    A program handles one (row block, split, sequence); `slots = num_sms * programs_per_sm`
-    programs run at once (`config.resolved_programs_per_sm(block_m)`; pass the kernel's block_m,
-    None estimates from shared memory only). For each candidate `s` the rule estimates the kernel's makespan in
-    units of one KV block (`block_kv` tokens of one program):
+    A program is one (row block, split, sequence); `slots = num_sms * programs_per_sm` run at
+    once. With n = ceil(max_kv_len / block_kv) KV blocks, the rule picks the `s` (smallest on a
+    tie) that minimises the makespan in KV blocks,
 
         waves(s) = ceil(num_seqs * num_row_blocks * s / slots)
-        cost(s)  = waves(s) * (ceil(n_blocks / s) + program_overhead_blocks)
-                   + (merge_overhead_blocks if s > 1 else 0)
+        cost(s)  = waves(s) * (ceil(n / s) + program_overhead_blocks)
+                   + (merge_overhead_blocks if s > 1 else 0),
 
-    with n_blocks = ceil(max_kv_len / block_kv) (the longest possible sequence), over
-    1 <= s <= min(n_blocks // min_blocks_per_split, ceil(waves * slots / programs_per_split),
-    max_splits),
-    and picks the cheapest (the smallest `s` on a tie). So a batch too small to fill the chip
-    is split until it does (one wave of short programs), and a full batch is not split at all
-    when splitting only adds waves. Each sequence's KV is cut into `s` equal runs of whole
-    blocks; splits past a sequence's end do no work and carry lse = -inf into the merge.
+    over 1 <= s <= min(n // min_blocks_per_split, ceil(waves * slots / programs), max_splits):
+    a batch too small to fill the chip is split until it does, a full batch is not split.
+    Splits past a sequence's end do no work and carry lse = -inf into the merge.
     """
     programs = num_seqs * num_row_blocks
     slots = config.num_sms * config.resolved_programs_per_sm(block_m)
@@ -412,13 +367,6 @@ def merge_splits(o_part: jax.Array, lse_part: jax.Array, out_dtype) -> tuple[jax
     return out.astype(out_dtype), lse
 
 
-def merges_in_kernel(config: DecodeKernelConfig, num_splits: int, block_m: int,
-                     v_head_dim: int = 512) -> bool:
-    """Whether the decode launch merges its splits itself (`merge_in_kernel`, S > 1, and one
-    row block's partials within MAX_IN_KERNEL_MERGE_BYTES)."""
-    return (config.merge_in_kernel and num_splits > 1
-            and num_splits * block_m * v_head_dim * 4 <= MAX_IN_KERNEL_MERGE_BYTES)
-
-
 def num_row_blocks(rows: int, block_m: int) -> int:
+    """Row blocks of `block_m` rows that cover `rows` folded query rows."""
     return math.ceil(rows / block_m)

@@ -1,42 +1,34 @@
 """Absorbed MLA decode on Hopper's matrix units: a warp-specialized Pallas Mosaic GPU kernel.
 
-For the compute-bound shapes (64 or more folded query rows per sequence: 64/128 heads, or fewer
-heads times s_q). One CUDA block handles 64 folded rows of one sequence against one split of
-its KV, with three warpgroups:
+For the compute-bound shapes (s_q * H a multiple of 64 folded query rows). One CUDA block
+handles 64 folded rows of one sequence against one split of its KV, with three warpgroups:
 
 * warpgroup 2 (producer, 40 registers a thread): TMA-copies q once, then each 64-token KV tile
   into one of two shared-memory stages (page >= 64: one TMA copy a tile; page 8 to 32: one a
-  page; page 1 to 4: a row gather, see `_gather_issue`), and refills a stage once both
+  page; page 1 to 4: a `cp.async` row gather, `_gather_issue`), and refills a stage once both
   consumers released it;
 * warpgroup 0 (consumer): S = q k^T (64 x 64, K = 576, `wgmma`), the masked online softmax in
-  base 2, then O[:, :256] += P V[:, :256] with P (bf16) straight from its registers; while that
-  `wgmma` runs, it hands P (over the tile's rope columns, dead once q k^T is done) and the row
-  rescale alpha to consumer 1 through shared memory and adds up P's row sums;
+  base 2, then O[:, :256] += P V[:, :256] with P (bf16) from its registers; while that `wgmma`
+  runs it hands P (over the tile's rope columns, dead once q k^T is done) and the row rescale
+  alpha to consumer 1 through shared memory and adds up P's row sums;
 * warpgroup 1 (consumer): O[:, 256:] += P V[:, 256:] with P from shared memory.
 
-Each warpgroup's phases are named (`jax.named_scope`), so `MgpuDecodeConfig.profile_space`
-gives a per-warpgroup timeline from Mosaic GPU's in-kernel profiler.
+Each consumer owns half of the 64 x 512 fp32 accumulator (128 registers a thread). Shared
+memory: q 72 KB + 2 KV stages 144 KB; the output staging reuses the stages once both consumers
+have met on a barrier after their last tile. Each warpgroup's phases are named
+(`jax.named_scope`) for Mosaic GPU's in-kernel profiler (`MgpuDecodeConfig.profile_space`).
 
-The 64 x 512 fp32 accumulator is 128 registers a thread per half, so each consumer owns a half;
-a block reads each KV tile once, as K (576 columns) and V (its first 512). Shared memory: q
-72 KB + 2 KV stages 144 KB (P rides in a stage; the output staging reuses them once both
-consumers have added their last tile: they meet on a barrier before either writes). Tiles wholly
-below every row's causal limit run unmasked; in the others, tokens past the limit are masked
-out of S, and V rows past kv_len are zeroed in shared memory before P V (a pool row past kv_len
-may hold anything, NaN included). Zero-length KV gives out 0 and lse +inf.
+Masking: tiles wholly below every row's causal limit run unmasked; in the others, scores past
+the limit are selected to -inf and V rows past kv_len are zeroed in shared memory before P V,
+so no unused pool row (NaN, Inf) reaches the result. Zero-length KV gives out 0 and lse +inf.
+The TMA copies name pool rows by int32 coordinates and the gather forms 64-bit byte offsets,
+so pools past 2**31 bytes need no special care.
 
-Addressing: the TMA copies name pool rows by int32 coordinates (slot ids) and the TMA unit
-forms the 64-bit byte address; the row gather (pages under 8 tokens) forms 64-bit byte offsets
-itself. So pools past 2**31 / 576 rows need no special care (not measured on such a pool).
-
-Grid: (sequences, splits, row blocks); Mosaic GPU launches Pallas's last grid axis fastest, so
-the row blocks of one sequence run side by side and the second read of each KV tile hits L2 (at
-batch 128 and 128 heads, row blocks launched a wave apart cost 10% more time: each read the KV
-from HBM).
-
-Splits, masking and output layout are those of `decode_triton` (the same `KVRows` forms, the same
-split of a sequence's 64-token tiles, the same partials for `merge_splits_pallas`), so the two
-kernels are interchangeable per call. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode.
+Grid (sequences, splits, row blocks): Mosaic GPU launches the last axis fastest, so a
+sequence's row blocks run side by side and the second read of each KV tile hits L2. Splits,
+masking and partials are those of `decode_triton`, so the two kernels are interchangeable per
+call and share the merge. Arguments are checked by `funcmla.attention.pallas.api`, which calls
+`decode_call`. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode.
 """
 
 from __future__ import annotations
@@ -52,8 +44,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.decode_common import (
-    MAX_POOL_ROWS,
-    PARTIAL_DTYPES,
     DecodeKernelConfig,
     KVRows,
     causal_limit,
@@ -61,8 +51,8 @@ from funcmla.attention.pallas.decode_common import (
     split_tile_range,
 )
 
-__all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "mgpu_split_config",
-           "mla_decode_rows_mgpu", "BLOCK_M", "BLOCK_KV"]
+__all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "mgpu_split_config", "decode_call",
+           "BLOCK_M", "BLOCK_KV"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -75,25 +65,45 @@ _STAGES = 2
 # The row gather's per-tile pool rows, as one int32 array over the producer warpgroup: each of
 # its 128 threads copies BLOCK_KV // 16 = 4 rows (`_gather_rows`, `_gather_issue`).
 _GATHER_ROWS = (BLOCK_KV // 16) * 128
-MAX_PROFILE_SPACE = 160  # x 3 warpgroups x 16 bytes = 7.5 KB of shared memory (run on the H200)
+MAX_PROFILE_SPACE = 160  # x 3 warpgroups x 16 bytes = 7.5 KB of the shared memory left free
 
 
 @dataclasses.dataclass(frozen=True)
 class MgpuDecodeConfig:
     """Static knobs of the Mosaic GPU kernel (hashable: a jit static argument).
 
-    consumer_registers / producer_registers: `setmaxnreg` per warpgroup (their sum x 128
-    threads must fit the SM's 64K registers: 2 x 232 + 40 = 504 -> 64,512).
+    consumer_registers / producer_registers: `setmaxnreg` per warpgroup. Their sum x 128
+        threads must fit the SM's 64K registers (2 x 232 + 40 = 504); a consumer holds a
+        64 x 256 fp32 accumulator half (128 registers) plus the scores and P.
+    profile_space: timed regions per warpgroup for Mosaic GPU's in-kernel profiler (the named
+        phases qk, wait_kv, softmax, hand_off, pv, wait_p, wait_free, copy, finish), written
+        as a Perfetto trace per call to `profile_dir`; 0 (default): off. 16 bytes of shared
+        memory per region and warpgroup, so at most MAX_PROFILE_SPACE.
     """
 
     consumer_registers: int = 232
     producer_registers: int = 40
-    # Mosaic GPU's in-kernel profiler: `profile_space` timed regions per warpgroup (the named
-    # phases: qk, wait_kv, softmax, hand_off, pv, wait_p, wait_free, copy, finish) written as
-    # a Perfetto trace per call to `profile_dir`. 16 bytes of shared memory per region and
-    # warpgroup, in the ~10 KB the kernel leaves free: at most MAX_PROFILE_SPACE; 0: off.
     profile_space: int = 0
     profile_dir: str = ""
+
+    def __post_init__(self):
+        for name in ("consumer_registers", "producer_registers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
+                raise ValueError(f"MgpuDecodeConfig.{name} must be a multiple of 8 in "
+                                 f"[24, 256] (setmaxnreg), got {value!r}")
+        if 128 * (2 * self.consumer_registers + self.producer_registers) > 65536:
+            raise ValueError(
+                f"MgpuDecodeConfig: 2 x consumer_registers={self.consumer_registers} + "
+                f"producer_registers={self.producer_registers} exceeds 512 (64K registers / "
+                "128 threads)")
+        if not isinstance(self.profile_space, int) or not (
+                0 <= self.profile_space <= MAX_PROFILE_SPACE):
+            raise ValueError(f"MgpuDecodeConfig.profile_space={self.profile_space!r} must be in "
+                             f"[0, {MAX_PROFILE_SPACE}] (its trace buffer lives in shared memory)")
+        if self.profile_space and not self.profile_dir:
+            raise ValueError("MgpuDecodeConfig.profile_space > 0 needs a profile_dir for the "
+                             "traces")
 
 
 def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
@@ -116,9 +126,8 @@ def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: 
 
 def mgpu_split_config(config: DecodeKernelConfig) -> DecodeKernelConfig:
     """`config` for the split rule (`choose_num_splits`) when this kernel runs: at least two
-    KV tiles per split. A block carries ~6-10 us of fixed cost (72 KB of q in, up to 128 KB of
-    partial out, three warpgroups to start): on the H200, batch 1 at 128 heads with 64
-    one-tile splits took 12.0 us + a 6.0 us merge."""
+    KV tiles per split, since a block's fixed cost (q in, partial out, three warpgroups to
+    start) outweighs one tile (docs/decode_kernel.md, "Knobs")."""
     return dataclasses.replace(config, min_blocks_per_split=max(2, config.min_blocks_per_split))
 
 
@@ -609,49 +618,16 @@ def _mgpu_params(interpret):
     return InterpretGPUParams()
 
 
-def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
-                         s_q: int, num_splits: int, v_head_dim: int = 512,
-                         partial_dtype="bfloat16",
-                         config: MgpuDecodeConfig = MgpuDecodeConfig(),
-                         interpret=False) -> tuple[jax.Array, jax.Array]:
-    """The Mosaic GPU decode kernel alone (no merge), same contract as `mla_decode_rows`.
-
-    q [T, H, D] bf16 (T = B * s_q), kv_pool [slots, D] bf16, kv a `KVRows`; rows = s_q * H must
-    be a multiple of 64 (`mgpu_decode_supported`). Returns o [B, S, rows, 512] (bf16 when
-    S == 1: final output; else partials in `partial_dtype`, float32 or bfloat16) and lse float32
-    [B, S, rows] (S == 1: +inf for no KV; else -inf for an empty split). `interpret`: False
-    (compiled), True (Mosaic GPU interpret mode) or Pallas's GPU interpreter parameters
-    (`InterpretGPUParams`, e.g. with `detect_races=True`). Not jitted here: call it inside jit.
-    """
-    kv.check()
+def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
+                num_splits: int, v_head_dim: int = 512, partial_dtype="bfloat16",
+                config: MgpuDecodeConfig = MgpuDecodeConfig(),
+                interpret=False) -> tuple[jax.Array, jax.Array]:
+    """The Mosaic GPU pallas call on checked arguments (`api.check_decode_args` and
+    `mgpu_decode_supported`); same results as `decode_triton.decode_call` with rows_pad =
+    rows. `interpret`: False, True, or Pallas's GPU interpreter parameters."""
     t, h, d = q.shape
-    slots, d_pool = kv_pool.shape
     rows = s_q * h
-    why = mgpu_decode_supported(rows, kv.page_size, d, v_head_dim, q.dtype)
-    if why is not None:
-        raise ValueError(f"mla_decode_rows_mgpu: {why}")
-    if d_pool != d or kv_pool.dtype != q.dtype:
-        raise ValueError(f"kv_pool {kv_pool.shape} {kv_pool.dtype} does not match q "
-                         f"{q.shape} {q.dtype}")
-    if slots > MAX_POOL_ROWS:
-        raise ValueError(f"kv_pool has {slots} rows; slot ids are int32 (at most {MAX_POOL_ROWS})")
-    if not isinstance(num_splits, int) or num_splits <= 0:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    if t % s_q:
-        raise ValueError(f"s_q={s_q} does not divide q.shape[0]={t}")
     b = t // s_q
-    if kv.num_seqs != b:
-        raise ValueError(f"q holds {b} sequences but the KV metadata has {kv.num_seqs}")
-    if kv.form == "strided" and kv.table.shape[0] != b * kv.entries_per_seq:
-        raise ValueError(f"KVRows.table has {kv.table.shape[0]} entries; {b} sequences of "
-                         f"entries_per_seq={kv.entries_per_seq} need {b * kv.entries_per_seq}")
-    if not 0 <= config.profile_space <= MAX_PROFILE_SPACE:
-        raise ValueError(f"MgpuDecodeConfig.profile_space={config.profile_space} must be in "
-                         f"[0, {MAX_PROFILE_SPACE}] (its trace buffer lives in shared memory)")
-    if config.profile_space and not config.profile_dir:
-        raise ValueError("MgpuDecodeConfig.profile_space > 0 needs a profile_dir for the traces")
-    if jnp.dtype(partial_dtype).name not in PARTIAL_DTYPES:
-        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
 

@@ -17,16 +17,12 @@ nor use an approximate division: the result does not depend on the tiling or on 
 choices, and equals the torch launcher's merge (`funcmla.interop.launcher`) element for element.
 In interpret mode (CPU) the same sequence runs as plain float32 NumPy-semantics ops.
 
-Tiling: one program = `block_r` rows x `block_d` output columns of one sequence, all splits
-(unrolled, loads independent of each other). `block_d` shrinks (512 -> 32) until the grid has at
-least `min_programs` programs: one program reads its partials at only ~25-30 GB/s (its
-multiprocessor's outstanding loads over the latency; H200), so the merge is fast only when
-spread over many multiprocessors. H200, device time of the merge kernel, block_d 64 / 32 / 16:
-batch 1, 16 rows, 64 splits (merge alone) 7.9 / 4.8 / 5.9 us; 32 splits 5.9 / 2.9 / 2.9;
-128 rows, 64 splits 9.9 / 8.4 / 11.8; batch 32, 16 rows, 4 splits 2.9 / 2.45 / 2.7 (merge
-alone) and, after the decode kernel (L2-hot partials; v5, 3 same-run pairs) 2.6-2.7 vs
-2.3-2.4 at 32 (narrower tiles read 64-byte row pieces and lose more than the extra programs
-gain).
+An empty split carries lse = -inf and a partial the decode kernels write as 0, so its weight
+0 multiplies a finite 0. Tiling: one program = `block_r` rows x `block_d` output columns of one
+sequence, all splits unrolled (so past 64 splits registers spill: `max_splits`). `block_d`
+shrinks until the grid has `min_programs` programs: one program reads its partials far below
+HBM rate, so the merge is fast only when spread over many multiprocessors
+(`python -m bench.decode --merge-alone`; figures in docs/decode_kernel.md).
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from funcmla.attention.pallas.decode_common import PARTIAL_DTYPES
+from funcmla.layout import is_power_of_two
 
 __all__ = ["merge_splits_pallas", "merge_block_d", "merge_ops", "merge_weights", "merge_columns",
            "MERGE_BLOCK_R"]
@@ -60,8 +57,7 @@ def _asm(op: str, *args):
 
 def merge_ops(interpret: bool):
     """(mul, add, div) of the merge: IEEE round-to-nearest f32 PTX instructions on the GPU,
-    plain float32 operations in interpret mode. Shared by this module's kernel and the decode
-    kernel's in-launch merge (`decode_triton`), so both round identically."""
+    plain float32 operations in interpret mode."""
     if interpret:
         return (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a / b)
     return (lambda a, b: _asm("mul.rn.f32", a, b), lambda a, b: _asm("add.rn.f32", a, b),
@@ -135,6 +131,8 @@ def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bf
     Returns out [B, R, Dv] (out_dtype) and lse f32 [B, R]; a row whose splits are all empty gets
     out 0 and lse +inf. block_d: output columns per program (default `merge_block_d`).
     """
+    if o_part.ndim != 4:
+        raise ValueError(f"o_part must have shape [B, S, R, Dv], got {o_part.shape}")
     b, s, r, dv = o_part.shape
     if o_part.dtype.name not in PARTIAL_DTYPES or lse_part.dtype != jnp.float32:
         raise TypeError(f"o_part ({o_part.dtype}) must be float32 or bfloat16 and lse_part "
@@ -144,10 +142,10 @@ def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bf
                          f"{(b, s, r)}")
     if r % MERGE_BLOCK_R:
         raise ValueError(f"merge rows {r} (o_part.shape[2]) must be a multiple of {MERGE_BLOCK_R}")
-    if dv <= 0 or dv & (dv - 1):
+    if not is_power_of_two(dv):
         raise ValueError(f"o_part.shape[3]={dv} must be a power of two")
     bd = merge_block_d(b, r, dv) if block_d is None else block_d
-    if bd <= 0 or bd & (bd - 1) or dv % bd:
+    if not is_power_of_two(bd) or dv % bd:
         raise ValueError(f"block_d={bd} must be a power of two dividing {dv}")
     br = MERGE_BLOCK_R
     kernel = functools.partial(_merge_kernel, num_splits=s, interpret=interpret)

@@ -1,0 +1,308 @@
+"""The decode entry points: argument checks, the choice of kernel, and the split merge.
+
+`mla_decode` takes a token CSR or a page table, checks every static argument (shapes, dtypes,
+page size, heads, s_q, split count), picks the kernel (`uses_mgpu`: the Mosaic GPU kernel where
+it applies and the batch fills a quarter of the GPU, else the Triton-lowered one), runs it with
+the split rule's count (`decode_num_splits`) and merges the splits (`merge_splits_pallas`).
+`mla_decode_rows` and `mla_decode_rows_mgpu` run one kernel alone. `validate_decode_inputs` is
+the eager check of index values. Why the rule picks what it does: docs/decode_kernel.md;
+reproduce with `python -m bench.decode --only "H128 B1 L4096"`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funcmla.attention.pallas import decode_mgpu, decode_triton
+from funcmla.attention.pallas.decode_common import (
+    MAX_POOL_ROWS,
+    PARTIAL_DTYPES,
+    DecodeKernelConfig,
+    KVRows,
+    choose_num_splits,
+    kv_rows_from_csr,
+    kv_rows_from_page_table,
+    num_row_blocks,
+)
+from funcmla.attention.pallas.decode_mgpu import BLOCK_M as MGPU_BLOCK_M
+from funcmla.attention.pallas.decode_mgpu import (
+    MgpuDecodeConfig,
+    mgpu_decode_supported,
+    mgpu_split_config,
+)
+from funcmla.attention.pallas.merge import merge_splits_pallas
+from funcmla.layout import PageTable, is_power_of_two
+
+__all__ = ["mla_decode", "mla_decode_rows", "mla_decode_rows_mgpu", "check_decode_args",
+           "validate_decode_inputs", "uses_mgpu", "decode_num_splits"]
+
+
+def check_decode_args(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
+                      s_q: int, num_splits: int | None, v_head_dim: int) -> int:
+    """Checks what both kernels need of their static arguments; returns the batch size.
+
+    q [T, H, D] and kv_pool [slots, D] both bf16 or both f16, T = batch * s_q; D = v_head_dim
+    + a rope part; `kv` well formed for `batch` sequences; slots fit int32 ids. Raises
+    TypeError (dtypes) or ValueError naming the argument and the value or limit.
+    """
+    kv.check()
+    if q.ndim != 3:
+        raise ValueError(f"q must have shape [T, H, D], got {q.shape}")
+    if kv_pool.ndim != 2:
+        raise ValueError(f"kv_pool must have shape [slots, D], got {kv_pool.shape}")
+    t, h, d = q.shape
+    slots, d_pool = kv_pool.shape
+    if q.dtype != kv_pool.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must both be bfloat16 "
+                        "or float16")
+    if d_pool != d:
+        raise ValueError(f"kv_pool row width {d_pool} != q head dim {d} (q {q.shape})")
+    if h < 1:
+        raise ValueError(f"q must have at least one head, got q.shape={q.shape}")
+    if not isinstance(v_head_dim, int) or not 0 < v_head_dim < d:
+        raise ValueError(f"v_head_dim={v_head_dim!r} must be an int in [1, head dim {d})")
+    if not (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
+            and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float")
+    if slots > MAX_POOL_ROWS:
+        raise ValueError(f"kv_pool has {slots} rows; slot ids are int32 (at most {MAX_POOL_ROWS})")
+    if slots < kv.page_size:
+        raise ValueError(f"kv_pool has {slots} rows, fewer than page_size={kv.page_size}")
+    if not isinstance(s_q, int) or isinstance(s_q, bool) or s_q <= 0 or t % s_q:
+        raise ValueError(f"s_q={s_q!r} must be a positive int dividing q.shape[0]={t}")
+    b = t // s_q
+    if kv.num_seqs != b:
+        raise ValueError(f"q holds {b} sequences (T={t}, s_q={s_q}) but the KV metadata "
+                         f"(kv_indptr / page_table) has {kv.num_seqs}")
+    if kv.form == "strided" and kv.table.shape[0] != b * kv.entries_per_seq:
+        raise ValueError(f"KVRows.table has {kv.table.shape[0]} entries; {b} sequences of "
+                         f"entries_per_seq={kv.entries_per_seq} need {b * kv.entries_per_seq}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits <= 0):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    return b
+
+
+def _check_triton_dims(d: int, v_head_dim: int) -> None:
+    d_rope = d - v_head_dim
+    if not (is_power_of_two(v_head_dim) and is_power_of_two(d_rope) and d_rope >= 16):
+        raise ValueError(
+            f"head dim {d} must be v_head_dim ({v_head_dim}) + a rope part, both powers of two "
+            ">= 16 (the Triton lowering tiles them separately)")
+
+
+def decode_num_splits(config: DecodeKernelConfig, num_seqs: int, rows: int, max_kv_len: int,
+                      *, mgpu: bool) -> int:
+    """The split rule's KV split count for `num_seqs` sequences of `rows` folded query rows
+    (s_q * H) and up to `max_kv_len` tokens, for the kernel `mla_decode` runs: 64-row blocks
+    and `mgpu_split_config` for the Mosaic GPU kernel, `config`'s block rows for Triton."""
+    if mgpu:
+        return choose_num_splits(num_seqs, rows // MGPU_BLOCK_M, max_kv_len,
+                                 mgpu_split_config(config), MGPU_BLOCK_M)
+    block_m = config.resolved_block_m(rows)
+    return choose_num_splits(num_seqs, num_row_blocks(rows, block_m), max_kv_len, config,
+                             block_m)
+
+
+def uses_mgpu(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
+              v_head_dim: int = 512, interpret: bool = False) -> bool:
+    """Whether `mla_decode` runs the Mosaic GPU kernel for q ([T, H, D], an array or a
+    ShapeDtypeStruct) at this page size (`DecodeKernelConfig.kernel`); raises for
+    kernel="mgpu" on a shape it does not take.
+
+    "auto" keeps batches of fewer than num_sms / 4 blocks of 64 rows on Triton: there a Mosaic
+    GPU block's fixed cost and launch outweigh its matrix rate (`python -m bench.decode
+    --only "H128 B1 L4096"`).
+    """
+    if config.kernel == "triton":
+        return False
+    why = mgpu_decode_supported(s_q * q.shape[1], page_size, q.shape[2], v_head_dim, q.dtype)
+    if config.kernel == "mgpu":
+        if why is not None:
+            raise ValueError(f"DecodeKernelConfig.kernel='mgpu': {why}")
+        return True
+    if why is not None or interpret or jax.default_backend() != "gpu":
+        return False
+    blocks = (q.shape[0] // s_q) * (s_q * q.shape[1] // MGPU_BLOCK_M)
+    return blocks >= config.num_sms // 4
+
+
+def _triton_rows(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
+                 interpret):
+    b = check_decode_args(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
+                          v_head_dim=v_head_dim)
+    _check_triton_dims(q.shape[2], v_head_dim)
+    ns = num_splits or decode_num_splits(config, b, s_q * q.shape[1], kv.max_kv_len, mgpu=False)
+    return decode_triton.decode_call(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=ns,
+                                     config=config, v_head_dim=v_head_dim, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
+                                              "interpret", "v_head_dim"))
+def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
+                    s_q: int = 1, num_splits: int | None = None,
+                    config: DecodeKernelConfig = DecodeKernelConfig(), v_head_dim: int = 512,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The Triton-lowered decode kernel alone (one pallas_call, no merge) on a `KVRows`;
+    arguments as in `mla_decode`.
+
+    Returns o [B, S, rows_pad, Dv] (q.dtype when S == 1: the output; else per-split partials in
+    `config.partial_dtype`) and lse float32 [B, S, rows_pad] (S == 1: +inf for no KV; else
+    -inf for an empty split); rows = s_q * H folded token-major, rows_pad = rows rounded up to
+    block_m, S = num_splits or the split rule's choice. `merge_splits_pallas(o, lse, q.dtype)`
+    turns S > 1 partials into the output.
+    """
+    return _triton_rows(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
+                        config=config, v_head_dim=v_head_dim, interpret=interpret)
+
+
+def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
+                         s_q: int, num_splits: int, v_head_dim: int = 512,
+                         partial_dtype="bfloat16",
+                         config: MgpuDecodeConfig = MgpuDecodeConfig(),
+                         interpret=False) -> tuple[jax.Array, jax.Array]:
+    """The Mosaic GPU decode kernel alone (no merge), same contract as `mla_decode_rows` with
+    rows_pad = rows (s_q * H must be a multiple of 64: `mgpu_decode_supported`).
+
+    partial_dtype: float32 or bfloat16, the storage of S > 1 partials. `interpret`: False
+    (compiled), True (Mosaic GPU interpret mode) or Pallas's GPU interpreter parameters
+    (`InterpretGPUParams`, e.g. with `detect_races=True`). Not jitted here: call it inside jit.
+    """
+    check_decode_args(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
+                      v_head_dim=v_head_dim)
+    if num_splits is None:
+        raise ValueError("num_splits must be a positive int, got None")
+    why = mgpu_decode_supported(s_q * q.shape[1], kv.page_size, q.shape[2], v_head_dim, q.dtype)
+    if why is not None:
+        raise ValueError(f"mla_decode_rows_mgpu: {why}")
+    if not isinstance(config, MgpuDecodeConfig):
+        raise TypeError(f"config must be a MgpuDecodeConfig, got {type(config).__name__}")
+    if jnp.dtype(partial_dtype).name not in PARTIAL_DTYPES:
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype!r}")
+    return decode_mgpu.decode_call(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
+                                   num_splits=num_splits, v_head_dim=v_head_dim,
+                                   partial_dtype=partial_dtype, config=config,
+                                   interpret=interpret)
+
+
+def _merged(o: jax.Array, lse: jax.Array, out_dtype, config: DecodeKernelConfig,
+            interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Per-split results [B, S, R, Dv] / [B, S, R] -> [B, R, Dv] / [B, R]: the kernel's own
+    output when S == 1, else the merge kernel's."""
+    if o.shape[1] == 1:
+        return o[:, 0], lse[:, 0]
+    return merge_splits_pallas(o, lse, out_dtype, block_d=config.merge_block_d,
+                               interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
+                                              "interpret", "v_head_dim"))
+def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
+                   interpret):
+    """Decode kernel + (num_splits > 1) merge, unpadded to [T, H, Dv] and [T, H]."""
+    check_decode_args(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
+                      v_head_dim=v_head_dim)
+    t, h, _ = q.shape
+    rows = s_q * h
+    if uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret):
+        ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
+        o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
+                                      num_splits=ns, v_head_dim=v_head_dim,
+                                      partial_dtype=config.partial_dtype, interpret=interpret)
+    else:
+        o, lse = _triton_rows(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
+                              num_splits=num_splits, config=config, v_head_dim=v_head_dim,
+                              interpret=interpret)
+    out, lse_out = _merged(o, lse, q.dtype, config, interpret)
+    if out.shape[1] != rows:
+        out, lse_out = out[:, :rows], lse_out[:, :rows]
+    return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
+
+
+def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None = None,
+               kv_indices: jax.Array | None = None, page_table: PageTable | None = None,
+               sm_scale: float, s_q: int = 1, num_splits: int | None = None,
+               config: DecodeKernelConfig = DecodeKernelConfig(), max_kv_len: int | None = None,
+               v_head_dim: int = 512, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA decode over the paged latent pool.
+
+    q:          [T, H, 576] bf16 (or f16 on the Triton kernel), T = batch * s_q, token-major
+                (the s_q tokens of a sequence are consecutive).
+    kv_pool:    [slots, 576], q's dtype; V is the first `v_head_dim` (512) columns of a row.
+    KV metadata, exactly one of:
+      kv_indptr [B+1] int32 (tokens) + kv_indices [capacity] int32 (token slots); page size 1.
+      page_table: funcmla.layout.PageTable (page ids [B, max_pages], lengths [B] in tokens,
+                  static page_size); token t of sequence b is row
+                  table[b, t // page_size] * page_size + t % page_size.
+    sm_scale:   softmax scale (static positive float; `funcmla.config.MLADims.sm_scale`).
+    s_q:        query tokens per sequence (speculative decoding), bottom-right causal.
+    num_splits: split-KV count; None: the split rule (`decode_num_splits`).
+    max_kv_len: static upper bound on KV tokens per sequence for the split rule (token CSR
+                only; defaults to the capacity of kv_indices).
+    config:     `DecodeKernelConfig`: which kernel (`uses_mgpu`) and its tiling.
+    interpret:  run in Pallas interpret mode (CPU).
+
+    Returns out [T, H, v_head_dim] (q.dtype) and lse [T, H] float32 (natural log); a sequence
+    with no KV gives out 0 and lse +inf. Pool rows no sequence uses never reach the output,
+    whatever they hold. Index values are not checked here (`validate_decode_inputs` does it
+    eagerly); positions past a sequence's length are never read.
+    """
+    if page_table is not None:
+        if kv_indptr is not None or kv_indices is not None:
+            raise ValueError("pass either page_table or (kv_indptr, kv_indices), not both")
+        if max_kv_len is not None:
+            raise ValueError(f"max_kv_len={max_kv_len!r}: with a page_table it is implied by "
+                             "the table's width")
+        kv = kv_rows_from_page_table(page_table)
+    else:
+        if kv_indptr is None or kv_indices is None:
+            raise ValueError("pass kv_indptr and kv_indices (token CSR) or page_table")
+        kv = kv_rows_from_csr(kv_indptr, kv_indices, max_kv_len)
+    if not isinstance(config, DecodeKernelConfig):
+        raise TypeError(f"config must be a DecodeKernelConfig, got {type(config).__name__}")
+    if not (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float")
+    return _mla_decode_kv(q, kv_pool, kv, sm_scale=float(sm_scale), s_q=s_q,
+                          num_splits=num_splits, config=config, v_head_dim=v_head_dim,
+                          interpret=interpret)
+
+
+def validate_decode_inputs(kv_pool_rows: int, *, kv_indptr=None, kv_indices=None,
+                           page_table: PageTable | None = None) -> None:
+    """Eager (non-jittable) value check of decode metadata; raises ValueError naming the field.
+
+    Token CSR: kv_indptr starts at 0, is non-decreasing and ends within kv_indices; every live
+    kv_indices entry is in [0, kv_pool_rows). Page table: lengths fit the table width and every
+    live page id p has (p + 1) * page_size <= kv_pool_rows.
+    """
+    if page_table is not None:
+        table = np.asarray(page_table.table)
+        lengths = np.asarray(page_table.lengths)
+        page_size = page_table.page_size
+        if (lengths < 0).any():
+            raise ValueError(f"page_table.lengths has negative values: {lengths[lengths < 0][:4]}")
+        need = -(-lengths // page_size)
+        if (need > table.shape[1]).any():
+            bad = int(np.argmax(need > table.shape[1]))
+            raise ValueError(f"page_table.lengths[{bad}]={lengths[bad]} needs {need[bad]} pages; "
+                             f"the table has {table.shape[1]}")
+        for i, n in enumerate(need):
+            live = table[i, :n]
+            if live.size and (live.min() < 0 or (live.max() + 1) * page_size > kv_pool_rows):
+                raise ValueError(f"page_table.table[{i}] has page ids outside "
+                                 f"[0, {kv_pool_rows // page_size}): {live.min()}..{live.max()}")
+        return
+    indptr = np.asarray(kv_indptr)
+    indices = np.asarray(kv_indices)
+    if indptr[0] != 0 or (np.diff(indptr) < 0).any() or indptr[-1] > indices.shape[0]:
+        raise ValueError(f"kv_indptr must start at 0, not decrease and end <= "
+                         f"{indices.shape[0]}; got {indptr[:4]}..{indptr[-1]}")
+    live = indices[: indptr[-1]]
+    if live.size and (live.min() < 0 or live.max() >= kv_pool_rows):
+        raise ValueError(f"kv_indices has slots outside [0, {kv_pool_rows}): "
+                         f"{live.min()}..{live.max()}")
