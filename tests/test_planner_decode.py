@@ -14,15 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcmla.config import MI300X, MI355X, custom_device
-from funcmla.planners.decode import (
+from funcmla.planners.decode import plan_mla_decode_jit
+from funcmla.planners.decode_config import DecodePlanConfig
+from funcmla.planners.decode_fill import (
     NEVER,
-    DecodePlanConfig,
     FillParams,
     fill_advance,
     fill_inputs,
     fill_step,
     fill_tiles_scan,
-    plan_mla_decode_jit,
 )
 from funcmla.planners.decode_chase import chase_states
 from funcmla.planners.decode_fill_pallas import fill_tiles_pallas

@@ -3,7 +3,7 @@
 Two ways to the same states (the state before each tile, `FILL_STATE_FIELDS`):
 
 * the *tile walk*: a single program walks the qo tiles in order, carrying `(cu, remain)` in
-  registers (`funcmla.planners.decode.fill_advance`, shared with the `lax.scan` fallback, so
+  registers (`decode_fill.fill_advance`, shared with the `lax.scan` fallback, so
   both run the same arithmetic). Tiles are visited in chunks of `chunk`: the chunk's inputs are
   loaded as independent scalar loads (so their latencies overlap), one chunk ahead of the walk
   (software pipelining), then the chunk's steps run unrolled; only the carry is sequential.
@@ -26,20 +26,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from funcmla.planners.decode import (
-    FILL_STATE_FIELDS,
-    TILE_FIELDS,
-    WALKS,
-    FillParams,
-    fill_advance,
-)
 from funcmla.planners.decode_chase import chase_pays_off, chase_states
+from funcmla.planners.decode_fill import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
 
-__all__ = ["fill_tiles_pallas", "walk_tiles", "walk_or_chase", "chase_allowed", "DEFAULT_CHUNK",
-           "CHASE_MAX_SLOTS", "padded_slots"]
+__all__ = ["fill_tiles_pallas", "walk_tiles", "walk_or_chase", "chase_allowed", "on_gpu",
+           "DEFAULT_CHUNK", "INTERPRET_CHUNK", "CHASE_MAX_SLOTS", "WALKS", "padded_slots"]
 
+# How the Pallas fills reach the states (`walk_or_chase`): "auto" (the chase where it pays off,
+# decided in the kernel), "chase", "tiles" (one step per tile).
+WALKS = ("auto", "chase", "tiles")
+# Tiles per chunk of the tile walk: the chunk's loads are issued one chunk ahead, so they
+# overlap the previous chunk's steps (`python -m bench.planners --fill-only`).
 DEFAULT_CHUNK = 16
+# Interpret mode (off-GPU, tests) unrolls 2 steps per chunk: the same code path (unrolled steps,
+# prefetch, padding) at a small fraction of the 16-step unroll's XLA:CPU compile time.
+INTERPRET_CHUNK = 2
 # The chase keeps ~6 int32 vectors of the padded slot count in one warp's registers (16 values
 # per lane each at 512).
 CHASE_MAX_SLOTS = 512
@@ -120,7 +123,9 @@ def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: 
                   num_chunks=num_chunks, walk=walk, prefetch=prefetch)
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """JAX runs on a GPU: the Pallas planner programs compile (Triton); elsewhere they run in
+    interpret mode."""
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
@@ -133,18 +138,21 @@ def padded_slots(num_slots: int, chunk: int = DEFAULT_CHUNK) -> int:
 
 
 def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
-                      params: FillParams, chunk: int = DEFAULT_CHUNK, prefetch: bool = True,
+                      params: FillParams, chunk: int | None = None, prefetch: bool = True,
                       walk: str = "auto", live_slots: int | None = None,
                       interpret: bool | None = None) -> jax.Array:
     """The walk in one Pallas program. tiles: int32 [S, >= 8] (TILE_FIELDS first) -> int32
-    [S, 2] (FILL_STATE_FIELDS, before each tile). `prefetch`: load chunk i + 1 while walking
-    chunk i. walk: "auto" | "chase" | "tiles" (see `walk_or_chase`; "chase" raises where the
-    chase cannot run). live_slots: only the first `live_slots` rows hold tiles, the rest are
+    [S, 2] (FILL_STATE_FIELDS, before each tile). `chunk`: tiles per unrolled chunk (None:
+    DEFAULT_CHUNK compiled, INTERPRET_CHUNK interpreted). `prefetch`: load chunk i + 1 while
+    walking chunk i. walk: "auto" | "chase" | "tiles" (see `walk_or_chase`; "chase" raises
+    where the chase cannot run). live_slots: only the first `live_slots` rows hold tiles, the rest are
     empty slots (n = -1) whose states are not needed: the tile walk stops after them (their
     rows of the result are left unwritten). `interpret=None`: compiled (Triton) on GPU,
     interpreted elsewhere."""
     if interpret is None:
-        interpret = not _on_gpu()
+        interpret = not on_gpu()
+    if chunk is None:
+        chunk = INTERPRET_CHUNK if interpret else DEFAULT_CHUNK
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     num_slots = tiles.shape[0]
@@ -162,8 +170,6 @@ def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
     scalars = jnp.stack([jnp.asarray(payload, jnp.int32), jnp.asarray(bpc, jnp.int32)])
     kwargs = {}
     if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=1, num_stages=1)
     call = pl.pallas_call(
         functools.partial(_fill_kernel, params=params, chunk=chunk, prefetch=prefetch,
