@@ -44,9 +44,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
-
-from funcmla.checks import check_indptr
 from funcmla.planners.decode_config import DecodePlanConfig
 from funcmla.planners.decode_fill import (
     NEVER,
@@ -59,11 +56,14 @@ from funcmla.planners.decode_fill_pallas import WALKS, fill_tiles_pallas, on_gpu
 from funcmla.planners.decode_fused_pallas import plan_tail_pallas
 from funcmla.planners.decode_sizes import mla_decode_plan_sizes
 from funcmla.planners.inputs import (
+    EAGER,
     INT32_MAX,
+    TRACED,
+    Checker,
+    check_indptr,
     check_no_wrap,
     check_prefix_sums_fit,
     is_concrete,
-    raise_if_invalid,
     to_int32,
 )
 from funcmla.planners.plan import WorkPlan
@@ -131,7 +131,8 @@ def _check_inputs(qo_indptr, kv_indptr, kv_last_page_lens):
 def check_decode_plan_inputs(qo_indptr: jax.Array, kv_indptr: jax.Array,
                              kv_last_page_lens: jax.Array, *, config: DecodePlanConfig) -> None:
     """checkify value checks of `plan_mla_decode`'s inputs (int32 [B+1], [B+1], [B]); run them
-    under jit with `funcmla.checks.checked`. Eager calls of `plan_mla_decode` run them by default.
+    under jit with `funcmla.checks.checked`. Eager calls of `plan_mla_decode` run the same checks
+    in NumPy by default.
 
     kv_indptr (and qo_indptr unless uni_seqlen_qo > 0) start at 0, never decrease and never wrap
     past the int32 limit; with qo splits and a ragged qo_indptr, 1 <= qo_len <= max_seqlen_qo;
@@ -139,57 +140,62 @@ def check_decode_plan_inputs(qo_indptr: jax.Array, kv_indptr: jax.Array,
     request's length in tokens fits int32 (kv_offset counts tokens); kv_indptr[-1] leaves room to
     round up to a whole block; the batch's total cost in blocks fits int32.
     """
+    _decode_input_checks(TRACED, qo_indptr, kv_indptr, kv_last_page_lens, config=config)
+
+
+def _decode_input_checks(c: Checker, qo_indptr, kv_indptr, kv_last_page_lens, *,
+                         config: DecodePlanConfig) -> None:
     cfg = config
-    i32 = jnp.int32
-    check_no_wrap(kv_indptr, "kv_indptr")
-    check_indptr(kv_indptr, "kv_indptr")
+    xp = c.xp
+    check_no_wrap(c, kv_indptr, "kv_indptr")
+    check_indptr(c, kv_indptr, "kv_indptr")
     if not cfg.uniform_qo:
-        check_no_wrap(qo_indptr, "qo_indptr")
-        check_indptr(qo_indptr, "qo_indptr")
+        check_no_wrap(c, qo_indptr, "qo_indptr")
+        check_indptr(c, qo_indptr, "qo_indptr")
         if cfg.qo_splits:
             qo_len = qo_indptr[1:] - qo_indptr[:-1]
             bad = (qo_len < 1) | (qo_len > cfg.max_seqlen_qo)
-            b = jnp.argmax(bad).astype(i32)
-            checkify.check(~jnp.any(bad),
-                           f"qo_indptr[{{b1}}] - qo_indptr[{{b}}] = {{q}} query tokens: must be in "
-                           f"[1, max_seqlen_qo={cfg.max_seqlen_qo}]", b1=b + 1, b=b, q=qo_len[b])
+            b = xp.argmax(bad).astype(xp.int32)
+            c.check(~xp.any(bad),
+                    f"qo_indptr[{{b1}}] - qo_indptr[{{b}}] = {{q}} query tokens: must be in "
+                    f"[1, max_seqlen_qo={cfg.max_seqlen_qo}]", b1=b + 1, b=b, q=qo_len[b])
     gran_room = INT32_MAX - (cfg.kv_granularity - 1)
-    checkify.check(kv_indptr[-1] <= gran_room,
-                   f"total kv length {{v}} (kv_indptr[-1]) exceeds {gran_room}: the int32 limit "
-                   f"{INT32_MAX} of work_info less kv_granularity - 1 (the planner rounds up to "
-                   "whole blocks)", v=kv_indptr[-1])
+    c.check(kv_indptr[-1] <= gran_room,
+            f"total kv length {{v}} (kv_indptr[-1]) exceeds {gran_room}: the int32 limit "
+            f"{INT32_MAX} of work_info less kv_granularity - 1 (the planner rounds up to "
+            "whole blocks)", v=kv_indptr[-1])
     entries = kv_indptr[1:] - kv_indptr[:-1]
     if cfg.page_size > 1:
         last = kv_last_page_lens
         bad = (entries > 0) & ((last < 1) | (last > cfg.page_size))
-        b = jnp.argmax(bad).astype(i32)
-        checkify.check(~jnp.any(bad),
-                       f"kv_last_page_lens[{{b}}] = {{v}} must be in "
-                       f"[1, page_size={cfg.page_size}]",
-                       b=b, v=last[b])
-        room = (INT32_MAX - jnp.clip(last, 1, cfg.page_size)) // cfg.page_size
+        b = xp.argmax(bad).astype(xp.int32)
+        c.check(~xp.any(bad),
+                f"kv_last_page_lens[{{b}}] = {{v}} must be in [1, page_size={cfg.page_size}]",
+                b=b, v=last[b])
+        room = (INT32_MAX - xp.clip(last, 1, cfg.page_size)) // cfg.page_size
         bad = entries - 1 > room
-        b = jnp.argmax(bad).astype(i32)
-        checkify.check(~jnp.any(bad),
-                       f"request {{b}} has {{e}} pages of page_size={cfg.page_size} tokens: its "
-                       f"length in tokens exceeds the int32 limit {INT32_MAX} of work_info "
-                       "(kv_offset counts tokens)", b=b, e=entries[b])
-    tl = decode_tiles(qo_indptr, kv_indptr, config=cfg)
-    check_prefix_sums_fit(jnp.where(tl["valid"], tl["n"] + cfg.overhead, 0),
+        b = xp.argmax(bad).astype(xp.int32)
+        c.check(~xp.any(bad),
+                f"request {{b}} has {{e}} pages of page_size={cfg.page_size} tokens: its "
+                f"length in tokens exceeds the int32 limit {INT32_MAX} of work_info "
+                "(kv_offset counts tokens)", b=b, e=entries[b])
+    tl = decode_tiles(qo_indptr, kv_indptr, config=cfg, xp=xp)
+    check_prefix_sums_fit(c, xp.where(tl["valid"], tl["n"] + cfg.overhead, 0),
                           "the batch's total cost in blocks (each tile's blocks + overhead)")
 
 
-def decode_tiles(qo_indptr, kv_indptr, *, config: DecodePlanConfig) -> dict[str, jax.Array]:
+def decode_tiles(qo_indptr, kv_indptr, *, config: DecodePlanConfig,
+                 xp=jnp) -> dict[str, jax.Array]:
     """Per tile slot (folded batch b, qo tile t), row-major, int32 [S]: the planner's view.
 
     Keys: valid, batch (folded b), req (b // ratio), kv_begin, kv_end (kv_indices entries,
     relative to kv_indptr[0]), kv_len, n (blocks), qo_tile_size, qo_start, qo_end,
-    batch_tail (causal kv trim, entries).
+    batch_tail (causal kv trim, entries). `xp`: jax.numpy, or numpy for the eager input checks.
     """
     cfg = config
     b_req = kv_indptr.shape[0] - 1
     ratio, slots = cfg.qk_batch_ratio, cfg.tile_slots_per_batch
-    s = jnp.arange(b_req * ratio * slots, dtype=jnp.int32)
+    s = xp.arange(b_req * ratio * slots, dtype=xp.int32)
     b = s // slots
     t = s % slots
     req = b // ratio
@@ -198,30 +204,30 @@ def decode_tiles(qo_indptr, kv_indptr, *, config: DecodePlanConfig) -> dict[str,
     kv_len = kv_end - kv_begin
     if cfg.uniform_qo:
         uni = cfg.uni_seqlen_qo
-        seqlen = jnp.full_like(b, uni)
+        seqlen = xp.full_like(b, uni)
         qo_begin, qo_end_b = uni * b, uni * (b + 1)
     else:  # ratio == 1 here (checked by the config)
         qo_begin, qo_end_b = qo_indptr[b], qo_indptr[b + 1]
         seqlen = qo_end_b - qo_begin
     if not cfg.qo_splits:
-        ntiles = jnp.ones_like(b)
+        ntiles = xp.ones_like(b)
     elif cfg.planner_num_heads * 2 > cfg.packed_qo_len_per_wg:
         ntiles = seqlen
     else:
         wg = cfg.packed_qo_len_per_wg
         ntiles = (seqlen * cfg.planner_num_heads + wg - 1) // wg
     valid = t < ntiles
-    ts = (seqlen + jnp.maximum(ntiles, 1) - 1) // jnp.maximum(ntiles, 1)
+    ts = (seqlen + xp.maximum(ntiles, 1) - 1) // xp.maximum(ntiles, 1)
     qo_start = qo_begin + t * ts
-    qo_end = jnp.minimum(qo_start + ts, qo_end_b)
+    qo_end = xp.minimum(qo_start + ts, qo_end_b)
     if cfg.page_size == 1 and cfg.is_causal:
         if ratio == 1:
             bt = ntiles - 1 - t
         else:
             bt = ntiles - (qo_start // ratio) % cfg.uni_seqlen_qo - 1
-        bt = jnp.maximum(bt, 0)
+        bt = xp.maximum(bt, 0)
     else:
-        bt = jnp.zeros_like(b)
+        bt = xp.zeros_like(b)
     gran_log2 = cfg.kv_granularity.bit_length() - 1
     n = (kv_len + cfg.kv_granularity - 1) >> gran_log2
     return dict(valid=valid, batch=b, req=req, kv_begin=kv_begin, kv_end=kv_end, kv_len=kv_len,
@@ -283,8 +289,8 @@ def plan_mla_decode(
             f"batch_size={batch_size} is smaller than the batch in kv_indptr ({b_req})")
     sizes = mla_decode_plan_sizes(batch_size, cfg)
     if concrete:  # eager call: the values are known, check them (under jit: checkify variant)
-        raise_if_invalid(lambda q, k, lp: check_decode_plan_inputs(q, k, lp, config=cfg),
-                         qo_indptr, kv_indptr, kv_last_page_lens)
+        _decode_input_checks(EAGER, *(np.asarray(x) for x in
+                                      (qo_indptr, kv_indptr, kv_last_page_lens)), config=cfg)
     num_cu, max_work = sizes.num_cu, sizes.max_work
     tile_cnt, max_split_tiles = sizes.tile_cnt, sizes.max_split_tiles
     ov, gran = cfg.overhead, cfg.kv_granularity

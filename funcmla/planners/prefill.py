@@ -36,17 +36,17 @@ import jax
 import jax.numpy as jnp
 
 import numpy as np
-from jax.experimental import checkify
-
-from funcmla.checks import check_indptr
 from funcmla.config import DeviceProfile
 from funcmla.layout import PageTable, TokenCSR, expect_layout, is_power_of_two
 from funcmla.planners.inputs import (
+    EAGER,
     INT32_MAX,
+    TRACED,
+    Checker,
+    check_indptr,
     check_no_wrap,
     check_prefix_sums_fit,
     is_concrete,
-    raise_if_invalid,
     to_int32,
 )
 from funcmla.planners.plan import WorkPlan
@@ -207,20 +207,21 @@ def _search(sorted_arr, x, side):
     return jnp.searchsorted(sorted_arr, x, side=side).astype(jnp.int32)
 
 
-def _tile_grid(qo_indptr, context_lens, cfg: PrefillPlanConfig, mq: int):
+def _tile_grid(qo_indptr, context_lens, cfg: PrefillPlanConfig, mq: int, xp=jnp):
     """Step 1 of the planner: the tile grid [B, mq] in visiting (ping-pong) order. Returns
-    (i, n, idx, local_end, qo_len, units [B * mq] int32: KV split units per tile, 0 if invalid)."""
+    (i, n, idx, local_end, qo_len, valid, units [B * mq] int32: KV split units per tile, 0 if
+    invalid). `xp`: jax.numpy, or numpy for the eager input checks."""
     g, gran = cfg.qlen_granularity, cfg.kvlen_granularity
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
     n_tiles = (qo_len + g - 1) // g  # [B]
-    i = jnp.arange(mq, dtype=jnp.int32)[None, :]
+    i = xp.arange(mq, dtype=xp.int32)[None, :]
     n = n_tiles[:, None]
     valid = i < n  # [B, mq]
-    idx = jnp.where(i % 2 == 0, i // 2, n - 1 - i // 2)
-    local_end = jnp.minimum(idx * g + g, qo_len[:, None])
+    idx = xp.where(i % 2 == 0, i // 2, n - 1 - i // 2)
+    local_end = xp.minimum(idx * g + g, qo_len[:, None])
     kv_len = context_lens[:, None]
-    eff = jnp.minimum(kv_len - qo_len[:, None] + local_end, kv_len) if cfg.is_causal else kv_len
-    units = jnp.where(valid, (eff + gran - 1) // gran, 0).reshape(-1)  # [T]
+    eff = xp.minimum(kv_len - qo_len[:, None] + local_end, kv_len) if cfg.is_causal else kv_len
+    units = xp.where(valid, (eff + gran - 1) // gran, 0).reshape(-1)  # [T]
     return i, n, idx, local_end, qo_len, valid.reshape(-1), units
 
 
@@ -258,8 +259,8 @@ def plan_ps_prefill(
     kv_indptr = to_int32(kv_indptr, "kv_indptr")
     context_lens = to_int32(context_lens, "context_lens")
     if concrete:  # eager call: the values are known, check them (under jit: checkify variant)
-        raise_if_invalid(lambda q, k, c: check_prefill_plan_inputs(q, k, c, config=config),
-                         qo_indptr, kv_indptr, context_lens)
+        _prefill_input_checks(EAGER, *(np.asarray(x) for x in (qo_indptr, kv_indptr, context_lens)),
+                              config=config)
     return _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, config=config)
 
 
@@ -418,51 +419,57 @@ def check_plan_matches_metadata(plan: WorkPlan, kv, *, allow_legacy_mismatch: bo
 
 def check_prefill_plan_inputs(qo_indptr, kv_indptr, context_lens, *, config: PrefillPlanConfig) -> None:
     """checkify value checks of `plan_ps_prefill`'s inputs (run under `funcmla.checks.checked`;
-    eager calls of `plan_ps_prefill` run them by default).
+    eager calls of `plan_ps_prefill` run the same checks in NumPy by default).
 
     qo_indptr and kv_indptr well formed and not wrapped past int32; 0 <= qo_len <= max_qlen;
     context_lens >= 0 (and >= qo_len when causal); each request has exactly
     ceil(context_len / block_size) kv_indptr entries; lengths leave room to round up to a whole
     split unit, and the unit stream's total fits int32.
     """
-    check_no_wrap(qo_indptr, "qo_indptr")
-    check_indptr(qo_indptr, "qo_indptr")
-    check_no_wrap(kv_indptr, "kv_indptr")
-    check_indptr(kv_indptr, "kv_indptr")
+    _prefill_input_checks(TRACED, qo_indptr, kv_indptr, context_lens, config=config)
+
+
+def _prefill_input_checks(c: Checker, qo_indptr, kv_indptr, context_lens, *,
+                          config: PrefillPlanConfig) -> None:
+    xp = c.xp
+    check_no_wrap(c, qo_indptr, "qo_indptr")
+    check_indptr(c, qo_indptr, "qo_indptr")
+    check_no_wrap(c, kv_indptr, "kv_indptr")
+    check_indptr(c, kv_indptr, "kv_indptr")
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
     entries = kv_indptr[1:] - kv_indptr[:-1]
 
     def first(bad):
-        return jnp.argmax(bad).astype(jnp.int32)
+        return xp.argmax(bad).astype(xp.int32)
 
     bad = qo_len > config.max_qlen
     b = first(bad)
-    checkify.check(~jnp.any(bad), f"request {{b}} has {{q}} queries > config.max_qlen={config.max_qlen}",
-                   b=b, q=qo_len[b])
+    c.check(~xp.any(bad), f"request {{b}} has {{q}} queries > config.max_qlen={config.max_qlen}",
+            b=b, q=qo_len[b])
     bad = context_lens < (qo_len if config.is_causal else 0)
     b = first(bad)
-    checkify.check(~jnp.any(bad), "context_lens[{b}] = {c} is below the query length {q} (causal) or 0",
-                   b=b, c=context_lens[b], q=qo_len[b])
+    c.check(~xp.any(bad), "context_lens[{b}] = {c} is below the query length {q} (causal) or 0",
+            b=b, c=context_lens[b], q=qo_len[b])
     room = INT32_MAX - (config.kvlen_granularity - 1)
     bad = context_lens > room
     b = first(bad)
-    checkify.check(~jnp.any(bad),
-                   f"context_lens[{{b}}] = {{c}} exceeds {room}: the int32 limit {INT32_MAX} less "
-                   f"kvlen_granularity - 1 (the planner rounds up to whole split units)",
-                   b=b, c=context_lens[b])
+    c.check(~xp.any(bad),
+            f"context_lens[{{b}}] = {{c}} exceeds {room}: the int32 limit {INT32_MAX} less "
+            f"kvlen_granularity - 1 (the planner rounds up to whole split units)",
+            b=b, c=context_lens[b])
     room = INT32_MAX - (config.blocks_per_unit - 1)
-    checkify.check(kv_indptr[-1] <= room,
-                   f"total kv length {{v}} (kv_indptr[-1]) exceeds {room}: the int32 limit "
-                   f"{INT32_MAX} of work_info less one split unit", v=kv_indptr[-1])
+    c.check(kv_indptr[-1] <= room,
+            f"total kv length {{v}} (kv_indptr[-1]) exceeds {room}: the int32 limit "
+            f"{INT32_MAX} of work_info less one split unit", v=kv_indptr[-1])
     want = (context_lens + config.block_size - 1) // config.block_size
     bad = entries != want
     b = first(bad)
-    checkify.check(
-        ~jnp.any(bad),
+    c.check(
+        ~xp.any(bad),
         f"kv_indptr[{{b1}}] - kv_indptr[{{b}}] = {{e}} entries, but context_lens[{{b}}] = {{c}} tokens "
         f"needs {{w}} entries of block_size={config.block_size}",
         b1=b + 1, b=b, e=entries[b], c=context_lens[b], w=want[b])
     mq = -(-config.max_qlen // config.qlen_granularity)
     if mq:
-        units = _tile_grid(qo_indptr, context_lens, config, mq)[-1]
-        check_prefix_sums_fit(units, "the total of split units over all q tiles")
+        units = _tile_grid(qo_indptr, context_lens, config, mq, xp=xp)[-1]
+        check_prefix_sums_fit(c, units, "the total of split units over all q tiles")
