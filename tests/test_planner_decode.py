@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from funcmla.checks import checked
 from funcmla.config import MI300X, MI355X, custom_device
-from funcmla.planners.decode import plan_mla_decode_jit
+from funcmla.planners.decode import check_decode_plan_inputs, plan_mla_decode, plan_mla_decode_jit
 from funcmla.planners.decode_config import DecodePlanConfig
 from funcmla.planners.decode_fill import (
     NEVER,
@@ -481,10 +483,13 @@ def _chase_jit(params):
     return jax.jit(lambda n, p, b: chase_states(n, p, b, params=params))
 
 
+CHASE_TEST_SLOTS = 300
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 @settings(max_examples=25)
 @given(data=st.data(), ov=st.sampled_from([0, 1, 4, 16]),
-       size=st.sampled_from([1, 7, 64, 300]), hi=st.sampled_from([1, 5, 100, 4000]),
+       size=st.sampled_from([1, 7, 64, CHASE_TEST_SLOTS]), hi=st.sampled_from([1, 5, 100, 4000]),
        zeros=st.booleans(), empties=st.booleans(), clusters=st.sampled_from([1, 8, 80, 304]))
 def test_chase_equals_the_tile_walk(parallel, data, ov, size, hi, zeros, empties, clusters):
     # The chase over events (decode_chase) gives the walk's state before every tile: empty
@@ -498,13 +503,14 @@ def test_chase_equals_the_tile_walk(parallel, data, ov, size, hi, zeros, empties
         bpc = ov + 1 + data.draw(st.integers(0, 7))
         payload = bpc + ov
     params = FillParams(ov, parallel, tail_rule=False, empty_slots=True)
-    nj = jnp.asarray(n, jnp.int32)
-    tiles = fill_inputs(nj, jnp.full((size,), NEVER, jnp.int32), jnp.int32(payload),
+    # One shape for every size (one compile): trailing empty slots leave the states unchanged.
+    nj = jnp.asarray(np.pad(n, (0, CHASE_TEST_SLOTS - size), constant_values=-1), jnp.int32)
+    tiles = fill_inputs(nj, jnp.full(nj.shape, NEVER, jnp.int32), jnp.int32(payload),
                         jnp.int32(bpc), params=params)
-    want = np.asarray(_fills(params, 4)[0](tiles, jnp.int32(payload), jnp.int32(bpc)))
+    want = np.asarray(_fills(params, 4)[0](tiles, jnp.int32(payload), jnp.int32(bpc)))[:size]
     cu, remain = _chase_jit(params)(nj, jnp.int32(payload), jnp.int32(bpc))
-    np.testing.assert_array_equal(np.asarray(cu), want[:, 0])
-    np.testing.assert_array_equal(np.asarray(remain), want[:, 1])
+    np.testing.assert_array_equal(np.asarray(cu)[:size], want[:, 0])
+    np.testing.assert_array_equal(np.asarray(remain)[:size], want[:, 1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -646,3 +652,41 @@ def test_config_is_hashable_static():
     a = DecodePlanConfig(device=MI300X, num_heads=16)
     b = DecodePlanConfig(device=MI300X, num_heads=16)
     assert a == b and hash(a) == hash(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks: eager calls check values (NumPy), the checkify variant says the same under jit.
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_decode_inputs(cfg):
+    return jax.jit(checked(lambda q, k, lp: check_decode_plan_inputs(q, k, lp, config=cfg)))
+
+
+def test_eager_plan_accepts_int64_host_inputs_that_fit():
+    # the inputs and config of test_zero_kv_parallel_vs_serial[parallel]: the same jit compile
+    cfg = DecodePlanConfig(device=custom_device(8), num_heads=16)
+    qo_indptr, kv_indptr, last = make_inputs([141, 0, 226, 0, 10, 43, 246], [1] * 7)
+    got = plan_mla_decode(qo_indptr.astype(np.int64), kv_indptr.astype(np.int64),
+                          last.astype(np.int64), config=cfg, fill_impl="scan")
+    assert_same(jax.tree.map(np.asarray, got),
+                plan_mla_decode_reference(qo_indptr, kv_indptr, last, config=cfg))
+    err, _ = _checked_decode_inputs(cfg)(*(jnp.asarray(x) for x in (qo_indptr, kv_indptr, last)))
+    assert err.get() is None
+
+
+@pytest.mark.parametrize("kv_indptr, match", [
+    ([0, 2_000_000_000, -294_967_296, 0, 0, 0, 0, 0],
+     r"kv_indptr\[2\] = -294967296 is negative.*int32 limit"),
+    ([0, 300, 100, 100, 100, 100, 100, 100],
+     r"kv_indptr must be non-decreasing: kv_indptr\[2\] = 100 < kv_indptr\[1\]"),
+    ([0, 1, 2, 3, 4, 5, 2_147_483_640, 2_147_483_641],
+     r"total kv length 2147483641 .* int32 limit 2147483647"),
+])
+def test_eager_and_checkify_input_checks_agree(kv_indptr, match):
+    cfg = DecodePlanConfig(device=custom_device(8), num_heads=16)
+    args = (np.arange(8, dtype=np.int32), np.array(kv_indptr, np.int32), np.ones(7, np.int32))
+    with pytest.raises(ValueError, match=match):
+        plan_mla_decode(*args, config=cfg)
+    err, _ = _checked_decode_inputs(cfg)(*(jnp.asarray(x) for x in args))
+    assert re.search(match, err.get())

@@ -270,7 +270,8 @@ def plan_mla_decode(
     untouched). Checked at trace time: ranks, dtypes, shapes. Values (`check_decode_plan_inputs`:
     well-formed indptrs, qo and last-page lengths, int32 limits) are checked when the inputs are
     concrete (an eager call; host integers of any width are accepted when they fit int32); under
-    jit run `funcmla.checks.checked(check_decode_plan_inputs)` for them.
+    jit run `funcmla.checks.checked(check_decode_plan_inputs)` for them. An eager call then runs
+    the jitted planner (`plan_mla_decode_jit`), compiled once per static arguments and shapes.
     """
     cfg = config
     if not isinstance(cfg, DecodePlanConfig):
@@ -282,15 +283,16 @@ def plan_mla_decode(
     concrete = is_concrete(qo_indptr, kv_indptr, kv_last_page_lens)
     qo_indptr, kv_indptr, kv_last_page_lens, b_req = _check_inputs(
         qo_indptr, kv_indptr, kv_last_page_lens)
-    if batch_size is None:
-        batch_size = b_req
-    if batch_size < b_req:
+    if batch_size is not None and batch_size < b_req:
         raise ValueError(
             f"batch_size={batch_size} is smaller than the batch in kv_indptr ({b_req})")
-    sizes = mla_decode_plan_sizes(batch_size, cfg)
-    if concrete:  # eager call: the values are known, check them (under jit: checkify variant)
+    if concrete:  # eager call: check the values (under jit: the checkify variant), then plan
         _decode_input_checks(EAGER, *(np.asarray(x) for x in
                                       (qo_indptr, kv_indptr, kv_last_page_lens)), config=cfg)
+        return plan_mla_decode_jit(qo_indptr, kv_indptr, kv_last_page_lens, config=cfg,
+                                   batch_size=batch_size, fill_impl=fill_impl, walk=walk)
+    batch_size = b_req if batch_size is None else batch_size
+    sizes = mla_decode_plan_sizes(batch_size, cfg)
     num_cu, max_work = sizes.num_cu, sizes.max_work
     tile_cnt, max_split_tiles = sizes.tile_cnt, sizes.max_split_tiles
     ov, gran = cfg.overhead, cfg.kv_granularity
