@@ -53,13 +53,18 @@ from bench.timing import device_kernel_times, environment, median_time_s, write_
 from funcmla.config import H200, MI300X, MI355X, custom_device  # noqa: E402
 from funcmla.planners.decode import plan_mla_decode, plan_mla_decode_jit  # noqa: E402
 from funcmla.planners.decode_config import DecodePlanConfig  # noqa: E402
-from funcmla.planners.decode_fill import NEVER, FillParams, fill_inputs, fill_tiles_scan  # noqa: E402
+from funcmla.planners.decode_fill import (  # noqa: E402
+    NEVER,
+    FillParams,
+    fill_inputs,
+    fill_tiles_scan,
+)
 from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, on_gpu  # noqa: E402
 from funcmla.planners.oracle_decode import plan_mla_decode_reference  # noqa: E402
 from funcmla.planners.oracle_prefill import ps_prefill_plan_oracle  # noqa: E402
 from funcmla.planners.prefill import (  # noqa: E402
     PrefillPlanConfig,
-    plan_ps_prefill,
+    plan_ps_prefill_jit,
     ps_prefill_plan_sizes,
 )
 
@@ -330,7 +335,7 @@ def prefill_inputs(batch: int, seed: int = 0, block_size: int = 1):
 
 
 def bench_prefill(batches=(1, 16, 64, 256, 1024), configs=None, reps=20):
-    """Time plan_ps_prefill (jit, after compile) against the NumPy serial oracle
+    """Time plan_ps_prefill_jit (after compile) against the NumPy serial oracle
     (ps_prefill_plan_oracle, the restatement of AITER's host C++ planner). Returns rows."""
     rows = []
     for name, spec in (configs or PREFILL_CONFIGS).items():
@@ -355,7 +360,7 @@ def bench_prefill(batches=(1, 16, 64, 256, 1024), configs=None, reps=20):
             args = tuple(jnp.asarray(x) for x in (qo, kv, ctx))
 
             def fn():
-                return jax.block_until_ready(plan_ps_prefill(*args, config=cfg))
+                return jax.block_until_ready(plan_ps_prefill_jit(*args, config=cfg))
 
             timed = _first_then_median(f"prefill {name} B={batch}", fn, reps)
             if timed is None:

@@ -3,10 +3,11 @@
 * decode: `plan_mla_decode` / `plan_mla_decode_jit` (`get_mla_metadata_v1`, fast mode / v1.2),
   `DecodePlanConfig`, buffer sizes `mla_decode_plan_sizes` (`get_mla_metadata_info_v1`), input
   checks `check_decode_plan_inputs` (checkify).
-* prefill: `plan_ps_prefill` (`get_ps_metadata_v1`), `PrefillPlanConfig` (token-granular by
-  default; the pre-fix pairing only through `PrefillPlanConfig.legacy_page_granular`), sizes
-  `ps_prefill_plan_sizes` (`get_ps_metadata_info_v1`), `check_plan_matches_metadata`, input
-  checks `check_prefill_plan_inputs` (checkify).
+* prefill: `plan_ps_prefill` / `plan_ps_prefill_jit` (`get_ps_metadata_v1`),
+  `PrefillPlanConfig` (token-granular by default; the pre-fix pairing only through
+  `PrefillPlanConfig.legacy_page_granular`), sizes `ps_prefill_plan_sizes`
+  (`get_ps_metadata_info_v1`), `check_plan_matches_metadata`, input checks
+  `check_prefill_plan_inputs` (checkify).
 * `WorkPlan` (the shared output pytree) and `plan_problems` / `check_work_plan` (validators).
 
 Eager calls of the planners check their input values; under `jit` the checkify variants are
@@ -28,6 +29,7 @@ from funcmla.planners.prefill import (  # noqa: F401
     check_plan_matches_metadata,
     check_prefill_plan_inputs,
     plan_ps_prefill,
+    plan_ps_prefill_jit,
     ps_prefill_plan_sizes,
 )
 from funcmla.planners.validate import check_work_plan, plan_problems  # noqa: F401
@@ -47,6 +49,7 @@ __all__ = [
     "plan_mla_decode",
     "plan_mla_decode_jit",
     "plan_ps_prefill",
+    "plan_ps_prefill_jit",
     "plan_problems",
     "ps_prefill_plan_sizes",
 ]

@@ -56,6 +56,7 @@ __all__ = [
     "PrefillPlanSizes",
     "ps_prefill_plan_sizes",
     "plan_ps_prefill",
+    "plan_ps_prefill_jit",
     "pack_q_head_range",
     "check_plan_matches_metadata",
     "check_prefill_plan_inputs",
@@ -233,7 +234,7 @@ def plan_ps_prefill(
     config: PrefillPlanConfig,
 ) -> WorkPlan:
     """Port of `get_ps_metadata_v1`; returns a `WorkPlan(kind="prefill")`. jit-able with config
-    static (the planner itself is jitted).
+    static (`plan_ps_prefill_jit`); an eager call checks the values, then runs the jitted core.
 
     Inputs must satisfy `check_prefill_plan_inputs`: qo_indptr[0] == 0 and non-decreasing, every
     query length <= config.max_qlen, 0 <= qo_len <= context_len when causal, kv_indptr holding
@@ -473,3 +474,7 @@ def _prefill_input_checks(c: Checker, qo_indptr, kv_indptr, context_lens, *,
     if mq:
         units = _tile_grid(qo_indptr, context_lens, config, mq, xp=xp)[-1]
         check_prefix_sums_fit(c, units, "the total of split units over all q tiles")
+
+
+# `plan_ps_prefill` under `jax.jit` (config static): no value checks (the inputs are traced).
+plan_ps_prefill_jit = jax.jit(plan_ps_prefill, static_argnames=("config",))
