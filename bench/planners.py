@@ -30,7 +30,7 @@ Usage: python -m bench.planners [--quick] [--out out/] [--batches 1,16,64,256,10
        [--fills scan,pallas,fused] [--configs mi300x-h16,...] [--planners decode,prefill]
        [--check [--check-fills fused]] [--fill-only] [--profile-batches 256]
        (--check: also compare the fills with the oracle on extra configs, ragged qo,
-       zero-length KV; --fill-only: time the walk alone, with/without prefetch;
+       zero-length KV; --fill-only: time the walk alone at several chunk sizes;
        --profile-batches: per-kernel device times from a profiler trace, GPU only).
 Writes planners.json and planners.png under --out.
 """
@@ -259,8 +259,8 @@ def check_decode(fills=("scan", "pallas"), batches=(7, 300)):
 
 def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
     """Device time of the fill alone (tiles precomputed): scan vs Pallas at several chunk sizes,
-    with and without prefetching the next chunk ('-nopf': without)."""
-    variants = variants or (["scan"] + (["pallas16-nopf", "pallas8", "pallas16", "pallas32"]
+    each chunk's loads issued one chunk ahead."""
+    variants = variants or (["scan"] + (["pallas8", "pallas16", "pallas32"]
                                         if on_gpu() else []))
     cfg = DECODE_CONFIGS[config]
     qo, kv, last = decode_inputs(cfg, batch, seed=batch)
@@ -277,9 +277,8 @@ def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
         def one(t, variant=variant):
             if variant == "scan":
                 return fill_tiles_scan(t, jnp.int32(payload), jnp.int32(bpc), params=params)
-            chunk, _, nopf = variant[len("pallas"):].partition("-")
             return fill_tiles_pallas(t, jnp.int32(payload), jnp.int32(bpc), params=params,
-                                     chunk=int(chunk), prefetch=nopf != "nopf")
+                                     chunk=int(variant[len("pallas"):]))
 
         def chained(t, kk, one=one):
             out = None

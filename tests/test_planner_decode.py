@@ -396,10 +396,10 @@ def fill_cases(draw, s, ov, params):
 
 
 @functools.lru_cache(maxsize=None)
-def _fills(params, chunk, prefetch=True):
+def _fills(params, chunk):
     scan = jax.jit(lambda t, p, b: fill_tiles_scan(t, p, b, params=params))
     pallas = jax.jit(lambda t, p, b: fill_tiles_pallas(t, p, b, params=params, chunk=chunk,
-                                                       prefetch=prefetch, interpret=True))
+                                                       interpret=True))
     advance = jax.jit(lambda cu, r, t, p, b: fill_advance(params, p, b, cu, r, tuple(t.T)))
     step = jax.jit(lambda cu, r, t, p, b: fill_step(params, p, b, cu, r, tuple(t.T))[:2])
     return scan, pallas, advance, step
@@ -409,13 +409,12 @@ FILL_PARAMS = [FillParams(16, False), FillParams(16, True),
                FillParams(16, True, tail_rule=False, empty_slots=False)]
 
 
-@pytest.mark.parametrize("params,prefetch", [(FILL_PARAMS[0], True), (FILL_PARAMS[1], True),
-                                             (FILL_PARAMS[1], False)])
+@pytest.mark.parametrize("params", FILL_PARAMS)
 @settings(max_examples=8)
 @given(data=st.data())
-def test_pallas_fill_matches_scan(params, prefetch, data):
+def test_pallas_fill_matches_scan(params, data):
     tiles, payload, bpc = data.draw(fill_cases(22, 16, params))  # 22 % 4 != 0: padding
-    scan, pallas, _, _ = _fills(params, 4, prefetch)
+    scan, pallas, _, _ = _fills(params, 4)
     want, got = np.asarray(scan(tiles, payload, bpc)), np.asarray(pallas(tiles, payload, bpc))
     np.testing.assert_array_equal(got, want)
     assert want[0].tolist() == [0, int(payload)]

@@ -56,7 +56,7 @@ def chase_allowed(params: FillParams, num_slots_padded: int) -> bool:
 
 
 def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-               num_chunks: int, prefetch: bool = True) -> None:
+               num_chunks: int) -> None:
     """Kernel body: walk `num_chunks * chunk` rows of `tiles_ref` (int32 [>= that, 8]), writing
     the state before each tile to `out_ref` (int32 [>= that, 2]). Shared with the fused planner
     kernel (`decode_fused_pallas`)."""
@@ -75,13 +75,6 @@ def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: i
                                       flat[k * nf:(k + 1) * nf])
         return cu, remain
 
-    if not prefetch:
-        def body(ci, carry):
-            return walk(ci, *carry, load(ci))
-
-        lax.fori_loop(0, num_chunks, body, (jnp.int32(0), payload))
-        return
-
     # Software pipelining: the loads of chunk ci + 1 are issued before chunk ci's steps, so
     # their latency hides behind the walk (the last iteration re-loads its own chunk).
     def body_pf(ci, carry):
@@ -94,7 +87,7 @@ def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: i
 
 
 def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-                  num_chunks: int, walk: str = "auto", prefetch: bool = True) -> None:
+                  num_chunks: int, walk: str = "auto") -> None:
     """Kernel body: states before each of the first `num_chunks * chunk` rows of `tiles_ref`
     into `out_ref`, by the tile walk or the chase. walk: "tiles"; "chase" (only where
     `chase_allowed`, the caller checks; at run time the tile walk still runs where the chase's
@@ -102,7 +95,7 @@ def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk
     `chase_pays_off`)."""
     def tiles():
         walk_tiles(payload, bpc, tiles_ref, out_ref, params=params, chunk=chunk,
-                   num_chunks=num_chunks, prefetch=prefetch)
+                   num_chunks=num_chunks)
 
     def chase():
         cu, remain = chase_states(tiles_ref[:, 0], payload, bpc, params=params)
@@ -118,9 +111,9 @@ def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk
 
 
 def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-                 num_chunks: int, prefetch: bool, walk: str):
+                 num_chunks: int, walk: str):
     walk_or_chase(scalars_ref[0], scalars_ref[1], tiles_ref, out_ref, params=params, chunk=chunk,
-                  num_chunks=num_chunks, walk=walk, prefetch=prefetch)
+                  num_chunks=num_chunks, walk=walk)
 
 
 def on_gpu() -> bool:
@@ -138,16 +131,16 @@ def padded_slots(num_slots: int, chunk: int = DEFAULT_CHUNK) -> int:
 
 
 def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
-                      params: FillParams, chunk: int | None = None, prefetch: bool = True,
+                      params: FillParams, chunk: int | None = None,
                       walk: str = "auto", live_slots: int | None = None,
                       interpret: bool | None = None) -> jax.Array:
     """The walk in one Pallas program. tiles: int32 [S, >= 8] (TILE_FIELDS first) -> int32
-    [S, 2] (FILL_STATE_FIELDS, before each tile). `chunk`: tiles per unrolled chunk (None:
-    DEFAULT_CHUNK compiled, INTERPRET_CHUNK interpreted). `prefetch`: load chunk i + 1 while
-    walking chunk i. walk: "auto" | "chase" | "tiles" (see `walk_or_chase`; "chase" raises
-    where the chase cannot run). live_slots: only the first `live_slots` rows hold tiles, the rest are
-    empty slots (n = -1) whose states are not needed: the tile walk stops after them (their
-    rows of the result are left unwritten). `interpret=None`: compiled (Triton) on GPU,
+    [S, 2] (FILL_STATE_FIELDS, before each tile). `chunk`: tiles per unrolled chunk, whose
+    loads are issued while the previous chunk walks (None: DEFAULT_CHUNK compiled,
+    INTERPRET_CHUNK interpreted). walk: "auto" | "chase" | "tiles" (see `walk_or_chase`;
+    "chase" raises where the chase cannot run). live_slots: only the first `live_slots` rows
+    hold tiles, the rest are empty slots (n = -1) whose states are not needed: the tile walk
+    stops after them (their rows of the result are left unwritten). `interpret=None`: compiled (Triton) on GPU,
     interpreted elsewhere."""
     if interpret is None:
         interpret = not on_gpu()
@@ -172,7 +165,7 @@ def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
     if not interpret:
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=1, num_stages=1)
     call = pl.pallas_call(
-        functools.partial(_fill_kernel, params=params, chunk=chunk, prefetch=prefetch,
+        functools.partial(_fill_kernel, params=params, chunk=chunk,
                           walk=walk, num_chunks=-(-live // chunk)),
         out_shape=jax.ShapeDtypeStruct((padded, len(FILL_STATE_FIELDS)), jnp.int32),
         grid=(1,),

@@ -255,7 +255,7 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
 def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                      params: FillParams, sizes: DecodePlanSizes, page_size: int,
                      kv_granularity: int, all_slots_valid: bool,
-                     interpret: bool | None = None, num_warps: int | None = None,
+                     interpret: bool | None = None,
                      walk: str = "auto"):
     """Walk, then derive + emit, as Pallas programs.
 
@@ -264,12 +264,11 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
     reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
     shapes of `sizes`, plus the walk's states [S, 2] for checking.
     The walk runs in its own one-warp program (`fill_tiles_pallas`), derive + emit in a second
-    program of EMIT_PROGRAMS thread blocks of `num_warps` warps (default EMIT_WARPS).
+    program of EMIT_PROGRAMS thread blocks of EMIT_WARPS warps.
     walk: "auto" | "chase" | "tiles" (`decode_fill_pallas.walk_or_chase`).
     """
     if interpret is None:
         interpret = not on_gpu()
-    num_warps = EMIT_WARPS if num_warps is None else num_warps
     programs = 2 if interpret else EMIT_PROGRAMS  # interpret mode runs programs one by one
     num_slots = tiles.shape[0]
     if tiles.shape != (num_slots, _INFO) or info.shape != (num_slots, len(INFO_FIELDS)):
@@ -302,7 +301,7 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
                                live_slots=num_slots, interpret=interpret)
     kwargs = {}
     if not interpret:
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=EMIT_WARPS, num_stages=1)
     kernel = functools.partial(
         _emit_kernel, params=params, num_slots=num_slots, sizes=sizes, page_size=page_size,
         kv_granularity=kv_granularity, all_slots_valid=all_slots_valid, interpret=interpret)
