@@ -140,8 +140,8 @@ def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
     INTERPRET_CHUNK interpreted). walk: "auto" | "chase" | "tiles" (see `walk_or_chase`;
     "chase" raises where the chase cannot run). live_slots: only the first `live_slots` rows
     hold tiles, the rest are empty slots (n = -1) whose states are not needed: the tile walk
-    stops after them (their rows of the result are left unwritten). `interpret=None`: compiled (Triton) on GPU,
-    interpreted elsewhere."""
+    stops after them (their rows of the result are left unwritten). `interpret=None`: compiled
+    (Triton) on GPU, interpreted elsewhere."""
     if interpret is None:
         interpret = not on_gpu()
     if chunk is None:
