@@ -238,7 +238,8 @@ def plan_ps_prefill(
 
     Inputs must satisfy `check_prefill_plan_inputs`: qo_indptr[0] == 0 and non-decreasing, every
     query length <= config.max_qlen, 0 <= qo_len <= context_len when causal, kv_indptr holding
-    ceil(context_len / block_size) entries per request, every length and offset within int32.
+    ceil(context_len / block_size) entries per request (not checked eagerly for a legacy config,
+    which reproduces the pre-fix pairing on purpose), every length and offset within int32.
     They are checked when concrete (an eager call; host integers of any width are accepted when
     they fit int32); under jit run `funcmla.checks.checked(check_prefill_plan_inputs)`. Unused
     buffer tails are zero, as AITER leaves them.
@@ -260,8 +261,10 @@ def plan_ps_prefill(
     kv_indptr = to_int32(kv_indptr, "kv_indptr")
     context_lens = to_int32(context_lens, "context_lens")
     if concrete:  # eager call: the values are known, check them (under jit: checkify variant)
+        # A legacy config plans whatever kv_indptr holds (the pre-fix pairing, reproducible on
+        # purpose); check_plan_matches_metadata refuses such a plan against token metadata.
         _prefill_input_checks(EAGER, *(np.asarray(x) for x in (qo_indptr, kv_indptr, context_lens)),
-                              config=config)
+                              config=config, entries=not config.legacy)
     return _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, config=config)
 
 
@@ -431,14 +434,14 @@ def check_prefill_plan_inputs(qo_indptr, kv_indptr, context_lens, *, config: Pre
 
 
 def _prefill_input_checks(c: Checker, qo_indptr, kv_indptr, context_lens, *,
-                          config: PrefillPlanConfig) -> None:
+                          config: PrefillPlanConfig, entries: bool = True) -> None:
     xp = c.xp
     check_no_wrap(c, qo_indptr, "qo_indptr")
     check_indptr(c, qo_indptr, "qo_indptr")
     check_no_wrap(c, kv_indptr, "kv_indptr")
     check_indptr(c, kv_indptr, "kv_indptr")
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
-    entries = kv_indptr[1:] - kv_indptr[:-1]
+    n_entries = kv_indptr[1:] - kv_indptr[:-1]
 
     def first(bad):
         return xp.argmax(bad).astype(xp.int32)
@@ -462,14 +465,15 @@ def _prefill_input_checks(c: Checker, qo_indptr, kv_indptr, context_lens, *,
     c.check(kv_indptr[-1] <= room,
             f"total kv length {{v}} (kv_indptr[-1]) exceeds {room}: the int32 limit "
             f"{INT32_MAX} of work_info less one split unit", v=kv_indptr[-1])
-    want = (context_lens + config.block_size - 1) // config.block_size
-    bad = entries != want
-    b = first(bad)
-    c.check(
-        ~xp.any(bad),
-        f"kv_indptr[{{b1}}] - kv_indptr[{{b}}] = {{e}} entries, but context_lens[{{b}}] = {{c}} tokens "
-        f"needs {{w}} entries of block_size={config.block_size}",
-        b1=b + 1, b=b, e=entries[b], c=context_lens[b], w=want[b])
+    if entries:
+        want = (context_lens + config.block_size - 1) // config.block_size
+        bad = n_entries != want
+        b = first(bad)
+        c.check(
+            ~xp.any(bad),
+            f"kv_indptr[{{b1}}] - kv_indptr[{{b}}] = {{e}} entries, but context_lens[{{b}}] = {{c}} "
+            f"tokens needs {{w}} entries of block_size={config.block_size}",
+            b1=b + 1, b=b, e=n_entries[b], c=context_lens[b], w=want[b])
     mq = -(-config.max_qlen // config.qlen_granularity)
     if mq:
         units = _tile_grid(qo_indptr, context_lens, config, mq, xp=xp)[-1]
