@@ -62,6 +62,8 @@ def to_int32(x, name: str) -> jax.Array:
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
         return x
+    if isinstance(x, jax.Array) and x.dtype == jnp.int32:
+        return x  # already on its device: no round trip
     arr = np.asarray(x)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must be int32, got {arr.dtype}")
