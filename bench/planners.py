@@ -1,9 +1,8 @@
 """Benchmark of the AITER work planners in JAX (funcmla.planners) against their NumPy oracles.
 
-Layout: one `bench_<planner>(...)` function per planner, each returning a list of result rows
-(dicts); `main()` runs every bench function that exists and writes the table, JSON and plot.
-`bench_decode` (this file's author) covers `plan_mla_decode`; the prefill planner's owner adds a
-separate `bench_prefill` function here and registers it in `BENCHES`.
+Layout: one `bench_<planner>(...)` function per planner (`bench_decode`, `bench_prefill`, listed
+in `BENCHES`), each returning a list of result rows (dicts); `main()` runs them and writes the
+table, JSON and plot. docs/planners.md says which commands produced its tables.
 
 Decode. For each configuration and batch size (random KV lengths 0..8k tokens, seeded), it
 measures:
@@ -27,11 +26,11 @@ Pallas ones are compiled with the Triton backend on GPU and run in interpret mod
 --fills scan is the CPU default. A suffix picks the Pallas walk: "fused/tiles" (one step per
 tile), "fused/chase" (the chase over events), none: "auto".
 
-Usage: python bench/planners.py [--out out/] [--batches 1,16,64,256,1024]
+Usage: python -m bench.planners [--quick] [--out out/] [--batches 1,16,64,256,1024]
        [--fills scan,pallas,fused] [--configs mi300x-h16,...] [--planners decode,prefill]
        [--check [--check-fills fused]] [--fill-only] [--profile-batches 256]
        (--check: also compare the fills with the oracle on extra configs, ragged qo,
-       zero-length KV; --fill-only: time the walk alone, with/without prefetch;
+       zero-length KV; --fill-only: time the walk alone at several chunk sizes;
        --profile-batches: per-kernel device times from a profiler trace, GPU only).
 Writes planners.json and planners.png under --out.
 """
@@ -42,11 +41,8 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 import numpy as np
-
-warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -55,16 +51,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import device_kernel_times, environment, median_time_s, write_json  # noqa: E402
 from funcmla.config import H200, MI300X, MI355X, custom_device  # noqa: E402
-from funcmla.planners.decode import (  # noqa: E402
+from funcmla.planners.decode import plan_mla_decode, plan_mla_decode_jit  # noqa: E402
+from funcmla.planners.decode_config import DecodePlanConfig  # noqa: E402
+from funcmla.planners.decode_fill import (  # noqa: E402
     NEVER,
-    DecodePlanConfig,
     FillParams,
     fill_inputs,
     fill_tiles_scan,
-    plan_mla_decode,
-    plan_mla_decode_jit,
 )
+from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, on_gpu  # noqa: E402
 from funcmla.planners.oracle_decode import plan_mla_decode_reference  # noqa: E402
+from funcmla.planners.oracle_prefill import ps_prefill_plan_oracle  # noqa: E402
+from funcmla.planners.prefill import (  # noqa: E402
+    PrefillPlanConfig,
+    plan_ps_prefill_jit,
+    ps_prefill_plan_sizes,
+)
 
 PLAN_FIELDS = ("work_indptr", "work_info", "reduce_indptr", "reduce_final_map",
                "reduce_partial_map", "num_works", "num_partials")
@@ -257,12 +259,9 @@ def check_decode(fills=("scan", "pallas"), batches=(7, 300)):
 
 def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
     """Device time of the fill alone (tiles precomputed): scan vs Pallas at several chunk sizes,
-    with and without prefetching the next chunk ('-nopf': without)."""
-    from funcmla.planners.decode_fill_pallas import fill_tiles_pallas
-
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    variants = variants or (["scan"] + (["pallas16-nopf", "pallas8", "pallas16", "pallas32"]
-                                        if on_gpu else []))
+    each chunk's loads issued one chunk ahead."""
+    variants = variants or (["scan"] + (["pallas8", "pallas16", "pallas32"]
+                                        if on_gpu() else []))
     cfg = DECODE_CONFIGS[config]
     qo, kv, last = decode_inputs(cfg, batch, seed=batch)
     n = -(-np.diff(kv) // cfg.kv_granularity)
@@ -278,9 +277,8 @@ def bench_decode_fill(batch=256, config="mi300x-h16", variants=None, k=8):
         def one(t, variant=variant):
             if variant == "scan":
                 return fill_tiles_scan(t, jnp.int32(payload), jnp.int32(bpc), params=params)
-            chunk, _, nopf = variant[len("pallas"):].partition("-")
             return fill_tiles_pallas(t, jnp.int32(payload), jnp.int32(bpc), params=params,
-                                     chunk=int(chunk), prefetch=nopf != "nopf")
+                                     chunk=int(variant[len("pallas"):]))
 
         def chained(t, kk, one=one):
             out = None
@@ -336,11 +334,8 @@ def prefill_inputs(batch: int, seed: int = 0, block_size: int = 1):
 
 
 def bench_prefill(batches=(1, 16, 64, 256, 1024), configs=None, reps=20):
-    """Time plan_ps_prefill (jit, after compile) against the NumPy serial oracle
+    """Time plan_ps_prefill_jit (after compile) against the NumPy serial oracle
     (ps_prefill_plan_oracle, the restatement of AITER's host C++ planner). Returns rows."""
-    from funcmla.planners.oracle_prefill import ps_prefill_plan_oracle
-    from funcmla.planners.prefill import PrefillPlanConfig, plan_ps_prefill, ps_prefill_plan_sizes
-
     rows = []
     for name, spec in (configs or PREFILL_CONFIGS).items():
         spec = dict(spec)
@@ -364,7 +359,7 @@ def bench_prefill(batches=(1, 16, 64, 256, 1024), configs=None, reps=20):
             args = tuple(jnp.asarray(x) for x in (qo, kv, ctx))
 
             def fn():
-                return jax.block_until_ready(plan_ps_prefill(*args, config=cfg))
+                return jax.block_until_ready(plan_ps_prefill_jit(*args, config=cfg))
 
             timed = _first_then_median(f"prefill {name} B={batch}", fn, reps)
             if timed is None:
@@ -452,8 +447,7 @@ def main(argv=None):
     if args.quick:
         args.batches = "1,64"
 
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    fills = tuple((args.fills or ("scan,pallas" if on_gpu else "scan")).split(","))
+    fills = tuple((args.fills or ("scan,pallas" if on_gpu() else "scan")).split(","))
     batches = tuple(int(b) for b in args.batches.split(","))
     configs = {k: DECODE_CONFIGS[k] for k in args.configs.split(",")}
     dt_batches = (None if args.device_time_batches is None

@@ -102,10 +102,10 @@ def test_valid_page_granular_decode_plans_have_no_problems(kv_lens):
     meta = PagedKVMetadata(jnp.arange(B + 1, dtype=jnp.int32), kv_indptr,
                            jnp.zeros((256,), jnp.int32), jnp.asarray(last, jnp.int32))
     plan = plan_mla_decode_jit(meta.qo_indptr, kv_indptr, meta.kv_last_page_len, config=DECODE_PS16)
-    assert plan_problems(plan, meta, kv_page_size=16) == []
+    assert plan_problems(plan, meta, page_size=16) == []
     # the same plan read as a token CSR (1 token per entry) is flagged
     assert any("block_size = 16 but kv_indices entries hold 1 token" in p
-               for p in plan_problems(plan, meta, kv_page_size=1))
+               for p in plan_problems(plan, meta, page_size=1))
 
 
 # ---- the seed -------------------------------------------------------------------------------

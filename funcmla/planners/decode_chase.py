@@ -1,8 +1,8 @@
 """The decode planner's greedy fill as a chase over *events* instead of a walk over tiles.
 
-The walk (`decode.fill_advance`, one tile at a time) is sequential; on a GPU it costs ~60 ns
-per tile in one warp whatever surrounds it. Between two events the fill is a prefix sum,
-so it can be computed for a whole segment of tiles at once (docs/planner_notes.md):
+The walk (`decode_fill.fill_advance`, one tile at a time) is sequential: its cost grows with the
+tile count whatever surrounds it. Between two events the fill is a prefix sum, so it can be
+computed for a whole segment of tiles at once (docs/planners.md, "The chase"):
 
 * An *anchor* `(k, C, R)` is a known state before tile k: cluster C with R blocks of payload left
   (0 <= R <= payload). Write `sigma = payload - R` and `Q` for the exclusive prefix sum of each
@@ -34,13 +34,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcmla.planners.decode import FillParams
+from funcmla.planners.decode_fill import FillParams
 
 __all__ = ["chase_states", "chase_pays_off", "CHASE_MIN_BPC_PER_OVERHEAD"]
 
 # The chase runs when bpc > CHASE_MIN_BPC_PER_OVERHEAD * (overhead + 1): a cut leaves a uniform
 # remainder, so about (overhead + 1) / bpc of the tiles are events, and a round of the chase
-# costs about as much as three or four tile steps of the walk.
+# costs about as much as three or four tile steps of the walk
+# (`python -m bench.planners --fills fused/tiles,fused/chase`, docs/planners.md).
 CHASE_MIN_BPC_PER_OVERHEAD = 4
 
 

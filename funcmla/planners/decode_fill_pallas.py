@@ -3,7 +3,7 @@
 Two ways to the same states (the state before each tile, `FILL_STATE_FIELDS`):
 
 * the *tile walk*: a single program walks the qo tiles in order, carrying `(cu, remain)` in
-  registers (`funcmla.planners.decode.fill_advance`, shared with the `lax.scan` fallback, so
+  registers (`decode_fill.fill_advance`, shared with the `lax.scan` fallback, so
   both run the same arithmetic). Tiles are visited in chunks of `chunk`: the chunk's inputs are
   loaded as independent scalar loads (so their latencies overlap), one chunk ahead of the walk
   (software pipelining), then the chunk's steps run unrolled; only the carry is sequential.
@@ -26,20 +26,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from funcmla.planners.decode import (
-    FILL_STATE_FIELDS,
-    TILE_FIELDS,
-    WALKS,
-    FillParams,
-    fill_advance,
-)
 from funcmla.planners.decode_chase import chase_pays_off, chase_states
+from funcmla.planners.decode_fill import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
 
-__all__ = ["fill_tiles_pallas", "walk_tiles", "walk_or_chase", "chase_allowed", "DEFAULT_CHUNK",
-           "CHASE_MAX_SLOTS", "padded_slots"]
+__all__ = ["fill_tiles_pallas", "walk_tiles", "walk_or_chase", "chase_allowed", "on_gpu",
+           "DEFAULT_CHUNK", "INTERPRET_CHUNK", "CHASE_MAX_SLOTS", "WALKS", "padded_slots"]
 
+# How the Pallas fills reach the states (`walk_or_chase`): "auto" (the chase where it pays off,
+# decided in the kernel), "chase", "tiles" (one step per tile).
+WALKS = ("auto", "chase", "tiles")
+# Tiles per chunk of the tile walk: the chunk's loads are issued one chunk ahead, so they
+# overlap the previous chunk's steps (`python -m bench.planners --fill-only`).
 DEFAULT_CHUNK = 16
+# Interpret mode (off-GPU, tests) unrolls 2 steps per chunk: the same code path (unrolled steps,
+# prefetch, padding) at a small fraction of the 16-step unroll's XLA:CPU compile time.
+INTERPRET_CHUNK = 2
 # The chase keeps ~6 int32 vectors of the padded slot count in one warp's registers (16 values
 # per lane each at 512).
 CHASE_MAX_SLOTS = 512
@@ -53,7 +56,7 @@ def chase_allowed(params: FillParams, num_slots_padded: int) -> bool:
 
 
 def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-               num_chunks: int, prefetch: bool = True) -> None:
+               num_chunks: int) -> None:
     """Kernel body: walk `num_chunks * chunk` rows of `tiles_ref` (int32 [>= that, 8]), writing
     the state before each tile to `out_ref` (int32 [>= that, 2]). Shared with the fused planner
     kernel (`decode_fused_pallas`)."""
@@ -72,13 +75,6 @@ def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: i
                                       flat[k * nf:(k + 1) * nf])
         return cu, remain
 
-    if not prefetch:
-        def body(ci, carry):
-            return walk(ci, *carry, load(ci))
-
-        lax.fori_loop(0, num_chunks, body, (jnp.int32(0), payload))
-        return
-
     # Software pipelining: the loads of chunk ci + 1 are issued before chunk ci's steps, so
     # their latency hides behind the walk (the last iteration re-loads its own chunk).
     def body_pf(ci, carry):
@@ -91,7 +87,7 @@ def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: i
 
 
 def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-                  num_chunks: int, walk: str = "auto", prefetch: bool = True) -> None:
+                  num_chunks: int, walk: str = "auto") -> None:
     """Kernel body: states before each of the first `num_chunks * chunk` rows of `tiles_ref`
     into `out_ref`, by the tile walk or the chase. walk: "tiles"; "chase" (only where
     `chase_allowed`, the caller checks; at run time the tile walk still runs where the chase's
@@ -99,7 +95,7 @@ def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk
     `chase_pays_off`)."""
     def tiles():
         walk_tiles(payload, bpc, tiles_ref, out_ref, params=params, chunk=chunk,
-                   num_chunks=num_chunks, prefetch=prefetch)
+                   num_chunks=num_chunks)
 
     def chase():
         cu, remain = chase_states(tiles_ref[:, 0], payload, bpc, params=params)
@@ -115,12 +111,14 @@ def walk_or_chase(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk
 
 
 def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: int,
-                 num_chunks: int, prefetch: bool, walk: str):
+                 num_chunks: int, walk: str):
     walk_or_chase(scalars_ref[0], scalars_ref[1], tiles_ref, out_ref, params=params, chunk=chunk,
-                  num_chunks=num_chunks, walk=walk, prefetch=prefetch)
+                  num_chunks=num_chunks, walk=walk)
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """JAX runs on a GPU: the Pallas planner programs compile (Triton); elsewhere they run in
+    interpret mode."""
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
@@ -133,18 +131,21 @@ def padded_slots(num_slots: int, chunk: int = DEFAULT_CHUNK) -> int:
 
 
 def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
-                      params: FillParams, chunk: int = DEFAULT_CHUNK, prefetch: bool = True,
+                      params: FillParams, chunk: int | None = None,
                       walk: str = "auto", live_slots: int | None = None,
                       interpret: bool | None = None) -> jax.Array:
     """The walk in one Pallas program. tiles: int32 [S, >= 8] (TILE_FIELDS first) -> int32
-    [S, 2] (FILL_STATE_FIELDS, before each tile). `prefetch`: load chunk i + 1 while walking
-    chunk i. walk: "auto" | "chase" | "tiles" (see `walk_or_chase`; "chase" raises where the
-    chase cannot run). live_slots: only the first `live_slots` rows hold tiles, the rest are
-    empty slots (n = -1) whose states are not needed: the tile walk stops after them (their
-    rows of the result are left unwritten). `interpret=None`: compiled (Triton) on GPU,
-    interpreted elsewhere."""
+    [S, 2] (FILL_STATE_FIELDS, before each tile). `chunk`: tiles per unrolled chunk, whose
+    loads are issued while the previous chunk walks (None: DEFAULT_CHUNK compiled,
+    INTERPRET_CHUNK interpreted). walk: "auto" | "chase" | "tiles" (see `walk_or_chase`;
+    "chase" raises where the chase cannot run). live_slots: only the first `live_slots` rows
+    hold tiles, the rest are empty slots (n = -1) whose states are not needed: the tile walk
+    stops after them (their rows of the result are left unwritten). `interpret=None`: compiled
+    (Triton) on GPU, interpreted elsewhere."""
     if interpret is None:
-        interpret = not _on_gpu()
+        interpret = not on_gpu()
+    if chunk is None:
+        chunk = INTERPRET_CHUNK if interpret else DEFAULT_CHUNK
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     num_slots = tiles.shape[0]
@@ -162,11 +163,9 @@ def fill_tiles_pallas(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
     scalars = jnp.stack([jnp.asarray(payload, jnp.int32), jnp.asarray(bpc, jnp.int32)])
     kwargs = {}
     if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=1, num_stages=1)
     call = pl.pallas_call(
-        functools.partial(_fill_kernel, params=params, chunk=chunk, prefetch=prefetch,
+        functools.partial(_fill_kernel, params=params, chunk=chunk,
                           walk=walk, num_chunks=-(-live // chunk)),
         out_shape=jax.ShapeDtypeStruct((padded, len(FILL_STATE_FIELDS)), jnp.int32),
         grid=(1,),

@@ -1,8 +1,9 @@
 """The decode planner after its prologue as two Pallas programs: walk, then derive and emit.
 
-Why. On the H200 the XLA form of the planner's tail (`fill_step`, three prefix sums, three
-`searchsorted`, gathers and scatters into five buffers) compiles to about 19 kernels of 1-2 us
-each: more device time than the sequential walk itself. Here:
+Why: XLA's form of the planner's tail (`fill_step`, three prefix sums, three `searchsorted`,
+gathers and scatters into five buffers) compiles to about 19 small kernels, more device time than
+the walk itself (`python -m bench.planners --fills pallas,fused --profile-batches 256`;
+docs/planners.md). Here:
 
 1. **walk** (`decode_fill_pallas.walk_or_chase`, one program of one warp): the state before
    each tile, by the chase over events where it pays off, else the tile walk;
@@ -16,15 +17,13 @@ each: more device time than the sequential walk itself. Here:
    tiles that end on or before cluster `c` plus the leading fragments of the next tile; the
    reduce maps likewise search the partial and valid-tile counts.
 
-The walk is a separate program because it is a single warp's scalar (or reduction-bound) work;
-the emission is bound by one block's memory pipe (scattered gathers and stores), so it is spread
-over several blocks. On the H200 (batch 256, mi300x-h16 config, profiler): one single-warp
-program for all three phases took 29.8 us; walk 7.0 us + emission in one block 11.8 us (with
-2, 4 or 8 warps alike); emission over 16 blocks 3.3 us.
+The walk is a separate program because it is one warp's scalar (or reduction-bound) work; the
+emission is bound by one block's memory pipe (scattered gathers and stores), so it is spread over
+several blocks.
 
 Every element of every output is written (unused tails get zero), so nothing is initialised
 first. The outputs equal the NumPy oracle's, field by field (tests/test_planner_decode.py in
-interpret mode; `bench/planners.py --check` compiled on a GPU).
+interpret mode; `python -m bench.planners --check` compiled on a GPU).
 """
 
 from __future__ import annotations
@@ -36,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from funcmla.planners.decode import FillParams, fill_step
-from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, padded_slots
+from funcmla.planners.decode_fill import FillParams, fill_step
+from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, on_gpu, padded_slots
 from funcmla.planners.decode_sizes import DecodePlanSizes
 
 __all__ = ["INFO_FIELDS", "DERIVED_FIELDS", "plan_tail_pallas"]
@@ -57,8 +57,8 @@ DERIVED_FIELDS = ("c0", "f", "m", "works_incl", "red_incl", "partial_excl", "val
 
 VECTOR_BLOCK = 512  # elements per vector chunk (power of two, as Triton requires)
 # Emission: chunks of EMIT_BLOCK outputs dealt round-robin to EMIT_PROGRAMS programs (thread
-# blocks: on the H200 one block's emission was bound by its own memory pipe, not by its warps:
-# 2, 4 and 8 warps gave 11.7-11.8 us at batch 256), unrolled up to UNROLL_CHUNKS chunks in all.
+# blocks: one block's emission is bound by its own memory pipe, not by its warp count), unrolled
+# up to UNROLL_CHUNKS chunks in all (`python -m bench.planners --fills fused`, docs/planners.md).
 EMIT_BLOCK = 128
 EMIT_PROGRAMS = 16
 UNROLL_CHUNKS = 64
@@ -88,8 +88,6 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
                  reduce_final_map_ref, reduce_partial_map_ref, num_works_ref, num_partials_ref, *,
                  params: FillParams, num_slots: int, sizes: DecodePlanSizes, page_size: int,
                  kv_granularity: int, all_slots_valid: bool, interpret: bool):
-    from jax.experimental.pallas import triton as pltriton
-
     i32 = jnp.int32
     S = num_slots
     s_p = slots_ref.shape[0]
@@ -180,7 +178,7 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         at = ref.at[pl.ds(base, eb)] if col is None else ref.at[pl.ds(base, eb), jnp.int32(col)]
         pltriton.store(at, val.astype(i32), mask=mask)
 
-    gran, ps = kv_granularity, page_size
+    gran = kv_granularity
 
     # 3a. work_info.
     def emit_works(base, w, mask, eb):
@@ -194,13 +192,13 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         begin_blk = jnp.where(j == 0, 0, f_w + (j - 1) * bpc)
         end_tok = kb + (f_w + j * bpc) * gran
         kv_start = kb + begin_blk * gran
-        if ps == 1:
+        if page_size == 1:
             kv_stop = jnp.where(last, ke - bt, jnp.minimum(end_tok, ke - bt))
             kv_offset = ke - kv_stop
         else:
             kv_stop = jnp.where(last, ke, jnp.minimum(end_tok, ke))
             kv_offset = jnp.where(kv_stop == ke, 0,
-                                  (ke - kv_stop - 1) * ps + info(_LPL, slot))
+                                  (ke - kv_stop - 1) * page_size + info(_LPL, slot))
         partial_qo_loc = jnp.where(m_w > 1, derived_ref[pid, _PARTIAL_EXCL, slot] + j * ts, -1)
         cols = (info(_BATCH, slot), partial_qo_loc, info(_QO_START, slot), info(_QO_END, slot),
                 kv_start, kv_stop, kv_offset, jnp.zeros_like(w))
@@ -257,21 +255,20 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
 def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc: jax.Array, *,
                      params: FillParams, sizes: DecodePlanSizes, page_size: int,
                      kv_granularity: int, all_slots_valid: bool,
-                     interpret: bool | None = None, num_warps: int | None = None,
+                     interpret: bool | None = None,
                      walk: str = "auto"):
     """Walk, then derive + emit, as Pallas programs.
 
-    tiles: int32 [S, 8] (decode.TILE_FIELDS, n = -1 for empty slots); info: int32 [S, 9]
+    tiles: int32 [S, 8] (decode_fill.TILE_FIELDS, n = -1 for empty slots); info: int32 [S, 9]
     (INFO_FIELDS); payload, bpc: int32 scalars (blocks). Returns (work_indptr, work_info,
     reduce_indptr, reduce_final_map, reduce_partial_map, num_works, num_partials) with the
     shapes of `sizes`, plus the walk's states [S, 2] for checking.
     The walk runs in its own one-warp program (`fill_tiles_pallas`), derive + emit in a second
-    program of EMIT_PROGRAMS thread blocks of `num_warps` warps (default EMIT_WARPS).
+    program of EMIT_PROGRAMS thread blocks of EMIT_WARPS warps.
     walk: "auto" | "chase" | "tiles" (`decode_fill_pallas.walk_or_chase`).
     """
     if interpret is None:
-        interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
-    num_warps = EMIT_WARPS if num_warps is None else num_warps
+        interpret = not on_gpu()
     programs = 2 if interpret else EMIT_PROGRAMS  # interpret mode runs programs one by one
     num_slots = tiles.shape[0]
     if tiles.shape != (num_slots, _INFO) or info.shape != (num_slots, len(INFO_FIELDS)):
@@ -304,9 +301,7 @@ def plan_tail_pallas(tiles: jax.Array, info: jax.Array, payload: jax.Array, bpc:
                                live_slots=num_slots, interpret=interpret)
     kwargs = {}
     if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=EMIT_WARPS, num_stages=1)
     kernel = functools.partial(
         _emit_kernel, params=params, num_slots=num_slots, sizes=sizes, page_size=page_size,
         kv_granularity=kv_granularity, all_slots_valid=all_slots_valid, interpret=interpret)

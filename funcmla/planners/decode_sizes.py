@@ -9,13 +9,10 @@ at ROCm/aiter e4048607 (see docs/aiter-planners.md §3.1).
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from funcmla.planners.decode import DecodePlanConfig
+from funcmla.planners.decode_config import DecodePlanConfig
 
-__all__ = ["DecodePlanSizes", "mla_decode_plan_sizes", "sizes_max_qo_tiles_per_batch"]
+__all__ = ["DecodePlanSizes", "mla_decode_plan_sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +24,8 @@ class DecodePlanSizes:
     reduce_indptr:      (tile_cnt + 1,)
     reduce_final_map:   (tile_cnt, 2)
     reduce_partial_map: (max_split_tiles,)
-    `max_qo_tiles_per_batch` is AITER's per-request qo tile bound; tile_cnt = batch_size * it.
+    `max_qo_tiles_per_batch` is AITER's per-request qo tile bound
+    (`DecodePlanConfig.sizes_max_qo_tiles_per_batch`); tile_cnt = batch_size * it.
     """
 
     batch_size: int
@@ -61,36 +59,6 @@ class DecodePlanSizes:
         return (self.max_split_tiles,)
 
 
-def sizes_max_qo_tiles_per_batch(config: DecodePlanConfig) -> int:
-    """AITER's sizing rule for qo tiles per request (pre-fold head count, arch/dtype overrides)."""
-    arch = config.device.arch
-    heads = config.num_heads
-    eff = config.max_seqlen_qo  # is_sparse=False
-    packed = eff * heads
-    bf16 = config.q_dtype == "bf16" and config.kv_dtype == "bf16"
-    fp8 = config.q_dtype == "fp8" and config.kv_dtype == "fp8"
-    tiles = math.ceil(packed / 16)
-    if (
-        arch == "gfx950" and bf16 and packed >= 64 and heads <= 64
-        and (packed < 128 or heads == 48)
-    ) or (arch == "gfx950" and fp8 and heads == 32 and eff == 3):
-        tiles = eff if heads * 2 > 64 else math.ceil(packed / 64)
-    elif (
-        heads == 16
-        or (arch == "gfx942" and heads == 128 and fp8)
-        or (
-            arch == "gfx942" and heads in (16, 32, 64) and heads * eff == 128 and fp8
-            and config.experimental
-        )
-        or (arch == "gfx950" and fp8 and ((heads == 32 and eff == 4) or heads in (64, 128)))
-        or (arch in ("gfx942", "gfx950") and heads == 64 and fp8 and eff == 1)
-    ):
-        tiles = math.ceil(packed / 128)
-    elif arch == "gfx950" and (packed >= 128 or heads > 64) and bf16 and heads != 48:
-        tiles = eff if heads * 2 > 128 else math.ceil(packed / 128)
-    return tiles
-
-
 def mla_decode_plan_sizes(batch_size: int, config: DecodePlanConfig) -> DecodePlanSizes:
     """`get_mla_metadata_info_v1(batch_size, ...)` for `config` (fast mode, not sparse).
 
@@ -101,13 +69,10 @@ def mla_decode_plan_sizes(batch_size: int, config: DecodePlanConfig) -> DecodePl
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if config.num_heads % 8 != 0:
-        raise ValueError(
-            f"num_heads must be a multiple of 8 for get_mla_metadata_info_v1, got "
-            f"{config.num_heads}"
-        )
+    if not isinstance(config, DecodePlanConfig):  # validated there (num_heads % 8 == 0, ...)
+        raise TypeError(f"config must be a DecodePlanConfig, got {type(config).__name__}")
     max_splits = config.device.num_cu * config.occupancy
-    tiles = sizes_max_qo_tiles_per_batch(config)
+    tiles = config.sizes_max_qo_tiles_per_batch
     tile_cnt = batch_size * tiles
     max_work = (batch_size + max_splits - 1) * tiles
     max_split_tiles = min(batch_size + max_splits - 1, (max_splits - 1) * 2) * tiles

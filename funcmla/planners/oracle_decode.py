@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from funcmla.planners.decode import DecodePlanConfig
+from funcmla.planners.decode_config import DecodePlanConfig
+from funcmla.planners.decode_sizes import mla_decode_plan_sizes
 from funcmla.planners.plan import WorkPlan
 
 __all__ = ["plan_mla_decode_reference"]
@@ -34,9 +35,10 @@ def plan_mla_decode_reference(qo_indptr, kv_indptr, kv_last_page_lens, *,
     kv_indptr = np.asarray(kv_indptr, np.int64)
     last_page = np.asarray(kv_last_page_lens, np.int64)
     num_req = len(kv_indptr) - 1
-    sizes = cfg.sizes(batch_size or num_req)
+    sizes = mla_decode_plan_sizes(batch_size or num_req, cfg)
     planner = planner or cfg.planner(num_req)
-    ratio, ov, gran, ps = cfg.qk_batch_ratio, cfg.overhead, cfg.kv_granularity, cfg.page_size
+    ratio, ov, gran = cfg.qk_batch_ratio, cfg.overhead, cfg.kv_granularity
+    page_size = cfg.page_size
     uni, thr = cfg.uni_seqlen_qo, cfg.tail_done_threshold
     num_batches = num_req * ratio
 
@@ -86,12 +88,12 @@ def plan_mla_decode_reference(qo_indptr, kv_indptr, kv_last_page_lens, *,
             kv_s = kb + k * gran
 
             def kv_offset(kv_e):  # KV tokens of the batch after kv_e
-                if ps == 1:
+                if page_size == 1:
                     return ke - kv_e
-                return 0 if kv_e == ke else (ke - kv_e - 1) * ps + int(last_page[b])
+                return 0 if kv_e == ke else (ke - kv_e - 1) * page_size + int(last_page[b])
 
             if remain >= rb + ov or tail_done:  # the rest of the tile fits: final fragment
-                if ps == 1:
+                if page_size == 1:
                     kv_e = min(kv_s + rb * gran, ke - bt)
                     if 0 < ke - kv_e < thr or tail_done:
                         kv_e = min(ke - bt, ke)
@@ -125,8 +127,8 @@ def plan_mla_decode_reference(qo_indptr, kv_indptr, kv_last_page_lens, *,
             else:
                 if remain > ov:  # cut: this cluster takes what it can
                     cons = remain - ov
-                    kv_e = min(kv_s + cons * gran, ke - bt if ps == 1 else ke)
-                    if ps == 1 and ke - kv_e < thr:
+                    kv_e = min(kv_s + cons * gran, ke - bt if page_size == 1 else ke)
+                    if page_size == 1 and ke - kv_e < thr:
                         tail_done = True  # a short KV tail stays with this fragment
                     else:
                         work_info[num_works] = [b, partial_idx, qs, qe, kv_s, kv_e,
@@ -150,5 +152,5 @@ def plan_mla_decode_reference(qo_indptr, kv_indptr, kv_last_page_lens, *,
         num_works=np.int32(num_works),
         num_partials=np.int32(last_ri),
         kind="decode",
-        block_size=ps,
+        block_size=page_size,
     )

@@ -35,8 +35,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import numpy as np
 from funcmla.config import DeviceProfile
-from funcmla.layout import TokenCSR, expect_layout, is_power_of_two
+from funcmla.layout import PageTable, TokenCSR, expect_layout, is_power_of_two
+from funcmla.planners.inputs import (
+    EAGER,
+    INT32_MAX,
+    TRACED,
+    Checker,
+    check_indptr,
+    check_no_wrap,
+    check_prefix_sums_fit,
+    is_concrete,
+    to_int32,
+)
 from funcmla.planners.plan import WorkPlan
 
 __all__ = [
@@ -44,6 +56,7 @@ __all__ = [
     "PrefillPlanSizes",
     "ps_prefill_plan_sizes",
     "plan_ps_prefill",
+    "plan_ps_prefill_jit",
     "pack_q_head_range",
     "check_plan_matches_metadata",
     "check_prefill_plan_inputs",
@@ -127,7 +140,7 @@ class PrefillPlanConfig:
 
     @classmethod
     def legacy_page_granular(cls, page_size: int, *, device: DeviceProfile, **kwargs):
-        """The pre-#25556 SGLang pairing: block_size=page_size, kvlen_granularity=max(128, ps).
+        """The pre-#25556 SGLang pairing: block_size=page_size, kvlen_granularity=max(128, page_size).
 
         Against token-granular metadata this plans `kv_len / page_size` entries per request
         (the seed's bug); it exists so the bug can be reproduced on purpose.
@@ -191,15 +204,28 @@ def ps_prefill_plan_sizes(batch_size: int, max_qlen: int, *, config: PrefillPlan
     )
 
 
-def _i32(x):
-    return jnp.asarray(x, jnp.int32)
-
-
 def _search(sorted_arr, x, side):
     return jnp.searchsorted(sorted_arr, x, side=side).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+def _tile_grid(qo_indptr, context_lens, cfg: PrefillPlanConfig, mq: int, xp=jnp):
+    """Step 1 of the planner: the tile grid [B, mq] in visiting (ping-pong) order. Returns
+    (i, n, idx, local_end, qo_len, valid, units [B * mq] int32: KV split units per tile, 0 if
+    invalid). `xp`: jax.numpy, or numpy for the eager input checks."""
+    g, gran = cfg.qlen_granularity, cfg.kvlen_granularity
+    qo_len = qo_indptr[1:] - qo_indptr[:-1]
+    n_tiles = (qo_len + g - 1) // g  # [B]
+    i = xp.arange(mq, dtype=xp.int32)[None, :]
+    n = n_tiles[:, None]
+    valid = i < n  # [B, mq]
+    idx = xp.where(i % 2 == 0, i // 2, n - 1 - i // 2)
+    local_end = xp.minimum(idx * g + g, qo_len[:, None])
+    kv_len = context_lens[:, None]
+    eff = xp.minimum(kv_len - qo_len[:, None] + local_end, kv_len) if cfg.is_causal else kv_len
+    units = xp.where(valid, (eff + gran - 1) // gran, 0).reshape(-1)  # [T]
+    return i, n, idx, local_end, qo_len, valid.reshape(-1), units
+
+
 def plan_ps_prefill(
     qo_indptr: jax.Array,  # int32 [B + 1]  query tokens
     kv_indptr: jax.Array,  # int32 [B + 1]  entries of block_size tokens ("pages_kv_indptr")
@@ -207,26 +233,49 @@ def plan_ps_prefill(
     *,
     config: PrefillPlanConfig,
 ) -> WorkPlan:
-    """Port of `get_ps_metadata_v1`; returns a `WorkPlan(kind="prefill")`.
+    """Port of `get_ps_metadata_v1`; returns a `WorkPlan(kind="prefill")`. jit-able with config
+    static (`plan_ps_prefill_jit`); an eager call checks the values, then runs the jitted core.
 
-    Inputs must satisfy (check with `check_prefill_plan_inputs` under checkify):
-    qo_indptr[0] == 0 and non-decreasing, every query length <= config.max_qlen, and
-    0 <= qo_len <= context_len when causal. Unused buffer tails are zero, as AITER leaves them.
+    Inputs must satisfy `check_prefill_plan_inputs`: qo_indptr[0] == 0 and non-decreasing, every
+    query length <= config.max_qlen, 0 <= qo_len <= context_len when causal, kv_indptr holding
+    ceil(context_len / block_size) entries per request (not checked eagerly for a legacy config,
+    which reproduces the pre-fix pairing on purpose), every length and offset within int32.
+    They are checked when concrete (an eager call; host integers of any width are accepted when
+    they fit int32); under jit run `funcmla.checks.checked(check_prefill_plan_inputs)`. Unused
+    buffer tails are zero, as AITER leaves them.
     """
+    if not isinstance(config, PrefillPlanConfig):
+        raise TypeError(f"config must be a PrefillPlanConfig, got {type(config).__name__}")
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("context_lens", context_lens)):
-        if getattr(x, "ndim", None) != 1:
-            raise ValueError(f"{name} must be a 1-D int32 array, got shape {getattr(x, 'shape', None)}")
-    batch = qo_indptr.shape[0] - 1
-    if kv_indptr.shape[0] != batch + 1 or context_lens.shape[0] != batch:
+        if np.ndim(x) != 1:
+            raise ValueError(f"{name} must be a 1-D int32 array, got shape {np.shape(x)}")
+    batch = np.shape(qo_indptr)[0] - 1
+    if np.shape(kv_indptr)[0] != batch + 1 or np.shape(context_lens)[0] != batch:
         raise ValueError(
-            f"inconsistent batch sizes: qo_indptr {qo_indptr.shape}, kv_indptr {kv_indptr.shape}, "
-            f"context_lens {context_lens.shape} (expected [B+1], [B+1], [B])")
+            f"inconsistent batch sizes: qo_indptr {np.shape(qo_indptr)}, kv_indptr "
+            f"{np.shape(kv_indptr)}, context_lens {np.shape(context_lens)} (expected [B+1], "
+            "[B+1], [B])")
+    ps_prefill_plan_sizes(batch, config.max_qlen, config=config)  # batch >= 1
+    concrete = is_concrete(qo_indptr, kv_indptr, context_lens)
+    qo_indptr = to_int32(qo_indptr, "qo_indptr")
+    kv_indptr = to_int32(kv_indptr, "kv_indptr")
+    context_lens = to_int32(context_lens, "context_lens")
+    if concrete:  # eager call: the values are known, check them (under jit: checkify variant)
+        # A legacy config plans whatever kv_indptr holds (the pre-fix pairing, reproducible on
+        # purpose); check_plan_matches_metadata refuses such a plan against token metadata.
+        _prefill_input_checks(EAGER, *(np.asarray(x) for x in (qo_indptr, kv_indptr, context_lens)),
+                              config=config, entries=not config.legacy)
+    return _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, *, config: PrefillPlanConfig) -> WorkPlan:
+    batch = qo_indptr.shape[0] - 1
     cfg = config
     sizes = ps_prefill_plan_sizes(batch, cfg.max_qlen, config=cfg)
     mq, num_tiles = sizes.max_qo_tiles, sizes.num_tiles
     g, gran, bs, bpu = cfg.qlen_granularity, cfg.kvlen_granularity, cfg.block_size, cfg.blocks_per_unit
     tpc, khpc, nclusters = cfg.tgs_per_cluster, cfg.kheads_per_cluster, cfg.num_clusters
-    qo_indptr, kv_indptr, context_lens = _i32(qo_indptr), _i32(kv_indptr), _i32(context_lens)
     if num_tiles == 0:  # max_qlen == 0: nothing to plan, all buffers zero
         z = jnp.zeros((), jnp.int32)
         return WorkPlan(
@@ -239,17 +288,7 @@ def plan_ps_prefill(
             legacy=cfg.legacy)
 
     # ---- Step 1: the tile grid [B, mq] in visiting (ping-pong) order, flattened to [T].
-    qo_len = qo_indptr[1:] - qo_indptr[:-1]
-    n_tiles = (qo_len + g - 1) // g  # [B]
-    i = jnp.arange(mq, dtype=jnp.int32)[None, :]
-    n = n_tiles[:, None]
-    valid = i < n  # [B, mq]
-    idx = jnp.where(i % 2 == 0, i // 2, n - 1 - i // 2)
-    local_end = jnp.minimum(idx * g + g, qo_len[:, None])
-    kv_len = context_lens[:, None]
-    eff = jnp.minimum(kv_len - qo_len[:, None] + local_end, kv_len) if cfg.is_causal else kv_len
-    units = jnp.where(valid, (eff + gran - 1) // gran, 0).reshape(-1)  # [T]
-    valid = valid.reshape(-1)
+    i, n, idx, local_end, qo_len, valid, units = _tile_grid(qo_indptr, context_lens, cfg, mq)
     tile_batch = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), mq, total_repeat_length=num_tiles)
     tile_qs = (qo_indptr[:-1, None] + idx * g).reshape(-1)
     tile_qe = (qo_indptr[:-1, None] + local_end).reshape(-1)
@@ -366,8 +405,6 @@ def check_plan_matches_metadata(plan: WorkPlan, kv, *, allow_legacy_mismatch: bo
     """
     if not isinstance(plan, WorkPlan):
         raise TypeError(f"plan must be a WorkPlan, got {type(plan).__name__}")
-    from funcmla.layout import PageTable
-
     if isinstance(kv, PageTable):
         entry_tokens, what = kv.page_size, f"PageTable (page_size={kv.page_size})"
     elif isinstance(kv, TokenCSR) or getattr(kv, "granularity", None) == "token":
@@ -385,36 +422,63 @@ def check_plan_matches_metadata(plan: WorkPlan, kv, *, allow_legacy_mismatch: bo
 
 
 def check_prefill_plan_inputs(qo_indptr, kv_indptr, context_lens, *, config: PrefillPlanConfig) -> None:
-    """checkify value checks of `plan_ps_prefill`'s inputs (run under `funcmla.checks.checked`).
+    """checkify value checks of `plan_ps_prefill`'s inputs (run under `funcmla.checks.checked`;
+    eager calls of `plan_ps_prefill` run the same checks in NumPy by default).
 
-    qo_indptr and kv_indptr well formed; 0 <= qo_len <= max_qlen; context_lens >= 0 (and >= qo_len
-    when causal); each request has exactly ceil(context_len / block_size) kv_indptr entries.
+    qo_indptr and kv_indptr well formed and not wrapped past int32; 0 <= qo_len <= max_qlen;
+    context_lens >= 0 (and >= qo_len when causal); each request has exactly
+    ceil(context_len / block_size) kv_indptr entries; lengths leave room to round up to a whole
+    split unit, and the unit stream's total fits int32.
     """
-    from jax.experimental import checkify
+    _prefill_input_checks(TRACED, qo_indptr, kv_indptr, context_lens, config=config)
 
-    from funcmla.checks import check_indptr
 
-    check_indptr(qo_indptr, "qo_indptr")
-    check_indptr(kv_indptr, "kv_indptr")
+def _prefill_input_checks(c: Checker, qo_indptr, kv_indptr, context_lens, *,
+                          config: PrefillPlanConfig, entries: bool = True) -> None:
+    xp = c.xp
+    check_no_wrap(c, qo_indptr, "qo_indptr")
+    check_indptr(c, qo_indptr, "qo_indptr")
+    check_no_wrap(c, kv_indptr, "kv_indptr")
+    check_indptr(c, kv_indptr, "kv_indptr")
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
-    entries = kv_indptr[1:] - kv_indptr[:-1]
+    n_entries = kv_indptr[1:] - kv_indptr[:-1]
 
     def first(bad):
-        return jnp.argmax(bad).astype(jnp.int32)
+        return xp.argmax(bad).astype(xp.int32)
 
     bad = qo_len > config.max_qlen
     b = first(bad)
-    checkify.check(~jnp.any(bad), f"request {{b}} has {{q}} queries > config.max_qlen={config.max_qlen}",
-                   b=b, q=qo_len[b])
+    c.check(~xp.any(bad), f"request {{b}} has {{q}} queries > config.max_qlen={config.max_qlen}",
+            b=b, q=qo_len[b])
     bad = context_lens < (qo_len if config.is_causal else 0)
     b = first(bad)
-    checkify.check(~jnp.any(bad), "context_lens[{b}] = {c} is below the query length {q} (causal) or 0",
-                   b=b, c=context_lens[b], q=qo_len[b])
-    want = (context_lens + config.block_size - 1) // config.block_size
-    bad = entries != want
+    c.check(~xp.any(bad), "context_lens[{b}] = {c} is below the query length {q} (causal) or 0",
+            b=b, c=context_lens[b], q=qo_len[b])
+    room = INT32_MAX - (config.kvlen_granularity - 1)
+    bad = context_lens > room
     b = first(bad)
-    checkify.check(
-        ~jnp.any(bad),
-        f"kv_indptr[{{b1}}] - kv_indptr[{{b}}] = {{e}} entries, but context_lens[{{b}}] = {{c}} tokens "
-        f"needs {{w}} entries of block_size={config.block_size}",
-        b1=b + 1, b=b, e=entries[b], c=context_lens[b], w=want[b])
+    c.check(~xp.any(bad),
+            f"context_lens[{{b}}] = {{c}} exceeds {room}: the int32 limit {INT32_MAX} less "
+            f"kvlen_granularity - 1 (the planner rounds up to whole split units)",
+            b=b, c=context_lens[b])
+    room = INT32_MAX - (config.blocks_per_unit - 1)
+    c.check(kv_indptr[-1] <= room,
+            f"total kv length {{v}} (kv_indptr[-1]) exceeds {room}: the int32 limit "
+            f"{INT32_MAX} of work_info less one split unit", v=kv_indptr[-1])
+    if entries:
+        want = (context_lens + config.block_size - 1) // config.block_size
+        bad = n_entries != want
+        b = first(bad)
+        c.check(
+            ~xp.any(bad),
+            f"kv_indptr[{{b1}}] - kv_indptr[{{b}}] = {{e}} entries, but context_lens[{{b}}] = {{c}} "
+            f"tokens needs {{w}} entries of block_size={config.block_size}",
+            b1=b + 1, b=b, e=n_entries[b], c=context_lens[b], w=want[b])
+    mq = -(-config.max_qlen // config.qlen_granularity)
+    if mq:
+        units = _tile_grid(qo_indptr, context_lens, config, mq, xp=xp)[-1]
+        check_prefix_sums_fit(c, units, "the total of split units over all q tiles")
+
+
+# `plan_ps_prefill` under `jax.jit` (config static): no value checks (the inputs are traced).
+plan_ps_prefill_jit = jax.jit(plan_ps_prefill, static_argnames=("config",))

@@ -5,11 +5,11 @@ Two front ends over the same checks:
 * `check_work_plan(...)`: checkify user checks (`plan_findings`, traced JAX), usable under `jit`
   (wrap with `funcmla.checks.checked` / `run_checked`); the first failing check is raised. All
   indexing is in bounds, so it also runs under checkify's index checks.
-* `plan_problems(...)`: host helper in plain NumPy loops (no compile: XLA:CPU takes ~10 s for the
-  traced version) returning every problem as a readable string (empty list: the plan is valid).
+* `plan_problems(...)`: host helper in plain NumPy loops (no compile: the traced version compiles
+  slowly on XLA:CPU) returning every problem as a readable string (empty list: the plan is valid).
 Each problem names the field, the position and the value, with the same wording in both.
 
-What is checked (units: `kv_start`/`kv_end` are kv_indices entries of `kv_page_size` tokens, the
+What is checked (units: `kv_start`/`kv_end` are kv_indices entries of `page_size` tokens, the
 metadata's granularity; rows are the plan's query rows, folded for decode head folding):
 
 * kv_indptr[0] == 0; work_indptr[0] == 0, non-decreasing, work_indptr[-1] <= max_work and
@@ -92,7 +92,7 @@ def plan_findings(
     plan: WorkPlan,
     metadata,
     *,
-    kv_page_size: int = 1,
+    page_size: int = 1,
     causal: bool = True,
     num_heads: int = 1,
     num_rows: int,
@@ -105,14 +105,14 @@ def plan_findings(
     num_heads: q heads per row of the plan's row space (H / qk_batch_ratio); decode works cover
     all of them. num_rows: static number of rows in the plan's row space (>= live rows).
     """
-    ps, ratio = kv_page_size, qk_batch_ratio
+    ratio = qk_batch_ratio
     qo_indptr = jnp.asarray(metadata.qo_indptr, jnp.int32)
     kv_indptr = jnp.asarray(metadata.kv_indptr, jnp.int32)
     last = jnp.asarray(metadata.kv_last_page_len, jnp.int32)
     batch = kv_indptr.shape[0] - 1
     folded = batch * ratio
     n_ent = kv_indptr[1:] - kv_indptr[:-1]
-    kv_len = jnp.where(n_ent > 0, (n_ent - 1) * ps + last, 0)
+    kv_len = jnp.where(n_ent > 0, (n_ent - 1) * page_size + last, 0)
     F: list[Finding] = []
 
     def add(template, bad, **fields):
@@ -169,9 +169,9 @@ def plan_findings(
         jnp.any(bad), w=w, v=koff[w], n=kv_len[req][w])
 
     # ---- granularity
-    add(f"plan.block_size = {plan.block_size} but kv_indices entries hold {ps} token(s): works "
+    add(f"plan.block_size = {plan.block_size} but kv_indices entries hold {page_size} token(s): works "
         f"address kv_len / {plan.block_size} entries (the sglang#25556 bug)",
-        jnp.asarray(plan.block_size != ps))
+        jnp.asarray(plan.block_size != page_size))
     want = (kv_len + plan.block_size - 1) // plan.block_size
     used = _scatter(batch, jnp.int32(0), req, live.astype(jnp.int32), "add") > 0
     bad = used & (n_ent != want)
@@ -198,7 +198,7 @@ def plan_findings(
     s_ks, s_ke, s_koff, s_req = ks[perm], ke[perm], koff[perm], req[perm]
     s_ploc = wi[:, PARTIAL_QO_LOC][perm]
     s_kb, s_len = kb[perm], kv_len[req][perm]
-    tok_end = jnp.minimum(jnp.minimum((s_ke - s_kb) * ps, s_len - s_koff), s_len)
+    tok_end = jnp.minimum(jnp.minimum((s_ke - s_kb) * page_size, s_len - s_koff), s_len)
 
     bad = first & (s_ks != s_kb)
     i = _first(bad)
@@ -212,7 +212,7 @@ def plan_findings(
     add("tile (batch {b}, qo [{qs}, {qe})): work_info[{w}].kv_start = {ks} but the previous "
         "fragment ends at {pe} (gap or overlap)", jnp.any(bad), b=sk[0][i], qs=sk[1][i],
         qe=sk[2][i], w=perm[i], ks=s_ks[i], pe=prev_ke[i])
-    bad = s_live & ~is_last & (tok_end < (s_ke - s_kb) * ps)
+    bad = s_live & ~is_last & (tok_end < (s_ke - s_kb) * page_size)
     i = _first(bad)
     add("work_info[{w}]: kv_offset = {o} ends the fragment at token {t}, before its kv_end "
         "(entry {ke}) (gap)", jnp.any(bad), w=perm[i], o=s_koff[i], t=tok_end[i], ke=s_ke[i])
@@ -223,7 +223,7 @@ def plan_findings(
     bad = is_last & (tok_end < need)
     i = _first(bad)
     add(f"tile (batch {{b}}, qo [{{qs}}, {{qe}})) needs {{n}} KV tokens but its works cover entries "
-        f"[{{kb}}, {{ke}}) = {{t}} tokens at {ps} token(s) per entry (plan block_size = "
+        f"[{{kb}}, {{ke}}) = {{t}} tokens at {page_size} token(s) per entry (plan block_size = "
         f"{plan.block_size})", jnp.any(bad), b=sk[0][i], qs=sk[1][i], qe=sk[2][i], n=need[i],
         kb=s_kb[i], ke=s_ke[i], t=tok_end[i])
     bad = s_live & (chain_len == 1) & (s_ploc != -1)
@@ -346,16 +346,16 @@ def plan_findings(
 
 
 def check_work_plan(plan: WorkPlan, metadata, *, num_rows: int, num_heads: int = 1,
-                    kv_page_size: int = 1, causal: bool = True, qk_batch_ratio: int = 1,
+                    page_size: int = 1, causal: bool = True, qk_batch_ratio: int = 1,
                     uni_seqlen_qo: int = -1) -> None:
     """checkify value checks of every finding (run under `funcmla.checks.checked`)."""
-    for f in plan_findings(plan, metadata, kv_page_size=kv_page_size, causal=causal,
+    for f in plan_findings(plan, metadata, page_size=page_size, causal=causal,
                            num_heads=num_heads, num_rows=num_rows, qk_batch_ratio=qk_batch_ratio,
                            uni_seqlen_qo=uni_seqlen_qo):
         checkify.check(~f.bad, f.template, **f.fields)
 
 
-def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bool = True,
+def plan_problems(plan: WorkPlan, metadata, *, page_size: int = 1, causal: bool = True,
                   num_heads: int | None = None, qk_batch_ratio: int = 1,
                   uni_seqlen_qo: int = -1, max_per_check: int = 3) -> list[str]:
     """Host helper: the same checks as `plan_findings`, in plain NumPy loops (no compile), every
@@ -364,7 +364,7 @@ def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bo
     num_heads: q heads per plan row (H / qk_batch_ratio); default: for prefill plans the largest
     head-range end in the plan; decode works cover every head. Returns [] for a valid plan.
     """
-    ps, ratio = kv_page_size, qk_batch_ratio
+    ratio = qk_batch_ratio
     qo_indptr = np.asarray(metadata.qo_indptr, np.int64)
     kv_indptr = np.asarray(metadata.kv_indptr, np.int64)
     last = np.asarray(metadata.kv_last_page_len, np.int64)
@@ -377,7 +377,7 @@ def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bo
     batch = len(kv_indptr) - 1
     folded = batch * ratio
     n_ent = np.diff(kv_indptr)
-    kv_len = np.where(n_ent > 0, (n_ent - 1) * ps + last, 0)
+    kv_len = np.where(n_ent > 0, (n_ent - 1) * page_size + last, 0)
     out: list[str] = []
     counts: dict[str, int] = {}
 
@@ -401,8 +401,8 @@ def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bo
         report("wpmax", f"work_indptr[-1] = {wp[-1]} exceeds max_work = {plan.max_work} (rows of work_info)")
     if num_works != wp[-1]:
         report("nw", f"num_works = {num_works} differs from work_indptr[-1] = {wp[-1]}")
-    if plan.block_size != ps:
-        report("gran", f"plan.block_size = {plan.block_size} but kv_indices entries hold {ps} token(s): "
+    if plan.block_size != page_size:
+        report("gran", f"plan.block_size = {plan.block_size} but kv_indices entries hold {page_size} token(s): "
                        f"works address kv_len / {plan.block_size} entries (the sglang#25556 bug)")
 
     nw = min(num_works, plan.max_work)
@@ -462,16 +462,16 @@ def plan_problems(plan: WorkPlan, metadata, *, kv_page_size: int = 1, causal: bo
             if wi[w, KV_START] != wi[prev, KV_END]:
                 report("gap", f"{tile}: work_info[{w}].kv_start = {wi[w, KV_START]} but the previous "
                               f"fragment ends at {wi[prev, KV_END]} (gap or overlap)")
-        ends = [min((wi[w, KV_END] - kb) * ps, n - wi[w, KV_OFFSET], n) for w in ws]
+        ends = [min((wi[w, KV_END] - kb) * page_size, n - wi[w, KV_OFFSET], n) for w in ws]
         for w, e in zip(ws[:-1], ends[:-1]):
-            if e < (wi[w, KV_END] - kb) * ps:
+            if e < (wi[w, KV_END] - kb) * page_size:
                 report("short", f"work_info[{w}]: kv_offset = {wi[w, KV_OFFSET]} ends the fragment at "
                                 f"token {e}, before its kv_end (entry {wi[w, KV_END]}) (gap)")
         lo, hi = q_range(b)
         need = min(max(n - (hi - lo) + (qe - lo), 0), n) if causal else n
         if ends[-1] < need:
             report("cover", f"{tile} needs {need} KV tokens but its works cover entries [{kb}, "
-                            f"{wi[ws[-1], KV_END]}) = {ends[-1]} tokens at {ps} token(s) per entry "
+                            f"{wi[ws[-1], KV_END]}) = {ends[-1]} tokens at {page_size} token(s) per entry "
                             f"(plan block_size = {plan.block_size})")
         plocs = wi[ws, PARTIAL_QO_LOC]
         if len(ws) == 1 and plocs[0] != -1:
