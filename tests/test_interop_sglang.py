@@ -15,6 +15,7 @@ import torch
 from funcmla.config import deepseek_v3_sm_scale
 from funcmla.interop import backend_select, dlpack
 from funcmla.interop import sglang_backend as sb
+from funcmla.interop.sglang import backend as sbk
 from funcmla.interop.backend_select import mla_attention, select_backend
 from funcmla.interop.sglang_backend import (
     CudaGraphBufferOverflow,
@@ -156,8 +157,8 @@ def test_eager_metadata_values_sizes_and_one_crossing_each_way(monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(sb, "to_jax", counting("to_jax", sb.to_jax))
-    monkeypatch.setattr(sb, "to_torch", counting("to_torch", sb.to_torch))
+    monkeypatch.setattr(sbk, "to_jax", counting("to_jax", sbk.to_jax))
+    monkeypatch.setattr(sbk, "to_torch", counting("to_torch", sbk.to_torch))
     backend.init_forward_metadata(_fb(ForwardMode.EXTEND, b, extend))
     assert counts == {"to_jax": 1, "to_torch": 1}  # one packed import, one packed export
     fm = backend.forward_metadata
@@ -182,7 +183,7 @@ def test_long_lived_buffers_cross_once(monkeypatch):
         imported.append(tuple(t.shape))
         return dlpack.to_jax(t, **k)
 
-    monkeypatch.setattr(sb, "to_jax", recording)
+    monkeypatch.setattr(sbk, "to_jax", recording)
     monkeypatch.setattr(backend_select, "to_jax", recording)
     q = torch.zeros(2, H, 576, dtype=torch.bfloat16)
     for _ in range(3):
@@ -193,7 +194,7 @@ def test_long_lived_buffers_cross_once(monkeypatch):
                                    save_kv_cache=False)
     pool_shape = tuple(pool.kv_buffer[0].shape)
     assert imported.count(pool_shape) == 2  # each layer's KV buffer: once, not per step
-    assert imported.count((4,)) == 3  # the packed step inputs: once per step
+    assert imported.count((5,)) == 3  # the packed step inputs (2 x 2 + the live count): once a step
     # q is imported once per layer call (the ordering fence for the KV writes)
     assert imported.count((2, H, 576)) == 6
 
@@ -257,14 +258,14 @@ def test_replay_overflow_is_detected_before_any_write():
         4, 4, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None)
     before = backend._graph_buffer.clone()
     too_long = torch.tensor([321, 1, 1, 1], dtype=torch.int32)
-    with pytest.raises(CudaGraphBufferOverflow, match="needs 321 KV tokens.*max_context_len=320"):
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[0\] = 321 exceeds max_context_len = 320"):
         backend.init_forward_metadata_replay_cuda_graph(
             4, b.req_pool_indices, too_long, 324, None, ForwardMode.DECODE, None, too_long)
-    with pytest.raises(CudaGraphBufferOverflow, match="batch size 5 exceeds the captured max_bs=4"):
+    with pytest.raises(CudaGraphBufferOverflow, match="bs = 5 exceeds the captured max_bs = 4"):
         backend.init_forward_metadata_replay_cuda_graph(
             5, b.req_pool_indices, too_long, 0, None, ForwardMode.DECODE, None, too_long)
     short = torch.tensor([5, 1, 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="no CUDA graph was captured for mode 'decode' at batch"):
+    with pytest.raises(ValueError, match="no CUDA graph was captured for mode 'decode' at bs = 3"):
         backend.init_forward_metadata_replay_cuda_graph(
             3, b.req_pool_indices, short, 7, None, ForwardMode.DECODE, None, short)
     assert torch.equal(backend._graph_buffer, before)
@@ -311,8 +312,9 @@ def test_target_verify_capture_has_draft_slack():
     fm = backend.forward_metadata
     assert fm.kv_indptr.tolist() == [0, 320, 640] and fm.qo_indptr.tolist() == [0, n, 2 * n]
     over = torch.tensor([320 - n + 1, 1], dtype=torch.int32)
-    with pytest.raises(CudaGraphBufferOverflow, match=r"seq_len 319 \+ 2 drafts"):
-        backend.init_forward_metadata_replay_cuda_graph(2, b.req_pool_indices, over, 0, None,
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[0\] = 319 \+ 2 draft tokens exceeds "
+                                         r"max_context_len = 320"):
+        backend.init_forward_metadata_replay_cuda_graph(2, b.req_pool_indices, over, 320, None,
                                                         ForwardMode.TARGET_VERIFY, spec, over)
 
 

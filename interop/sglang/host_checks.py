@@ -1,0 +1,124 @@
+"""Checks of a step's inputs from what is on the host, with no device sync.
+
+SGLang passes host mirrors of the step's lengths (`seq_lens_cpu`, `seq_lens_sum`,
+`extend_seq_lens_cpu`); every value check here reads only those, tensor dtypes and shapes
+(host metadata), and device tensors that happen to live on the CPU. Nothing here launches
+device work, so a failing check leaves every buffer untouched.
+
+Checkable without a sync (always checked):
+  batch size against the largest bucket / the CUDA-graph max_bs; IDLE batches empty;
+  dtypes of req_pool_indices / seq_lens / extend_seq_lens (integers only); seq_lens_cpu values
+  (>= 0, >= 1 where a query must see a key, <= max_context_len including draft tokens);
+  seq_lens_sum == sum(seq_lens_cpu); extend_seq_lens_cpu (0 <= extend <= seq_len);
+  out_cache_loc's length against the step's query tokens.
+Checkable only when the tensor is on the CPU (checked then):
+  req_pool_indices values in [0, pool rows); seq_lens == seq_lens_cpu; extend_seq_lens ==
+  extend_seq_lens_cpu.
+Not checkable on a GPU without a sync (documented in docs/sglang_backend.md):
+  device req_pool_indices values and agreement of device seq_lens with seq_lens_cpu. The
+  metadata program reads req_to_token with clamped gathers, so such a mismatch cannot read or
+  write out of bounds, but it can produce metadata for the wrong rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["HostLens", "check_int_tensor", "host_lens", "check_lens", "check_rows",
+           "check_same", "check_out_cache_loc"]
+
+
+class HostLens:
+    """max / sum / count of the batch's host lengths (NumPy, computed once per step)."""
+
+    __slots__ = ("arr", "max", "sum", "count")
+
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+        self.count = int(arr.shape[0])
+        self.max = int(arr.max()) if self.count else 0
+        self.sum = int(arr.sum(dtype=np.int64)) if self.count else 0
+
+
+def check_int_tensor(t, field: str) -> None:
+    """t must be a torch integer tensor (a float index would be truncated silently)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{field} must be a torch tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{field} must be an integer tensor (int32/int64), got {t.dtype}")
+
+
+def host_lens(lens, batch: int, field: str = "seq_lens_cpu") -> HostLens:
+    """The first `batch` entries of a host tensor / list as int64 NumPy, checked for shape."""
+    if lens is None:
+        raise ValueError(f"forward_batch.{field} is required (host lengths: no device sync)")
+    if isinstance(lens, torch.Tensor):
+        if lens.device.type != "cpu":
+            raise ValueError(f"{field} must be a host tensor, got one on {lens.device}")
+        check_int_tensor(lens, field)
+        arr = lens[:batch].numpy()
+    else:
+        arr = np.asarray(lens)[:batch]
+        if arr.dtype.kind not in "iu" and arr.size:
+            raise TypeError(f"{field} must hold integers, got {arr.dtype}")
+    if arr.shape[0] != batch:
+        raise ValueError(f"{field} has {arr.shape[0]} entries, the batch has {batch}")
+    return HostLens(arr)
+
+
+def check_lens(seq: HostLens, *, field: str, lo: int, hi: int, extra: int = 0,
+               extra_what: str = "") -> None:
+    """lo <= seq_len and seq_len + extra <= hi for every request, else ValueError naming the
+    first offender, its value and the limit."""
+    if not seq.count:
+        return
+    mn = int(seq.arr.min())
+    if mn < lo:
+        i = int(np.argmin(seq.arr))
+        raise ValueError(f"{field}[{i}] = {mn} is below the minimum {lo}")
+    if seq.max + extra > hi:
+        i = int(np.argmax(seq.arr))
+        plus = f" + {extra} {extra_what}" if extra else ""
+        raise ValueError(f"{field}[{i}] = {seq.max}{plus} exceeds max_context_len = {hi} "
+                         "(the width of req_to_token)")
+
+
+def check_rows(req_pool_indices: torch.Tensor, batch: int, rows: int,
+               field: str = "req_pool_indices") -> None:
+    """Row indices in [0, rows); values are read only from a CPU tensor (no device sync)."""
+    check_int_tensor(req_pool_indices, field)
+    if req_pool_indices.shape[0] < batch:
+        raise ValueError(f"{field} has {req_pool_indices.shape[0]} entries, the batch has {batch}")
+    if req_pool_indices.device.type != "cpu" or not batch:
+        return
+    arr = req_pool_indices[:batch].numpy()
+    mn, mx = int(arr.min()), int(arr.max())
+    if mn < 0:
+        raise ValueError(f"{field}[{int(np.argmin(arr))}] = {mn} is negative")
+    if mx >= rows:
+        raise ValueError(f"{field}[{int(np.argmax(arr))}] = {mx} is out of range: req_to_token "
+                         f"has {rows} rows")
+
+
+def check_same(dev: torch.Tensor, host: HostLens, field: str, host_field: str) -> None:
+    """A device tensor against its host mirror, when the 'device' tensor is on the CPU."""
+    check_int_tensor(dev, field)
+    if dev.shape[0] < host.count:
+        raise ValueError(f"{field} has {dev.shape[0]} entries, the batch has {host.count}")
+    if dev.device.type != "cpu" or not host.count:
+        return
+    got = dev[:host.count].numpy()
+    if not np.array_equal(got, host.arr):
+        i = int(np.flatnonzero(got != host.arr)[0])
+        raise ValueError(f"{field}[{i}] = {int(got[i])} disagrees with {host_field}[{i}] = "
+                         f"{int(host.arr[i])}")
+
+
+def check_out_cache_loc(out_cache_loc, tokens: int) -> None:
+    if out_cache_loc is None:
+        return
+    check_int_tensor(out_cache_loc, "out_cache_loc")
+    if out_cache_loc.shape[0] != tokens:
+        raise ValueError(f"out_cache_loc has {out_cache_loc.shape[0]} entries, the step has "
+                         f"{tokens} query tokens")
