@@ -22,7 +22,7 @@ from funcmla.planners.oracle_decode import plan_mla_decode_reference
 from funcmla.planners.oracle_prefill import ps_prefill_plan_oracle
 
 MAX_CTX, ROWS, H, N_DRAFT = 256, 16, 16, 2
-BUCKETS = Buckets(batch_sizes=(2, 4, 8), min_kv_tokens=512, min_q_tokens=64)
+BUCKETS = Buckets(batch_sizes=(2, 4, 8), min_kv_tokens=4096, min_q_tokens=256)  # 1 token bucket
 
 
 def _req_to_token():
