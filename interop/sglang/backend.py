@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from funcmla.compile_cache import enable_compilation_cache
 from funcmla.interop.backend_select import _launcher_reason, mla_attention, select_backend
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.sglang import host_checks as hc
@@ -98,6 +99,8 @@ class FuncMLAAttnBackend:
                        seed did, to reproduce its overflow (replay then raises).
     torch_launcher:    pallas only: launch the kernel on the torch tensors (no DLPack per
                        layer; capturable in a torch CUDA graph) where it can run.
+    compilation_cache_dir: JAX's persistent compilation cache (funcmla.compile_cache: default
+                       $FUNCMLA_COMPILATION_CACHE or ~/.cache/funcmla/jax; "off" disables).
     """
 
     def __init__(self, req_to_token: torch.Tensor, token_to_kv_pool: MLATokenToKVPool, *,
@@ -106,7 +109,8 @@ class FuncMLAAttnBackend:
                  device_profile=None, attention_backend: str = "auto",
                  num_kv_splits: int | None = None,
                  legacy_block_granular_kv_indices: bool = False,
-                 min_kv_bucket: int | None = None, torch_launcher: bool = True):
+                 min_kv_bucket: int | None = None, torch_launcher: bool = True,
+                 compilation_cache_dir: str | None = None):
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dtype != torch.int32 \
                 or req_to_token.dim() != 2:
             raise TypeError(
@@ -115,6 +119,7 @@ class FuncMLAAttnBackend:
                 f"{tuple(getattr(req_to_token, 'shape', ()))}")
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
+        self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
         self.req_to_token = req_to_token
         self.token_to_kv_pool = token_to_kv_pool
         self.device = req_to_token.device
