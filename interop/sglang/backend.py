@@ -179,18 +179,16 @@ class FuncMLAAttnBackend:
                              f"got {n!r}")
         return n
 
-    def _check_lengths(self, kind: str, seq: hc.HostLens, n: int) -> None:
-        lo = {"decode": 1, "extend": 1, "target_verify": 0, "draft_extend": n}[kind]
-        extra = n if kind == "target_verify" else 0
-        hc.check_lens(seq, field="seq_lens_cpu", lo=lo, hi=self.max_context_len, extra=extra,
-                      extra_what="draft tokens")
+    # the fewest keys a request may have: one per query (bottom-right causal)
+    _MIN_SEQ = {"decode": 1, "extend": 1, "target_verify": 0}
 
     def _check_step(self, kind: str, batch: int, req_pool_indices, seq_lens, seq_lens_cpu,
                     seq_lens_sum, n: int) -> hc.HostLens:
         """Every check readable without a device sync (see host_checks)."""
         hc.check_int_tensor(seq_lens, "seq_lens")
-        seq = hc.host_lens(seq_lens_cpu, batch)
-        self._check_lengths(kind, seq, n)
+        seq = hc.host_lens(seq_lens_cpu, batch, lo=self._MIN_SEQ.get(kind, n))
+        hc.check_max(seq, field="seq_lens_cpu", hi=self.max_context_len,
+                     extra=n if kind == "target_verify" else 0, extra_what="draft tokens")
         if seq_lens_sum is not None and int(seq_lens_sum) != seq.sum:
             raise ValueError(f"seq_lens_sum = {int(seq_lens_sum)} disagrees with "
                              f"sum(seq_lens_cpu) = {seq.sum}")
@@ -284,7 +282,6 @@ class FuncMLAAttnBackend:
             if fb.extend_seq_lens is None:
                 raise ValueError("forward_batch.extend_seq_lens is required in extend modes")
             ext = hc.host_lens(fb.extend_seq_lens_cpu, batch, "extend_seq_lens_cpu")
-            hc.check_lens(ext, field="extend_seq_lens_cpu", lo=0, hi=self.max_context_len)
             over = ext.arr > seq.arr
             if over.any():
                 i = int(over.argmax())

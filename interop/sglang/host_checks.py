@@ -25,32 +25,50 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["HostLens", "check_int_tensor", "host_lens", "check_lens", "check_rows",
+__all__ = ["HostLens", "check_int_tensor", "host_lens", "check_max", "check_rows",
            "check_same", "check_out_cache_loc"]
 
 
+_INT_DTYPES = frozenset({torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8})
+_UNSIGNED = {4: np.uint32, 8: np.uint64, 2: np.uint16, 1: np.uint8}
+
+
 class HostLens:
-    """max / sum / count of the batch's host lengths (NumPy, computed once per step)."""
+    """max / sum / count of the batch's host lengths (NumPy, computed once per step).
+
+    The lower bound costs no extra pass: `(arr - lo)` viewed as unsigned has its maximum above
+    the signed range exactly when some value is below `lo` (bench/interop.py: checks' cost)."""
 
     __slots__ = ("arr", "max", "sum", "count")
 
-    def __init__(self, arr: np.ndarray):
+    def __init__(self, arr: np.ndarray, lo: int = 0, field: str = "seq_lens_cpu"):
         self.arr = arr
-        self.count = int(arr.shape[0])
-        self.max = int(arr.max()) if self.count else 0
-        self.sum = int(arr.sum(dtype=np.int64)) if self.count else 0
+        self.count = n = int(arr.shape[0])
+        if not n:
+            self.max = self.sum = 0
+            return
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{field} must hold integers, got {arr.dtype}")
+        shifted = arr - arr.dtype.type(lo) if lo else arr
+        top = int(shifted.view(_UNSIGNED[arr.itemsize]).max())
+        if top > np.iinfo(arr.dtype).max:  # some value is below lo (wrapped)
+            i = int(np.argmin(arr))
+            raise ValueError(f"{field}[{i}] = {int(arr[i])} is below the minimum {lo}")
+        self.max = top + lo
+        self.sum = int(arr.sum(dtype=np.int64))
 
 
 def check_int_tensor(t, field: str) -> None:
     """t must be a torch integer tensor (a float index would be truncated silently)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{field} must be a torch tensor, got {type(t).__name__}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if t.dtype not in _INT_DTYPES:
         raise TypeError(f"{field} must be an integer tensor (int32/int64), got {t.dtype}")
 
 
-def host_lens(lens, batch: int, field: str = "seq_lens_cpu") -> HostLens:
-    """The first `batch` entries of a host tensor / list as int64 NumPy, checked for shape."""
+def host_lens(lens, batch: int, field: str = "seq_lens_cpu", lo: int = 0) -> HostLens:
+    """The first `batch` entries of a host tensor / list as NumPy, checked for shape, integer
+    values and `>= lo`."""
     if lens is None:
         raise ValueError(f"forward_batch.{field} is required (host lengths: no device sync)")
     if isinstance(lens, torch.Tensor):
@@ -62,22 +80,16 @@ def host_lens(lens, batch: int, field: str = "seq_lens_cpu") -> HostLens:
         arr = np.asarray(lens)[:batch]
         if arr.dtype.kind not in "iu" and arr.size:
             raise TypeError(f"{field} must hold integers, got {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
     if arr.shape[0] != batch:
         raise ValueError(f"{field} has {arr.shape[0]} entries, the batch has {batch}")
-    return HostLens(arr)
+    return HostLens(arr, lo, field)
 
 
-def check_lens(seq: HostLens, *, field: str, lo: int, hi: int, extra: int = 0,
-               extra_what: str = "") -> None:
-    """lo <= seq_len and seq_len + extra <= hi for every request, else ValueError naming the
-    first offender, its value and the limit."""
-    if not seq.count:
-        return
-    mn = int(seq.arr.min())
-    if mn < lo:
-        i = int(np.argmin(seq.arr))
-        raise ValueError(f"{field}[{i}] = {mn} is below the minimum {lo}")
-    if seq.max + extra > hi:
+def check_max(seq: HostLens, *, field: str, hi: int, extra: int = 0,
+              extra_what: str = "") -> None:
+    """seq_len + extra <= hi for every request, else ValueError naming the first offender."""
+    if seq.count and seq.max + extra > hi:
         i = int(np.argmax(seq.arr))
         plus = f" + {extra} {extra_what}" if extra else ""
         raise ValueError(f"{field}[{i}] = {seq.max}{plus} exceeds max_context_len = {hi} "
