@@ -30,7 +30,9 @@ __all__ = ["HostLens", "check_int_tensor", "host_lens", "check_max", "check_rows
 
 
 _INT_DTYPES = frozenset({torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8})
-_UNSIGNED = {4: np.uint32, 8: np.uint64, 2: np.uint16, 1: np.uint8}
+# signed dtype -> (unsigned view, signed max): the lower-bound test below
+_UNSIGNED = {np.dtype(t): (np.dtype(u), int(np.iinfo(t).max)) for t, u in (
+    (np.int32, np.uint32), (np.int64, np.uint64), (np.int16, np.uint16), (np.int8, np.uint8))}
 
 
 class HostLens:
@@ -47,11 +49,15 @@ class HostLens:
         if not n:
             self.max = self.sum = 0
             return
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"{field} must hold integers, got {arr.dtype}")
-        shifted = arr - arr.dtype.type(lo) if lo else arr
-        top = int(shifted.view(_UNSIGNED[arr.itemsize]).max())
-        if top > np.iinfo(arr.dtype).max:  # some value is below lo (wrapped)
+        unsigned = _UNSIGNED.get(arr.dtype)
+        if unsigned is None:
+            if arr.dtype.kind != "u":
+                raise TypeError(f"{field} must hold integers, got {arr.dtype}")
+            arr = arr.astype(np.int64)
+            unsigned = _UNSIGNED[arr.dtype]
+        shifted = arr - lo if lo else arr
+        top = int(shifted.view(unsigned[0]).max())
+        if top > unsigned[1]:  # some value is below lo (it wrapped around)
             i = int(np.argmin(arr))
             raise ValueError(f"{field}[{i}] = {int(arr[i])} is below the minimum {lo}")
         self.max = top + lo
