@@ -44,7 +44,6 @@ from funcmla.interop.sglang import backend as backend_mod
 from funcmla.interop.sglang import host_checks
 from funcmla.interop.sglang.step import build_step, step_layout
 from funcmla.interop.sglang_backend import (
-    Buckets,
     ForwardBatch,
     ForwardMode,
     FuncMLAAttnBackend,
@@ -202,18 +201,18 @@ def handoff_rows(device: str, batches: list[int], ctx: int, reps: int) -> list[d
     return rows
 
 
-def compile_rows(device: str, batches: list[int], ctx: int, reps: int) -> list[dict]:
-    """First step at a new bucket (compile, persistent cache off) vs the steady state."""
-    from funcmla.compile_cache import enable_compilation_cache
-
+def compile_rows(device: str, batches: list[int], ctx: int, reps: int,
+                 cache: str | None = None) -> list[dict]:
+    """First step at a new bucket (compile included) vs the steady state. With the persistent
+    cache off (FUNCMLA_COMPILATION_CACHE=off before the first compile) this is the compile
+    time; a second process with the cache on shows the cached first step."""
     sync = torch.cuda.synchronize if device == "cuda" else None
     rng = np.random.default_rng(1)
     rows = []
     for bs in batches:
-        backend, fb, seq = _decode_step(device, bs, ctx, rng, num_heads=16,
-                                        compilation_cache_dir="off",
-                                        buckets=Buckets(min_kv_tokens=1 << 20))
-        enable_compilation_cache("off")
+        # 32 heads: programs not compiled by handoff_rows (16 heads) in this process
+        backend, fb, seq = _decode_step(device, bs, ctx, rng, num_heads=32,
+                                        compilation_cache_dir=cache)
         t0 = time.perf_counter()
         backend.init_forward_metadata(fb)
         jax.block_until_ready(backend._jax_meta)
