@@ -190,3 +190,29 @@ def test_register_into_sglangs_registry(monkeypatch):
     _, b, pool, _ = _setup(8, [5], [1])
     be = registry.ATTENTION_BACKENDS["funcmla"](_model_runner(pool, b.req_to_token))
     assert isinstance(be, FuncMLAAttnBackend) and be.attention_backend == "reference"
+
+
+def test_aiter_path_gets_the_metadata_work_plan(monkeypatch):
+    """With the aiter backend, decode hands AITER the persistent plan of forward_metadata
+    (same tensors, AiterWorkPlan's contract) and num_kv_splits = max_split_per_batch."""
+    from funcmla.interop import aiter_dispatch, backend_select
+
+    seen = {}
+
+    def fake_decode(q, kv_pool, meta, plan, *, num_kv_splits, v_head_dim, **kw):
+        aiter_dispatch._check_plan(plan, kind="decode", device=q.device)
+        seen.update(plan=plan, splits=num_kv_splits, meta=meta)
+        return q.new_zeros(q.shape[0], q.shape[1], v_head_dim), None
+
+    monkeypatch.setitem(backend_select._REASONS, "aiter", lambda: None)
+    monkeypatch.setattr(aiter_dispatch, "mla_decode", fake_decode)
+    _, b, pool, _ = _setup(9, [30, 7, 50], [1, 1, 1])
+    be = FuncMLAAttnBackend(b.req_to_token, pool, page_size=16, num_heads=H,
+                            attention_backend="aiter")
+    fb = _fb(ForwardMode.DECODE, b)
+    be.init_forward_metadata(fb)
+    be.forward(torch.zeros(3, H * 576, dtype=torch.bfloat16), None, None,
+               RadixAttention(H, SCALE), fb, save_kv_cache=False)
+    fm, plan = be.forward_metadata, seen["plan"]
+    assert seen["meta"] is fm and seen["splits"] == 64
+    assert plan.work_info_set is fm.work_info_set and plan.work_meta_data is fm.work_metadata

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from funcmla.compile_cache import enable_compilation_cache
+from funcmla.interop.aiter_dispatch import AiterWorkPlan
 from funcmla.interop.backend_select import _launcher_reason, mla_attention, select_backend
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.sglang import host_checks as hc
@@ -468,7 +469,8 @@ class FuncMLAAttnBackend:
         q3 = q.reshape(-1, heads, layer.qk_head_dim)
         if self.attention_backend == "aiter":
             res = mla_attention(q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                                self.forward_metadata, sm_scale=layer.scaling,
+                                self.forward_metadata, plan=self._aiter_plan(),
+                                sm_scale=layer.scaling,
                                 v_head_dim=layer.v_head_dim, causal=causal, backend="aiter",
                                 mode=self._mode, num_kv_splits=self._num_kv_splits(),
                                 q_scale=layer.k_scale if q.dtype in FP8_DTYPES else None,
@@ -494,6 +496,17 @@ class FuncMLAAttnBackend:
                                 return_lse=False, use_launcher=launch, launcher_inputs=inputs)
         self.last_backend, self.last_via = res.backend, res.via
         return res.out.reshape(-1, heads * layer.v_head_dim)
+
+    def _aiter_plan(self):
+        """The decode work plan of forward_metadata as AITER's persistent kernel reads it (the
+        PS prefill plan feeds SGLang's fp8 MHA prefill, not the absorbed extend run here)."""
+        fm = self.forward_metadata
+        if fm.work_info_set is None or self._mode == "extend":
+            return None
+        return AiterWorkPlan(work_meta_data=fm.work_metadata, work_indptr=fm.work_indptr,
+                             work_info_set=fm.work_info_set, reduce_indptr=fm.reduce_indptr,
+                             reduce_final_map=fm.reduce_final_map,
+                             reduce_partial_map=fm.reduce_partial_map, kind="decode")
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:
