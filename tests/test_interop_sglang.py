@@ -14,7 +14,6 @@ import torch
 
 from funcmla.config import deepseek_v3_sm_scale
 from funcmla.interop import backend_select, dlpack
-from funcmla.interop import sglang_backend as sb
 from funcmla.interop.sglang import backend as sbk
 from funcmla.interop.backend_select import mla_attention, select_backend
 from funcmla.interop.sglang_backend import (

@@ -27,7 +27,7 @@ from funcmla.interop.aiter_dispatch import AiterWorkPlan
 from funcmla.interop.backend_select import _launcher_reason, mla_attention, select_backend
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.sglang import host_checks as hc
-from funcmla.interop.sglang.buckets import BucketOverflow, Buckets
+from funcmla.interop.sglang.buckets import Buckets
 from funcmla.interop.sglang.modes import resolve_mode
 from funcmla.interop.sglang.step import StepSpec, build_step, num_parts, step_layout
 from funcmla.interop.sglang.types import (
