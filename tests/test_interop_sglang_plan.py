@@ -22,7 +22,9 @@ from funcmla.planners.oracle_decode import plan_mla_decode_reference
 from funcmla.planners.oracle_prefill import ps_prefill_plan_oracle
 
 MAX_CTX, ROWS, H, N_DRAFT = 256, 16, 16, 2
-BUCKETS = Buckets(batch_sizes=(2, 4, 8), min_kv_tokens=4096, min_q_tokens=256)  # 1 token bucket
+# one batch bucket (every batch below 8 is padded) and one token bucket: one compile per mode
+BUCKETS = Buckets(batch_sizes=(8,), min_kv_tokens=4096, min_q_tokens=256)
+LADDER = Buckets(batch_sizes=(2, 4, 8), min_kv_tokens=4096, min_q_tokens=256)
 
 
 def _req_to_token():
@@ -34,14 +36,14 @@ def _req_to_token():
 _BACKENDS: dict = {}
 
 
-def backend(heads=H) -> FuncMLAAttnBackend:
-    if heads not in _BACKENDS:
+def backend(buckets=BUCKETS) -> FuncMLAAttnBackend:
+    if buckets not in _BACKENDS:
         r2t = _req_to_token()
         pool = MLATokenToKVPool(ROWS * MAX_CTX + 64, 1, torch.bfloat16, 1)
-        _BACKENDS[heads] = FuncMLAAttnBackend(r2t, pool, num_heads=heads, buckets=BUCKETS,
-                                              num_draft_tokens=N_DRAFT,
-                                              attention_backend="reference")
-    return _BACKENDS[heads]
+        _BACKENDS[buckets] = FuncMLAAttnBackend(r2t, pool, num_heads=H, buckets=buckets,
+                                                num_draft_tokens=N_DRAFT,
+                                                attention_backend="reference")
+    return _BACKENDS[buckets]
 
 
 MODES = ["DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2", "EXTEND", "MIXED", "DRAFT_EXTEND"]
@@ -149,8 +151,6 @@ def test_cuda_graph_plan_equals_oracle_in_static_buffers(mode, data):
     rows, seq, _ = data.draw(batches(mode))
     bs = len(rows)
     fb = _fb(mode, rows, seq, None)
-    if (be._graph_meta.get(("decode" if mode == "DECODE" else None), None)) is None:
-        pass
     be.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None,
                                                 fb.forward_mode, fb.spec_info)
     static = {name: getattr(be.forward_metadata, name).data_ptr() for name in FIELDS.values()}
@@ -174,18 +174,18 @@ def test_cuda_graph_plan_equals_oracle_in_static_buffers(mode, data):
 def test_one_compile_per_bucket_and_padding_invisible():
     """A trace of random batch sizes compiles one program per (mode, batch bucket, kv bucket),
     and every step's exported metadata equals the unpadded NumPy restatement."""
-    be = backend()
+    be = backend(LADDER)
     rng = np.random.default_rng(3)
     before = step_mod.build_step._cache_size()
     keys = set()
     for _ in range(24):
-        mode = ["DECODE", "TARGET_VERIFY"][int(rng.integers(2))]
+        mode = "DECODE"
         b = int(rng.integers(1, 9))
         rows = rng.choice(ROWS, b, replace=False).tolist()
         seq = rng.integers(1, 60, b).tolist()
         be.init_forward_metadata(_fb(mode, rows, seq, None))
         _check_meta(be.forward_metadata, mode, rows, seq, None)
         total = sum(seq) + (N_DRAFT * b if mode == "TARGET_VERIFY" else 0)
-        keys.add((mode, BUCKETS.batch(b), BUCKETS.kv_tokens(total)))
+        keys.add((mode, LADDER.batch(b), LADDER.kv_tokens(total)))
     compiled = step_mod.build_step._cache_size() - before
-    assert compiled <= len(keys) <= 2 * len(BUCKETS.batch_sizes)
+    assert compiled <= len(keys) <= len(LADDER.batch_sizes)  # 24 steps, at most 3 programs
