@@ -63,6 +63,7 @@ class _PointerStage:
         self.cuda = device.type == "cuda"
         self.slots = [torch.zeros(2, dtype=torch.int64, pin_memory=self.cuda)
                       for _ in range(slots)]
+        self.host = [t.numpy() for t in self.slots]  # NumPy views: cheap element writes
         self.events = [None] * slots
         self.i = 0
 
@@ -72,10 +73,9 @@ class _PointerStage:
         i = self.i = (self.i + 1) % len(self.slots)
         if self.events[i] is not None:
             self.events[i].synchronize()  # done long ago in practice; ordering made explicit
-        host = self.slots[i]
-        host[0], host[1] = a.data_ptr(), b.data_ptr()
+        self.host[i][0], self.host[i][1] = a.data_ptr(), b.data_ptr()
         out = torch.empty(2, dtype=torch.int64, device=self.device)
-        out.copy_(host, non_blocking=True)
+        out.copy_(self.slots[i], non_blocking=True)
         ev = self.events[i] = self.events[i] or torch.cuda.Event()
         ev.record()
         return out.view(torch.uint64)
