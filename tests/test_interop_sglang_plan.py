@@ -189,3 +189,28 @@ def test_one_compile_per_bucket_and_padding_invisible():
         keys.add((mode, LADDER.batch(b), LADDER.kv_tokens(total)))
     compiled = step_mod.build_step._cache_size() - before
     assert compiled <= len(keys) <= len(LADDER.batch_sizes)  # 24 steps, at most 3 programs
+
+
+@pytest.mark.parametrize("fill_impl", ["scan", "fused"])  # fused: the GPU default (interpreted)
+def test_decode_planner_masks_padded_requests(fill_impl):
+    """plan_mla_decode(num_requests=B) on a batch padded to 16 == the oracle's plan of the B
+    live requests (the padded requests get no tiles; num_splits follows B)."""
+    import jax
+    import jax.numpy as jnp
+
+    from funcmla.planners import plan_mla_decode
+
+    cfg = backend().plan.decode_config(N_DRAFT)
+    plan = jax.jit(lambda q, k, n: plan_mla_decode(q, k, jnp.ones(16, jnp.int32), config=cfg,
+                                                   num_requests=n, fill_impl=fill_impl))
+    rng = np.random.default_rng(4)
+    for b in (1, 2, 9):
+        kv = np.concatenate([rng.integers(0, 3000, b), np.zeros(16 - b, int)])
+        kvi = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+        qoi = (np.arange(17) * N_DRAFT).astype(np.int32)
+        got = plan(jnp.asarray(qoi), jnp.asarray(kvi), jnp.int32(b))
+        ref = plan_mla_decode_reference(qoi[: b + 1], kvi[: b + 1], np.ones(b, np.int32),
+                                        config=cfg)
+        for k in FIELDS:
+            want = np.asarray(getattr(ref, k))
+            np.testing.assert_array_equal(np.asarray(getattr(got, k))[: want.shape[0]], want)
