@@ -42,7 +42,7 @@ from bench.timing import environment, print_table, write_json
 from funcmla.interop.dlpack import data_ptr, to_jax, to_torch
 from funcmla.interop.sglang import backend as backend_mod
 from funcmla.interop.sglang import host_checks
-from funcmla.interop.sglang.step import build_step, step_layout
+from funcmla.interop.sglang.step import build_step
 from funcmla.interop.sglang_backend import (
     ForwardBatch,
     ForwardMode,
@@ -144,11 +144,9 @@ def handoff_rows(device: str, batches: list[int], ctx: int, reps: int) -> list[d
         inputs = backend._step_inputs("decode", bs, bp, fb.req_pool_indices, fb.seq_lens)
         meta, packed = build_step(backend._req_to_token_jax, inputs, spec=spec)
         jax.block_until_ready((meta, packed))
-        layout = step_layout(spec)
-
-        def handoff():
-            views = layout.torch_views(to_torch(packed))
-            return backend._plan_views(views, spec.plan_shapes)
+        def handoff():  # exactly what init_forward_metadata does after the program
+            return backend._eager_metadata(to_torch(packed), spec, "decode", bs, total, 1,
+                                           int(seq.max()))
 
         backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
         backend.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices,

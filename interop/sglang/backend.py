@@ -233,9 +233,7 @@ class FuncMLAAttnBackend:
 
     def _spec(self, kind: str, bp: int, capacity: int, n: int, max_q: int,
               graph: bool = False) -> StepSpec:
-        override = None
-        if self.plan is not None and graph:
-            override = tuple(sorted(self._graph_plan_shapes.items()))
+        override = self._graph_override if self.plan is not None and graph else None
         return StepSpec(kind=kind, batch=bp, capacity=capacity, n=n, max_q_len=max_q,
                         plan=self.plan, plan_shapes_override=override)
 
@@ -298,22 +296,31 @@ class FuncMLAAttnBackend:
         inputs = self._step_inputs(kind, batch, bp, fb.req_pool_indices, fb.seq_lens,
                                    fb.extend_seq_lens if kind == "extend" else None)
         meta, packed = build_step(self._req_to_token_jax, inputs, spec=spec)
-        buf = to_torch(packed)  # the step's one export
-        layout = step_layout(spec)
-        views = layout.torch_views(buf)
-        shapes = plan_shapes(self.plan, kind, batch, max_q) if self.plan is not None else None
-        plan = self._plan_views(views, shapes)
-        fp8_idx = views["fp8_prefill_kv_indices"][:total] if "fp8_prefill_kv_indices" in views \
-            else None
-        self.forward_metadata = ForwardMetadata(
-            views["kv_indptr"][: batch + 1], views["kv_indices"][:total],
-            views["qo_indptr"][: batch + 1], views["kv_last_page_len"][:batch], max_q, max_kv,
-            run_graph=False, num_kv_splits=self._num_kv_splits(),
-            fp8_prefill_kv_indices=fp8_idx, **plan)
-        if self.torch_launcher:
-            self._kv_indices_full = views["kv_indices"]
+        self.forward_metadata = self._eager_metadata(to_torch(packed), spec, kind, batch,
+                                                     total, max_q, max_kv)
         self._jax_meta, self._mode = meta, kind
         self._max_kv_bound = self._kv_bound(max_kv, seq, n)
+
+    def _eager_metadata(self, buf: torch.Tensor, spec: StepSpec, kind: str, batch: int,
+                        total: int, max_q: int, max_kv: int | None) -> ForwardMetadata:
+        """SGLang's ForwardMetadata as one view per field of the exported buffer, cut to the
+        live batch and SGLang's plan sizes (the hot path of the hand-off)."""
+        off = step_layout(spec).offsets
+        view = lambda name, *shape: buf.as_strided(  # noqa: E731
+            shape, (shape[1], 1) if len(shape) == 2 else (1,), off[name])
+        plan = {}
+        if self.plan is not None:
+            shapes = plan_shapes(self.plan, kind, batch, max_q)  # SGLang's sizes for the step
+            plan = {name: view(name, *shapes[name]) for name in PLAN_FIELDS}
+            plan["work_metadata"] = self._pointers(plan["work_indptr"], plan["work_info_set"])
+            if kind == "extend":
+                plan["fp8_prefill_kv_indices"] = view("fp8_prefill_kv_indices", total)
+        if self.torch_launcher:
+            self._kv_indices_full = view("kv_indices", spec.capacity)
+        return ForwardMetadata(
+            view("kv_indptr", batch + 1), view("kv_indices", total),
+            view("qo_indptr", batch + 1), view("kv_last_page_len", batch), max_q, max_kv,
+            run_graph=False, num_kv_splits=self._num_kv_splits(), **plan)
 
     def _init_idle(self, fb: ForwardBatch) -> None:
         """IDLE (DP attention, nothing scheduled here): batch 0, empty metadata, no work."""
@@ -348,6 +355,8 @@ class FuncMLAAttnBackend:
         self._graph_plan_shapes = (plan_shapes(self.plan, "decode", max_bs,
                                                max(1, self.num_draft_tokens))
                                    if self.plan is not None else None)
+        self._graph_override = (tuple(sorted(self._graph_plan_shapes.items()))
+                                if self.plan is not None else None)
         layout = step_layout(self._spec("decode", max_bs, self.buffer_plan.kv_indices_capacity,
                                         0, 1, graph=True))
         self._graph_buffer = layout.empty_torch(self.device)

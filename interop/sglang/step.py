@@ -65,6 +65,7 @@ def num_parts(kind: str) -> int:
     return 3 if kind == "extend" else 2
 
 
+@functools.lru_cache(maxsize=1024)  # one layout object per spec: its offsets are cached on it
 def step_layout(spec: StepSpec) -> PackedLayout:
     b, fields = spec.batch, {}
     fields.update(kv_indptr=(b + 1,), kv_indices=(spec.capacity,), qo_indptr=(b + 1,),

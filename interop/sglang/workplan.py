@@ -23,6 +23,7 @@ What SGLang does (sglang-backend.md §3, §5, §6, §8), and what is reproduced 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,7 @@ class PlanSettings:
                                  max_qlen=max_qlen)
 
 
+@functools.lru_cache(maxsize=4096)  # per step on the host path: computed once per shape
 def plan_shapes(settings: PlanSettings, kind: str, batch: int, max_q_len: int) -> dict | None:
     """Shapes of the plan fields as SGLang sizes them for `batch` requests of at most
     `max_q_len` queries (None: no plan for this kind / head count)."""
