@@ -4,7 +4,8 @@ The metadata and plan programs take seconds to compile; with the cache on, a sec
 (a server restart, the next CLI call) loads them from disk instead. The directory is, in order:
 the `path` argument, `$FUNCMLA_COMPILATION_CACHE`, `~/.cache/funcmla/jax`; the value "off"
 turns the cache off. A directory the user already gave JAX (`jax_compilation_cache_dir`) is
-kept. Timings: `python -m bench.interop` (first-step compile time per bucket).
+kept. JAX reads the directory when it first compiles in a process, so set it before that
+(the entry points call this first). Timings: `python -m bench.interop` (first step per bucket).
 """
 
 from __future__ import annotations
