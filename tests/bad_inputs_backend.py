@@ -168,6 +168,14 @@ def _cases():
                  lambda: shared().init_forward_metadata(
                      __import__("dataclasses").replace(_fb(), seq_lens_cpu=None)),
                  ValueError, ("seq_lens_cpu is required",)),
+        BadInput("backend.seq_lens_cpu_not_on_host",
+                 lambda: shared().init_forward_metadata(__import__("dataclasses").replace(
+                     _fb(), seq_lens_cpu=_t([6, 10]).to("meta"))),
+                 ValueError, ("seq_lens_cpu must be a host tensor", "meta")),
+        BadInput("backend.seq_lens_cpu_float",
+                 lambda: shared().init_forward_metadata(__import__("dataclasses").replace(
+                     _fb(), seq_lens_cpu=_t([6, 10], f32))),
+                 TypeError, ("seq_lens_cpu must hold integers", "float32")),
         BadInput("backend.extend_longer_than_seq",
                  _eager(mode="EXTEND", seq=(5, 10), ext=(9, 1)), ValueError,
                  (r"extend_seq_lens_cpu\[0\] = 9", r"seq_lens_cpu\[0\] = 5")),

@@ -25,11 +25,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["HostLens", "check_int_tensor", "host_lens", "check_max", "check_rows",
+__all__ = ["INT_DTYPES", "HostLens", "check_int_tensor", "host_lens", "check_max", "check_rows",
            "check_same", "check_out_cache_loc"]
 
 
-_INT_DTYPES = frozenset({torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8})
+INT_DTYPES = frozenset({torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8})
 # signed dtype -> (unsigned view, signed max): the lower-bound test below
 _UNSIGNED = {np.dtype(t): (np.dtype(u), int(np.iinfo(t).max)) for t, u in (
     (np.int32, np.uint32), (np.int64, np.uint64), (np.int16, np.uint16), (np.int8, np.uint8))}
@@ -68,7 +68,7 @@ def check_int_tensor(t, field: str) -> None:
     """t must be a torch integer tensor (a float index would be truncated silently)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{field} must be a torch tensor, got {type(t).__name__}")
-    if t.dtype not in _INT_DTYPES:
+    if t.dtype not in INT_DTYPES:
         raise TypeError(f"{field} must be an integer tensor (int32/int64), got {t.dtype}")
 
 
@@ -78,10 +78,13 @@ def host_lens(lens, batch: int, field: str = "seq_lens_cpu", lo: int = 0) -> Hos
     if lens is None:
         raise ValueError(f"forward_batch.{field} is required (host lengths: no device sync)")
     if isinstance(lens, torch.Tensor):
-        if lens.device.type != "cpu":
-            raise ValueError(f"{field} must be a host tensor, got one on {lens.device}")
-        check_int_tensor(lens, field)
-        arr = lens[:batch].numpy()
+        try:
+            arr = lens[:batch].numpy()  # dtype: HostLens checks it on the NumPy side
+        except TypeError:  # not on the host (or a dtype NumPy lacks)
+            if lens.device.type != "cpu":
+                raise ValueError(f"{field} must be a host tensor, got one on {lens.device}") \
+                    from None
+            raise TypeError(f"{field} must hold integers, got {lens.dtype}") from None
     else:
         arr = np.asarray(lens)[:batch]
         if arr.dtype.kind not in "iu" and arr.size:
