@@ -1,4 +1,4 @@
-"""DLPack conversion cost vs a copy (1 MB .. 4 GB), and the per-step metadata hand-off cost.
+"""DLPack conversion cost vs a copy, and the SGLang backend's per-step metadata host time.
 
     python -m bench.interop [--out out/] [--max-mb 4096] [--device auto|cpu|cuda] [--quick]
 
@@ -6,18 +6,24 @@ Part 1, conversion (float32 tensors of 1 MB .. --max-mb): host time of `to_jax` 
 and `to_torch` (JAX -> torch), both zero-copy, against a device copy of the same tensor
 (`torch.clone` and `jnp.array(copy=True)`, timed to completion). Medians; ratio copy / DLPack.
 
-Part 2, the decode-step metadata hand-off (host time, medians), batch 1 .. 1024 with 4096-token
-requests, for the packed buffer of `funcmla.interop.sglang_backend`:
-  per_field_export   6 separate `to_torch` calls, one per field (the naive baseline)
-  eager_handoff      1 `to_torch` of the packed buffer + the torch views + ForwardMetadata
-  graph_handoff      1 `to_torch` + 1 `copy_` into the static CUDA-graph buffer (views premade)
-  input_import       torch.cat of the step inputs + 1 `to_jax`
-  build_dispatch     the jitted funcmla build call (returns before the device finishes)
-  build_ready        the same, waited for (includes device time)
-  host_lens          max / sum of the host seq_lens (NumPy)
-  init_metadata      the whole `init_forward_metadata` (eager) / replay (graph), incl. the build
-The issue's target is a hand-off of at most 30 us whatever the batch.
-Writes out/interop.json.
+Part 2, the decode step of `FuncMLAAttnBackend` (host time, medians), batch 1 .. 256 with
+2k-4k-token requests, 16 heads, page 16, with the persistent work plan (SGLang's aiter layout):
+  input_import     torch.cat of the step inputs (padded to the bucket) + 1 `to_jax`
+  build_dispatch   the jitted metadata + plan program (returns before the device finishes)
+  handoff          1 `to_torch` of the packed buffer + the views + ForwardMetadata
+  checks           the host-mirror checks alone (funcmla.interop.sglang.host_checks)
+  init_nocheck     `init_forward_metadata` with the checks replaced by the bare host lengths
+                   (the step before the checks existed), measured in the same run
+  init_metadata    the whole eager `init_forward_metadata` (checks + metadata + plan + hand-off)
+  init_noplan      the same without the work plan
+  graph_replay     `init_forward_metadata_replay_cuda_graph` into the static buffers
+  check_cost       init_metadata - init_nocheck (the target: +2 us at most)
+  checks_device_path / lens_only / check_cost_device_path: the checks with device tensors (meta
+                   tensors stand in for GPU ones: only the host mirrors are read, as on a GPU)
+                   against the bare host lengths the step read before the checks
+Part 3, compiles: the first step at each of a few batch buckets (compile included, persistent
+cache off) against the steady-state step of that bucket.
+The hand-off target is at most 30 us whatever the batch. Writes out/interop.json.
 """
 
 from __future__ import annotations
@@ -34,15 +40,14 @@ import torch
 
 from bench.timing import environment, print_table, write_json
 from funcmla.interop.dlpack import data_ptr, to_jax, to_torch
+from funcmla.interop.sglang import backend as backend_mod
+from funcmla.interop.sglang import host_checks
+from funcmla.interop.sglang.step import build_step
 from funcmla.interop.sglang_backend import (
     ForwardBatch,
     ForwardMode,
     FuncMLAAttnBackend,
     MLATokenToKVPool,
-    _build_step,
-    _eager_forward_metadata,
-    _HostLens,
-    _layout,
 )
 
 HANDOFF_TARGET_US = 30.0
@@ -99,86 +104,120 @@ def conversion_rows(device: str, sizes_mb: list[int], reps: int) -> list[dict]:
     return rows
 
 
+def _decode_step(device, bs, ctx, rng, **kw):
+    pool_rows = bs + 1
+    req_to_token = torch.tensor(rng.integers(16, 1 << 20, (pool_rows, ctx), dtype=np.int32),
+                                device=device)  # torch-allocated: 64-byte aligned
+    kv = MLATokenToKVPool(64, 16, torch.bfloat16, 1, device=device)  # unused by metadata
+    backend = FuncMLAAttnBackend(req_to_token, kv, page_size=16, attention_backend="reference",
+                                 **kw)
+    seq = torch.from_numpy(rng.integers(ctx // 2, ctx + 1, bs).astype(np.int32))
+    rpi = torch.from_numpy(rng.permutation(pool_rows)[:bs].astype(np.int32))
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rpi.to(device), seq.to(device), seq,
+                      int(seq.sum()), None)
+    return backend, fb, seq
+
+
+def _no_checks(self, kind, batch, req_pool_indices, seq_lens, seq_lens_cpu, seq_lens_sum, n):
+    """The step before the checks: only the host lengths it needs for its sizes."""
+    arr = seq_lens_cpu[:batch].numpy()
+    lens = host_checks.HostLens.__new__(host_checks.HostLens)
+    lens.arr, lens.count = arr, batch
+    lens.max, lens.sum = int(arr.max()), int(arr.sum(dtype=np.int64))  # max_kv_len, kv size
+    return lens
+
+
 def handoff_rows(device: str, batches: list[int], ctx: int, reps: int) -> list[dict]:
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else None
     rng = np.random.default_rng(0)
     rows = []
     for bs in batches:
-        pool_rows = bs + 1
-        req_to_token = torch.tensor(rng.integers(16, 1 << 20, (pool_rows, ctx), dtype=np.int32),
-                                    device=device)  # torch-allocated: 64-byte aligned
-        kv = MLATokenToKVPool(64, 16, torch.bfloat16, 1, device=device)  # unused by metadata
-        backend = FuncMLAAttnBackend(req_to_token, kv, page_size=16, attention_backend="reference")
-        seq = torch.from_numpy(rng.integers(ctx // 2, ctx + 1, bs).astype(np.int32))
-        rpi = torch.from_numpy(rng.permutation(pool_rows)[:bs].astype(np.int32))
-        fb = ForwardBatch(ForwardMode.DECODE, bs, rpi.to(device), seq.to(device), seq,
-                          int(seq.sum()), None)
+        backend, fb, seq = _decode_step(device, bs, ctx, rng, num_heads=16)
+        noplan, fb2, _ = _decode_step(device, bs, ctx, np.random.default_rng(bs), num_heads=None)
         backend.init_forward_metadata(fb)
+        noplan.init_forward_metadata(fb2)
         total = int(seq.sum())
-        cap = 1 << max(8, (total - 1).bit_length())
-        layout = _layout(bs, cap)
-        inputs = backend._step_inputs(bs, fb.req_pool_indices, fb.seq_lens)
-        meta, packed = _build_step(backend._req_to_token_jax, inputs, mode="decode", batch=bs,
-                                   capacity=cap, n=0, pad_to=bs)
+        bp = backend.buckets.batch(bs)
+        cap = backend.buckets.kv_tokens(total)
+        spec = backend._spec("decode", bp, cap, 0, 1)
+        inputs = backend._step_inputs("decode", bs, bp, fb.req_pool_indices, fb.seq_lens)
+        meta, packed = build_step(backend._req_to_token_jax, inputs, spec=spec)
         jax.block_until_ready((meta, packed))
-        fields = [meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.kv_last_page_len,
-                  meta.max_q_len, meta.max_kv_len]
-
-        def per_field():
-            return [to_torch(f) for f in fields]
-
-        def eager_handoff():  # exactly what init_forward_metadata does after the build
-            return _eager_forward_metadata(to_torch(packed), layout, bs, total, 1,
-                                           int(seq.max()), None)
+        def handoff():  # exactly what init_forward_metadata does after the program
+            return backend._eager_metadata(to_torch(packed), spec, "decode", bs, total, 1,
+                                           int(seq.max()))
 
         backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
         backend.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices,
                                                          fb.seq_lens, None, ForwardMode.DECODE,
                                                          None)
-        gcap = backend.buffer_plan.kv_indices_capacity
-        _, gpacked = _build_step(backend._req_to_token_jax, inputs, mode="decode", batch=bs,
-                                 capacity=gcap, n=0, pad_to=bs)
-        gpacked.block_until_ready()
-        static = backend._graph_buffer
-
-        def graph_handoff():
-            static.copy_(to_torch(gpacked))
-
-        def input_import():
-            return backend._step_inputs(bs, fb.req_pool_indices, fb.seq_lens)
 
         def replay():
             backend.init_forward_metadata_replay_cuda_graph(bs, fb.req_pool_indices,
                                                             fb.seq_lens, total, None,
                                                             ForwardMode.DECODE, None, seq)
 
-        # correctness of what is timed
-        fm = eager_handoff()
-        assert fm.kv_indptr[-1].item() == total
-        graph_handoff()
-        if sync:
-            sync()
-        assert backend._graph_views["kv_indptr"][-1].item() == total
-        def build_dispatch():  # the jitted build, not waited for
-            return _build_step(backend._req_to_token_jax, inputs, mode="decode", batch=bs,
-                               capacity=cap, n=0, pad_to=bs)
+        def checks():
+            backend._check_step("decode", bs, fb.req_pool_indices, fb.seq_lens, seq, total, 0)
 
-        def build_ready():
-            jax.block_until_ready(build_dispatch())
+        meta_rpi, meta_seq = fb.req_pool_indices.to("meta"), fb.seq_lens.to("meta")
 
-        row = dict(device=device, batch=bs, ctx=ctx, tokens=total, capacity=cap)
-        for name, fn in (("per_field_export", per_field), ("eager_handoff", eager_handoff),
-                         ("graph_handoff", graph_handoff), ("input_import", input_import),
-                         ("build_dispatch", build_dispatch), ("build_ready", build_ready),
-                         ("host_lens", lambda: _HostLens.of(seq, bs)),
+        def checks_device_path():  # device tensors (as on a GPU): only host mirrors are read
+            backend._check_step("decode", bs, meta_rpi, meta_seq, seq, total, 0)
+
+        def lens_only():  # what the step read before the checks existed
+            _no_checks(backend, "decode", bs, meta_rpi, meta_seq, seq, total, 0)
+
+        def init_nocheck():
+            real = backend_mod.FuncMLAAttnBackend._check_step
+            backend_mod.FuncMLAAttnBackend._check_step = _no_checks
+            try:
+                backend.init_forward_metadata(fb)
+            finally:
+                backend_mod.FuncMLAAttnBackend._check_step = real
+
+        backend.init_forward_metadata(fb)
+        assert backend.forward_metadata.kv_indptr[-1].item() == total  # what is timed is right
+        row = dict(device=device, batch=bs, bucket=bp, ctx=ctx, tokens=total, capacity=cap)
+        for name, fn in (("input_import", lambda: backend._step_inputs(
+                             "decode", bs, bp, fb.req_pool_indices, fb.seq_lens)),
+                         ("build_dispatch", lambda: build_step(backend._req_to_token_jax, inputs,
+                                                               spec=spec)),
+                         ("handoff", handoff), ("checks", checks),
+                         ("checks_device_path", checks_device_path), ("lens_only", lens_only),
+                         ("init_nocheck", init_nocheck),
                          ("init_metadata", lambda: backend.init_forward_metadata(fb)),
+                         ("init_noplan", lambda: noplan.init_forward_metadata(fb2)),
                          ("graph_replay", replay)):
             row[f"{name}_us"] = host_us(fn, reps=reps, sync=sync)
-        row["per_field_over_eager"] = row["per_field_export_us"] / row["eager_handoff_us"]
-        row["target_met"] = min(row["eager_handoff_us"], row["graph_handoff_us"]) <= \
-            HANDOFF_TARGET_US
+        row["check_cost_us"] = row["init_metadata_us"] - row["init_nocheck_us"]
+        # on a GPU the value reads of CPU tensors are skipped: the checks' added host time there
+        row["check_cost_device_path_us"] = row["checks_device_path_us"] - row["lens_only_us"]
+        row["target_met"] = row["handoff_us"] <= HANDOFF_TARGET_US
         rows.append(row)
+    return rows
+
+
+def compile_rows(device: str, batches: list[int], ctx: int, reps: int,
+                 cache: str | None = None) -> list[dict]:
+    """First step at a new bucket (compile included) vs the steady state. With the persistent
+    cache off (FUNCMLA_COMPILATION_CACHE=off before the first compile) this is the compile
+    time; a second process with the cache on shows the cached first step."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    rng = np.random.default_rng(1)
+    rows = []
+    for bs in batches:
+        # 32 heads: programs not compiled by handoff_rows (16 heads) in this process
+        backend, fb, seq = _decode_step(device, bs, ctx, rng, num_heads=32,
+                                        compilation_cache_dir=cache)
+        t0 = time.perf_counter()
+        backend.init_forward_metadata(fb)
+        jax.block_until_ready(backend._jax_meta)
+        first = time.perf_counter() - t0
+        steady = host_us(lambda: backend.init_forward_metadata(fb), reps=reps, sync=sync)
+        rows.append(dict(device=device, batch=bs, bucket=backend.buckets.batch(bs),
+                         first_step_s=first, steady_us=steady))
     return rows
 
 
@@ -196,7 +235,7 @@ def main(argv=None):
                             jax.devices()[0].platform == "gpu") else "cpu"
     max_mb = 64 if args.quick else args.max_mb
     sizes = [mb for mb in (1, 16, 256, 1024, 4096) if mb <= max_mb]
-    batches = [1, 32] if args.quick else [1, 32, 256, 1024]
+    batches = [1, 64] if args.quick else [1, 32, 64, 256]
     conv = conversion_rows(device, sizes, args.reps)
     print_table(
         f"DLPack conversion vs copy, host us (median, {device})",
@@ -207,24 +246,27 @@ def main(argv=None):
     )
     hand = handoff_rows(device, batches, 4096, args.reps)
     print_table(
-        f"decode-step metadata hand-off, host us (median, {device}; target <= "
+        f"decode-step metadata, host us (median, {device}; hand-off target <= "
         f"{HANDOFF_TARGET_US:.0f} us)",
-        ["batch", "tokens", "6 exports", "eager", "graph", "import in", "build", "build+wait",
-         "init (eager)", "replay", "6x/eager", "target"],
-        [[r["batch"], r["tokens"], r["per_field_export_us"], r["eager_handoff_us"],
-          r["graph_handoff_us"], r["input_import_us"], r["build_dispatch_us"],
-          r["build_ready_us"], r["init_metadata_us"], r["graph_replay_us"],
-          r["per_field_over_eager"], "met" if r["target_met"] else "MISSED"]
-         for r in hand],
+        ["batch", "bucket", "import", "build", "handoff", "checks", "chk dev", "chk dev cost",
+         "init -chk", "init", "no plan", "replay"],
+        [[r["batch"], r["bucket"], r["input_import_us"], r["build_dispatch_us"],
+          r["handoff_us"], r["checks_us"], r["checks_device_path_us"],
+          r["check_cost_device_path_us"], r["init_nocheck_us"], r["init_metadata_us"],
+          r["init_noplan_us"], r["graph_replay_us"]] for r in hand],
     )
+    comp = compile_rows(device, [1, 8, 64] if args.quick else [1, 8, 64, 256], 4096, args.reps)
+    print_table(f"first step per batch bucket (compile included) vs steady state ({device})",
+                ["batch", "bucket", "first step s", "steady us"],
+                [[r["batch"], r["bucket"], r["first_step_s"], r["steady_us"]] for r in comp])
     env = environment()
     env["torch"] = torch.__version__
     path = write_json(os.path.join(args.out, "interop.json"),
                       {"benchmark": "interop", "env": env, "device": device,
-                       "conversion": conv, "handoff": hand,
+                       "conversion": conv, "handoff": hand, "compile": comp,
                        "handoff_target_us": HANDOFF_TARGET_US})
     print(f"wrote {path}")
-    return conv, hand
+    return conv, hand, comp
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from funcmla.compile_cache import enable_compilation_cache
+
 __all__ = ["main", "build_parser"]
 
 
@@ -269,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    enable_compilation_cache()
     try:
         return int(args.func(args) or 0)
     except CLIError as e:

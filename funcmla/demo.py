@@ -31,6 +31,7 @@ from funcmla import metadata as md
 from funcmla.attention.executor import plan_spans, run_work_plan
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.checks import check_metadata, checked
+from funcmla.compile_cache import enable_compilation_cache
 from funcmla.config import MI355X
 from funcmla.layout import PoolSpec
 from funcmla.planners.prefill import PrefillPlanConfig, check_plan_matches_metadata, plan_ps_prefill
@@ -165,6 +166,7 @@ def _table(title, columns, rows):
 def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
              progress: bool = True) -> int:
     """Run the three parts, print tables (or one JSON object); return the exit status."""
+    enable_compilation_cache()
     from rich.console import Console
     from rich.progress import Progress
 

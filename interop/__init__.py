@@ -4,7 +4,8 @@
 * `packed`:         one packed int32 buffer per step, torch views onto it.
 * `aiter_dispatch`: AITER MLA kernels on funcmla metadata / work plans (contract-tested only).
 * `backend_select`: one attention entry point (aiter, pallas, reference) reporting what ran.
-* `sglang_backend`: an attention backend with SGLang's surface, metadata built by funcmla.
+* `sglang_backend`: an attention backend with SGLang's surface, metadata and work plan built by
+                    funcmla (the `sglang` package: modes, buckets, plan, step, checks, plugin).
 * `torch_native`:   SGLang's torch-native MLA algorithm restated in torch (the comparison baseline).
 * `torch_csr`:      a CUDA-graph-capturable torch consumer of the static metadata buffers.
 * `testing`:        random paged batches laid out like SGLang's allocator (tests, benchmarks).

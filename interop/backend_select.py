@@ -145,6 +145,8 @@ def _rows(kv_pool):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "max_kv_len", "v_head_dim"))
 def _pallas(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_head_dim):
+    # metadata padded to a batch bucket lists more (empty) requests than q holds: keep q's
+    kv_indptr = kv_indptr[: q.shape[0] // s_q + 1]
     out, lse = _pallas_decode()(q, _rows(kv_pool), kv_indptr=kv_indptr, kv_indices=kv_indices,
                                 sm_scale=sm_scale, s_q=s_q, max_kv_len=max_kv_len,
                                 v_head_dim=v_head_dim)

@@ -14,7 +14,7 @@ import torch
 
 from funcmla.config import deepseek_v3_sm_scale
 from funcmla.interop import backend_select, dlpack
-from funcmla.interop import sglang_backend as sb
+from funcmla.interop.sglang import backend as sbk
 from funcmla.interop.backend_select import mla_attention, select_backend
 from funcmla.interop.sglang_backend import (
     CudaGraphBufferOverflow,
@@ -156,8 +156,8 @@ def test_eager_metadata_values_sizes_and_one_crossing_each_way(monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(sb, "to_jax", counting("to_jax", sb.to_jax))
-    monkeypatch.setattr(sb, "to_torch", counting("to_torch", sb.to_torch))
+    monkeypatch.setattr(sbk, "to_jax", counting("to_jax", sbk.to_jax))
+    monkeypatch.setattr(sbk, "to_torch", counting("to_torch", sbk.to_torch))
     backend.init_forward_metadata(_fb(ForwardMode.EXTEND, b, extend))
     assert counts == {"to_jax": 1, "to_torch": 1}  # one packed import, one packed export
     fm = backend.forward_metadata
@@ -182,7 +182,7 @@ def test_long_lived_buffers_cross_once(monkeypatch):
         imported.append(tuple(t.shape))
         return dlpack.to_jax(t, **k)
 
-    monkeypatch.setattr(sb, "to_jax", recording)
+    monkeypatch.setattr(sbk, "to_jax", recording)
     monkeypatch.setattr(backend_select, "to_jax", recording)
     q = torch.zeros(2, H, 576, dtype=torch.bfloat16)
     for _ in range(3):
@@ -193,7 +193,7 @@ def test_long_lived_buffers_cross_once(monkeypatch):
                                    save_kv_cache=False)
     pool_shape = tuple(pool.kv_buffer[0].shape)
     assert imported.count(pool_shape) == 2  # each layer's KV buffer: once, not per step
-    assert imported.count((4,)) == 3  # the packed step inputs: once per step
+    assert imported.count((5,)) == 3  # the packed step inputs (2 x 2 + the live count): once a step
     # q is imported once per layer call (the ordering fence for the KV writes)
     assert imported.count((2, H, 576)) == 6
 
@@ -257,14 +257,14 @@ def test_replay_overflow_is_detected_before_any_write():
         4, 4, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None)
     before = backend._graph_buffer.clone()
     too_long = torch.tensor([321, 1, 1, 1], dtype=torch.int32)
-    with pytest.raises(CudaGraphBufferOverflow, match="needs 321 KV tokens.*max_context_len=320"):
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[0\] = 321 exceeds max_context_len = 320"):
         backend.init_forward_metadata_replay_cuda_graph(
             4, b.req_pool_indices, too_long, 324, None, ForwardMode.DECODE, None, too_long)
-    with pytest.raises(CudaGraphBufferOverflow, match="batch size 5 exceeds the captured max_bs=4"):
+    with pytest.raises(CudaGraphBufferOverflow, match="bs = 5 exceeds the captured max_bs = 4"):
         backend.init_forward_metadata_replay_cuda_graph(
             5, b.req_pool_indices, too_long, 0, None, ForwardMode.DECODE, None, too_long)
     short = torch.tensor([5, 1, 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="no CUDA graph was captured for mode 'decode' at batch"):
+    with pytest.raises(ValueError, match="no CUDA graph was captured for mode 'decode' at bs = 3"):
         backend.init_forward_metadata_replay_cuda_graph(
             3, b.req_pool_indices, short, 7, None, ForwardMode.DECODE, None, short)
     assert torch.equal(backend._graph_buffer, before)
@@ -311,8 +311,9 @@ def test_target_verify_capture_has_draft_slack():
     fm = backend.forward_metadata
     assert fm.kv_indptr.tolist() == [0, 320, 640] and fm.qo_indptr.tolist() == [0, n, 2 * n]
     over = torch.tensor([320 - n + 1, 1], dtype=torch.int32)
-    with pytest.raises(CudaGraphBufferOverflow, match=r"seq_len 319 \+ 2 drafts"):
-        backend.init_forward_metadata_replay_cuda_graph(2, b.req_pool_indices, over, 0, None,
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[0\] = 319 \+ 2 draft tokens exceeds "
+                                         r"max_context_len = 320"):
+        backend.init_forward_metadata_replay_cuda_graph(2, b.req_pool_indices, over, 320, None,
                                                         ForwardMode.TARGET_VERIFY, spec, over)
 
 
@@ -395,7 +396,8 @@ def test_kv_pool_imported_once_stays_live_across_steps(kv_dtype):
     assert len(backend._kv_jax) == 1
 
 
-def test_pallas_backend_wiring_in_interpret_mode(monkeypatch):
+@pytest.mark.parametrize("batch", [4, 3])  # 3: metadata padded to the batch bucket 4
+def test_pallas_backend_wiring_in_interpret_mode(monkeypatch, batch):
     """The pallas path as the backend calls it (kernel in Pallas interpret mode on CPU): decode
     runs the kernel, extend falls back to the reference and says why."""
     import functools
@@ -406,17 +408,17 @@ def test_pallas_backend_wiring_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(backend_select, "_pallas_decode",
                         lambda: functools.partial(mla_decode, interpret=True))
     assert select_backend() == "pallas"
-    prefix, extend = [37, 0, 140, 9], [1, 1, 1, 1]
+    prefix, extend = [37, 0, 140, 9][:batch], [1, 1, 1, 1][:batch]
     rng, b, pool, backend = _setup(17, prefix, extend, 16, attention_backend="auto")
     assert backend.attention_backend == "pallas"
-    q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
+    q = torch.from_numpy(rng.standard_normal((batch, H, 576)).astype(np.float32)).bfloat16()
     fb = _fb(ForwardMode.DECODE, b, extend)
     backend.init_forward_metadata(fb)
     out = backend.forward_decode(q, None, None, RadixAttention(H, SCALE), fb, save_kv_cache=False)
     assert backend.last_backend == "pallas"
     want = torch_native_mla_decode(q, pool.kv_buffer[0], b.req_to_token, b.req_pool_indices,
                                    b.seq_lens, sm_scale=SCALE, compute_dtype=torch.float32)
-    assert rel_err(out.view(4, H, 512), want) < 8e-3
+    assert rel_err(out.view(batch, H, 512), want) < 8e-3
     res = mla_attention(q, pool.kv_buffer[0], dataclasses.replace(backend._jax_meta,
                                                                   mode="extend"),
                         sm_scale=SCALE, backend="pallas")

@@ -249,6 +249,7 @@ def plan_mla_decode(
     batch_size: int | None = None,
     fill_impl: str = "auto",
     walk: str = "auto",
+    num_requests: jax.Array | None = None,
 ) -> WorkPlan:
     """AITER `get_mla_metadata_v1` (fast mode) as a pure function. jit with config, batch_size,
     fill_impl and walk static.
@@ -264,6 +265,10 @@ def plan_mla_decode(
     walk:              for the Pallas fills: "auto" (the chase over events where it pays
                        off, decided in the kernel) | "chase" | "tiles" (one step per tile);
                        see `decode_fill_pallas.walk_or_chase`. Same plan either way.
+    num_requests:      optional int32 [] (traced): only requests [0, num_requests) are live;
+                       the rest are padding (a shape bucket) and get no tiles, so the plan is
+                       the plan of the live prefix (buffers keep the padded sizes; the
+                       parallel/serial choice stays the padded batch's).
 
     Returns a WorkPlan (kind="decode", block_size=page_size) whose buffers have the shapes of
     `mla_decode_plan_sizes(batch_size, config)`. Unused tails are zero (AITER leaves them
@@ -300,12 +305,17 @@ def plan_mla_decode(
     i32 = jnp.int32
 
     tl = decode_tiles(qo_indptr, kv_indptr, config=cfg)
+    if num_requests is not None:
+        tl = dict(tl, valid=tl["valid"] & (tl["req"] < num_requests))
     valid, n = tl["valid"], tl["n"]
     num_slots = n.shape[0]
 
     # Payload per cluster and blocks per fresh cluster.
     sum_blocks = jnp.sum(jnp.where(valid, n + ov, 0))
     num_splits = cfg.num_splits(b_req)
+    if num_requests is not None and cfg.max_split_per_batch > 0:
+        num_splits = jnp.minimum(cfg.num_cu, cfg.max_split_per_batch * cfg.qk_batch_ratio
+                                 * jnp.maximum(num_requests, 1))
     payload = (sum_blocks + num_splits - 1) // num_splits + ov
     bpc = payload - ov
 
@@ -315,14 +325,15 @@ def plan_mla_decode(
     gran_log2 = gran.bit_length() - 1
     e_min = jnp.where(kv_len >= thr, ((kv_len - thr) >> gran_log2) + 1, 0)
     e_min = jnp.where((bt < thr) & page1, e_min, NEVER)
+    all_valid = cfg.all_slots_valid and num_requests is None
     params = FillParams(overhead=ov, parallel=cfg.planner(b_req) == "parallel",
-                        tail_rule=page1 and thr > 1, empty_slots=not cfg.all_slots_valid)
+                        tail_rule=page1 and thr > 1, empty_slots=not all_valid)
     tiles = fill_inputs(jnp.where(valid, n, -1), e_min, payload, bpc, params=params)
     if fill_impl == "auto":
         fill_impl = default_fill_impl()
     if fill_impl == "fused":
         return _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, params=params,
-                                cfg=cfg, sizes=sizes, walk=walk)
+                                cfg=cfg, sizes=sizes, walk=walk, all_slots_valid=all_valid)
     states = fill_tiles(tiles, payload, bpc, params=params, fill_impl=fill_impl, walk=walk)
     _, _, (c0, f, m, _) = fill_step(params, payload, bpc, states[:, 0], states[:, 1],
                                     tuple(tiles.T))
@@ -366,7 +377,7 @@ def plan_mla_decode(
         [jnp.zeros((1,), i32), _searchsorted(cluster, jnp.arange(num_cu, dtype=i32), "right")])
 
     # Reduce maps, indexed by global qo tile (valid slots in order).
-    if cfg.all_slots_valid:
+    if all_valid:
         tile_slot = jnp.arange(min(tile_cnt, num_slots), dtype=i32)
         num_tiles = jnp.int32(num_slots)
     else:
@@ -403,7 +414,8 @@ def plan_mla_decode(
     )
 
 
-def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg, sizes, walk):
+def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg, sizes, walk,
+                     all_slots_valid):
     """The walk and everything after it as Pallas programs (decode_fused_pallas)."""
     lpl = (jnp.zeros_like(tl["req"]) if cfg.page_size == 1
            else kv_last_page_lens[tl["req"]])
@@ -413,7 +425,7 @@ def _plan_tail_fused(tl, tiles, payload, bpc, kv_last_page_lens, *, params, cfg,
     (work_indptr, work_info, reduce_indptr, reduce_final_map, reduce_partial_map, num_works,
      num_partials, _) = plan_tail_pallas(
         tiles, info, payload, bpc, params=params, sizes=sizes, page_size=cfg.page_size,
-        kv_granularity=cfg.kv_granularity, all_slots_valid=cfg.all_slots_valid, walk=walk)
+        kv_granularity=cfg.kv_granularity, all_slots_valid=all_slots_valid, walk=walk)
     return WorkPlan(work_indptr=work_indptr, work_info=work_info, reduce_indptr=reduce_indptr,
                     reduce_final_map=reduce_final_map, reduce_partial_map=reduce_partial_map,
                     num_works=num_works, num_partials=num_partials, kind="decode",

@@ -1,0 +1,552 @@
+"""`FuncMLAAttnBackend`: SGLang's `AttentionBackend` surface for absorbed MLA, with the
+metadata and the persistent work plan built by funcmla (docs/sglang_backend.md).
+
+Per step, the shim crosses DLPack twice, whatever the batch: the step's int32 inputs
+(req_pool_indices | seq_lens [| extend_seq_lens] | filler) are concatenated in torch and
+imported once; one jitted program (`funcmla.interop.sglang.step`) builds the metadata and the
+work plan and returns them packed in one int32 buffer, exported once; torch reads every field
+through a view. Host scalars come from the batch's CPU fields, checked first
+(`funcmla.interop.sglang.host_checks`): a bad step raises before anything is launched.
+
+Batch sizes are padded to buckets (SGLang's CUDA-graph batch sizes by default) and token counts
+to powers of two, so one program serves every batch of a bucket; the views are cut to the live
+batch, so padding never shows.
+
+CUDA graphs: `init_cuda_graph_state` allocates one static packed buffer laid out for `max_bs`,
+the token-granular `BufferPlan` capacity and the plan sizes of `max_bs` requests of
+`max(1, num_draft_tokens)` queries; capture binds views to it once per (mode, bs); replay runs
+the program for the new batch and copies its output into the static buffer with one `copy_`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from funcmla.compile_cache import enable_compilation_cache
+from funcmla.interop.aiter_dispatch import AiterWorkPlan
+from funcmla.interop.backend_select import _launcher_reason, mla_attention, select_backend
+from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
+from funcmla.interop.sglang import host_checks as hc
+from funcmla.interop.sglang.buckets import Buckets
+from funcmla.interop.sglang.modes import resolve_mode
+from funcmla.interop.sglang.step import StepSpec, build_step, num_parts, step_layout
+from funcmla.interop.sglang.types import (
+    CudaGraphBufferOverflow,
+    ForwardBatch,
+    ForwardMetadata,
+    MLATokenToKVPool,
+    RadixAttention,
+    SpecInfo,
+)
+from funcmla.interop.sglang.workplan import (
+    PLAN_FIELDS,
+    PlanSettings,
+    device_profile_of,
+    plan_shapes,
+)
+from funcmla.metadata import BufferPlan
+
+__all__ = ["FuncMLAAttnBackend"]
+
+
+def _next_pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
+class _PointerStage:
+    """`work_metadata` per eager step: two uint64 device pointers (&work_indptr,
+    &work_info_set), copied from a ring of pinned host slots (no sync; a slot is reused only
+    once its copy has completed)."""
+
+    def __init__(self, device: torch.device, slots: int = 8):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slots = [torch.zeros(2, dtype=torch.int64, pin_memory=self.cuda)
+                      for _ in range(slots)]
+        self.host = [t.numpy() for t in self.slots]  # NumPy views: cheap element writes
+        self.events = [None] * slots
+        self.i = 0
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return torch.tensor([a.data_ptr(), b.data_ptr()], dtype=torch.int64).view(torch.uint64)
+        i = self.i = (self.i + 1) % len(self.slots)
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # done long ago in practice; ordering made explicit
+        self.host[i][0], self.host[i][1] = a.data_ptr(), b.data_ptr()
+        out = torch.empty(2, dtype=torch.int64, device=self.device)
+        out.copy_(self.slots[i], non_blocking=True)
+        ev = self.events[i] = self.events[i] or torch.cuda.Event()
+        ev.record()
+        return out.view(torch.uint64)
+
+
+class FuncMLAAttnBackend:
+    """SGLang-style absorbed-MLA attention backend; metadata and work plan by funcmla.
+
+    req_to_token:      int32 [pool, max_context_len] token slots (imported into JAX once).
+    token_to_kv_pool:  MLATokenToKVPool (or anything with kv_buffer / get_key_buffer /
+                       set_kv_buffer).
+    page_size:         the allocator's page size (metadata stays token-granular at any size).
+    num_draft_tokens:  speculative draft tokens (CUDA-graph slack; verify / draft-extend).
+    num_heads:         the layers' tp_q_head_num; with it (and persistent_plan) the metadata
+                       carries the persistent work plan; None: plan fields stay None.
+    persistent_plan:   build the work plan (needs num_heads).
+    buckets:           batch / token buckets (default: SGLang's CUDA-graph batch sizes to 512).
+    device_profile:    the planner's device (default: this device's SM / CU count).
+    attention_backend: "auto", "aiter", "pallas" or "reference" (see backend_select).
+    num_kv_splits:     passed to AITER (default: the plan's max_split_per_batch when planning).
+    legacy_block_granular_kv_indices: size the CUDA-graph kv_indices buffer in blocks, as the
+                       seed did, to reproduce its overflow (replay then raises).
+    torch_launcher:    pallas only: launch the kernel on the torch tensors (no DLPack per
+                       layer; capturable in a torch CUDA graph) where it can run.
+    compilation_cache_dir: JAX's persistent compilation cache (funcmla.compile_cache: default
+                       $FUNCMLA_COMPILATION_CACHE or ~/.cache/funcmla/jax; "off" disables).
+    """
+
+    def __init__(self, req_to_token: torch.Tensor, token_to_kv_pool: MLATokenToKVPool, *,
+                 page_size: int = 1, num_draft_tokens: int = 0, num_heads: int | None = None,
+                 persistent_plan: bool = True, buckets: Buckets | None = None,
+                 device_profile=None, attention_backend: str = "auto",
+                 num_kv_splits: int | None = None,
+                 legacy_block_granular_kv_indices: bool = False,
+                 min_kv_bucket: int | None = None, torch_launcher: bool = True,
+                 compilation_cache_dir: str | None = None):
+        if not isinstance(req_to_token, torch.Tensor) or req_to_token.dtype != torch.int32 \
+                or req_to_token.dim() != 2:
+            raise TypeError(
+                f"req_to_token must be int32 [pool, max_context_len], got "
+                f"{getattr(req_to_token, 'dtype', type(req_to_token).__name__)} "
+                f"{tuple(getattr(req_to_token, 'shape', ()))}")
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
+        self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
+        self.req_to_token = req_to_token
+        self.token_to_kv_pool = token_to_kv_pool
+        self.device = req_to_token.device
+        self.page_size = page_size
+        self.max_context_len = req_to_token.shape[1]
+        self.num_req_rows = req_to_token.shape[0]
+        self.num_draft_tokens = num_draft_tokens
+        self.buckets = buckets or Buckets()
+        if min_kv_bucket is not None:
+            self.buckets = Buckets(self.buckets.batch_sizes, min_kv_bucket,
+                                   self.buckets.min_q_tokens)
+        self.plan: PlanSettings | None = None
+        if persistent_plan and num_heads is not None:
+            pool_dtype = token_to_kv_pool.get_key_buffer(0).dtype
+            self.plan = PlanSettings(
+                device=device_profile or device_profile_of(self.device), num_heads=num_heads,
+                kv_dtype="fp8" if pool_dtype in FP8_DTYPES else "bf16", page_size=page_size,
+                num_draft_tokens=num_draft_tokens)
+        self.num_kv_splits = num_kv_splits
+        self.legacy_block_granular_kv_indices = legacy_block_granular_kv_indices
+        self.attention_backend = select_backend(attention_backend)
+        self.last_backend: str | None = None
+        self.last_via: str | None = None
+        self.torch_launcher = torch_launcher
+        self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
+        self._req_to_token_jax = to_jax(req_to_token)  # long-lived: imported once
+        self._kv_jax: dict = {}
+        self._fillers: dict = {}
+        self._pointers = _PointerStage(self.device)
+        self.forward_metadata: ForwardMetadata | None = None
+        self._jax_meta = None
+        self._mode: str | None = None
+        self._max_kv_bound: int | None = None
+        self.buffer_plan: BufferPlan | None = None
+        self._graph_buffer: torch.Tensor | None = None
+        self._graph_views: dict | None = None
+        self._graph_meta: dict = {}
+
+    @classmethod
+    def from_model_runner(cls, model_runner, **overrides) -> "FuncMLAAttnBackend":
+        """Build from SGLang's ModelRunner (its attribute names; see
+        funcmla.interop.sglang.plugin.backend_kwargs_from_model_runner)."""
+        from funcmla.interop.sglang.plugin import backend_kwargs_from_model_runner
+
+        req_to_token, pool, kwargs = backend_kwargs_from_model_runner(model_runner)
+        kwargs.update(overrides)
+        return cls(req_to_token, pool, **kwargs)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _draft_n(self, kind: str, spec_info: SpecInfo | None) -> int:
+        if kind not in ("target_verify", "draft_extend"):
+            return 0
+        n = getattr(spec_info, "draft_token_num", None) if spec_info is not None else None
+        n = self.num_draft_tokens if n is None else n
+        if not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{kind} needs spec_info.draft_token_num or num_draft_tokens > 0, "
+                             f"got {n!r}")
+        return n
+
+    # the fewest keys a request may have: one per query (bottom-right causal)
+    _MIN_SEQ = {"decode": 1, "extend": 1, "target_verify": 0}
+
+    def _check_step(self, kind: str, batch: int, req_pool_indices, seq_lens, seq_lens_cpu,
+                    seq_lens_sum, n: int) -> hc.HostLens:
+        """Every check readable without a device sync (see host_checks). The common case (device
+        tensors of integer dtype, lengths in range) is one test; anything else takes the
+        field-by-field checks, which raise naming the field."""
+        seq = hc.host_lens(seq_lens_cpu, batch, lo=self._MIN_SEQ.get(kind, n))
+        extra = n if kind == "target_verify" else 0
+        if seq.max + extra > self.max_context_len:
+            hc.check_max(seq, field="seq_lens_cpu", hi=self.max_context_len, extra=extra,
+                         extra_what="draft tokens")
+        if seq_lens_sum is not None and seq_lens_sum != seq.sum:
+            raise ValueError(f"seq_lens_sum = {int(seq_lens_sum)} disagrees with "
+                             f"sum(seq_lens_cpu) = {seq.sum}")
+        ints = hc.INT_DTYPES
+        if not (isinstance(req_pool_indices, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
+                and req_pool_indices.dtype in ints and seq_lens.dtype in ints
+                and req_pool_indices.shape[0] >= batch and seq_lens.shape[0] >= batch
+                and req_pool_indices.device.type != "cpu" and seq_lens.device.type != "cpu"):
+            hc.check_int_tensor(seq_lens, "seq_lens")
+            hc.check_rows(req_pool_indices, batch, self.num_req_rows)
+            hc.check_same(seq_lens, seq, "seq_lens", "seq_lens_cpu")
+        return seq
+
+    @staticmethod
+    def _host_scalars(kind: str, seq: hc.HostLens, n: int, ext: hc.HostLens | None = None):
+        """(max_q_len, max_kv_len, kv tokens) from host lengths, as SGLang derives them."""
+        if kind == "decode":
+            return 1, seq.max, seq.sum
+        if kind == "extend":
+            return ext.max, seq.max, seq.sum
+        if kind == "target_verify":
+            return n, None, seq.sum + n * seq.count
+        return n, seq.max, seq.sum
+
+    def _filler(self, k: int, bp: int, batch: int) -> torch.Tensor:
+        key = (k, bp, batch)
+        t = self._fillers.get(key)
+        if t is None:
+            t = torch.zeros(k * (bp - batch) + 1, dtype=torch.int32, device=self.device)
+            t[-1] = batch
+            self._fillers[key] = t
+        return t
+
+    def _step_inputs(self, kind: str, batch: int, bp: int, req_pool_indices, seq_lens,
+                     extend_seq_lens=None):
+        """The step's one import: req_pool_indices | seq_lens [| extend_seq_lens] | filler."""
+        dev = self.device
+        parts = [req_pool_indices[:batch], seq_lens[:batch]]
+        if extend_seq_lens is not None:
+            parts.append(extend_seq_lens[:batch])
+        parts = [p if p.device == dev else p.to(dev) for p in parts]
+        parts.append(self._filler(num_parts(kind), bp, batch))
+        packed = torch.cat(parts)
+        if packed.dtype != torch.int32:
+            packed = packed.to(torch.int32)
+        return to_jax(packed)
+
+    def _spec(self, kind: str, bp: int, capacity: int, n: int, max_q: int,
+              graph: bool = False) -> StepSpec:
+        override = self._graph_override if self.plan is not None and graph else None
+        return StepSpec(kind=kind, batch=bp, capacity=capacity, n=n, max_q_len=max_q,
+                        plan=self.plan, plan_shapes_override=override)
+
+    def _plan_views(self, views: dict, shapes: dict | None) -> dict:
+        """ForwardMetadata's plan fields as views cut to `shapes` (SGLang's sizes)."""
+        if shapes is None:
+            return {}
+        out = {}
+        for name in PLAN_FIELDS:
+            shape = tuple(shapes[name])
+            full = views[name]
+            out[name] = full[: shape[0]] if full.shape != shape else full
+        out["work_metadata"] = self._pointers(out["work_indptr"], out["work_info_set"])
+        return out
+
+    def _kv_bound(self, max_kv_len: int | None, seq: hc.HostLens, n: int) -> int:
+        longest = max_kv_len if max_kv_len is not None else seq.max + n
+        return _next_pow2(longest, 16)
+
+    def _num_kv_splits(self):
+        if self.num_kv_splits is not None or self.plan is None:
+            return self.num_kv_splits
+        return self.plan.max_split_per_batch
+
+    # ---- eager metadata --------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Check the step from its host fields, then build its metadata and work plan (one
+        import, one jitted program per bucket, one export)."""
+        fb = forward_batch
+        kind = resolve_mode(fb.forward_mode)
+        batch = fb.batch_size
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
+            raise ValueError(f"forward_batch.batch_size must be an int >= 0, got {batch!r}")
+        if kind == "idle":
+            return self._init_idle(fb)
+        if batch == 0:
+            raise ValueError(f"forward_batch.batch_size is 0 in mode {fb.forward_mode!r}; "
+                             "an empty batch must be IDLE")
+        bp = self.buckets.batch(batch)
+        n = self._draft_n(kind, fb.spec_info)
+        seq = self._check_step(kind, batch, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu,
+                               fb.seq_lens_sum, n)
+        ext = None
+        if kind == "extend":
+            if fb.extend_seq_lens is None:
+                raise ValueError("forward_batch.extend_seq_lens is required in extend modes")
+            ext = hc.host_lens(fb.extend_seq_lens_cpu, batch, "extend_seq_lens_cpu")
+            over = ext.arr > seq.arr
+            if over.any():
+                i = int(over.argmax())
+                raise ValueError(f"extend_seq_lens_cpu[{i}] = {int(ext.arr[i])} exceeds "
+                                 f"seq_lens_cpu[{i}] = {int(seq.arr[i])}")
+            hc.check_same(fb.extend_seq_lens, ext, "extend_seq_lens", "extend_seq_lens_cpu")
+        max_q, max_kv, total = self._host_scalars(kind, seq, n, ext)
+        tokens = ext.sum if kind == "extend" else batch * max_q
+        hc.check_out_cache_loc(fb.out_cache_loc, tokens)
+        capacity = self.buckets.kv_tokens(total)
+        plan_q = self.buckets.q_tokens(max_q) if kind == "extend" else max_q
+        spec = self._spec(kind, bp, capacity, n, plan_q)
+        inputs = self._step_inputs(kind, batch, bp, fb.req_pool_indices, fb.seq_lens,
+                                   fb.extend_seq_lens if kind == "extend" else None)
+        meta, packed = build_step(self._req_to_token_jax, inputs, spec=spec)
+        self.forward_metadata = self._eager_metadata(to_torch(packed), spec, kind, batch,
+                                                     total, max_q, max_kv)
+        self._jax_meta, self._mode = meta, kind
+        self._max_kv_bound = self._kv_bound(max_kv, seq, n)
+
+    def _eager_metadata(self, buf: torch.Tensor, spec: StepSpec, kind: str, batch: int,
+                        total: int, max_q: int, max_kv: int | None) -> ForwardMetadata:
+        """SGLang's ForwardMetadata as one view per field of the exported buffer, cut to the
+        live batch and SGLang's plan sizes (the hot path of the hand-off)."""
+        off = step_layout(spec).offsets
+        view = lambda name, *shape: buf.as_strided(  # noqa: E731
+            shape, (shape[1], 1) if len(shape) == 2 else (1,), off[name])
+        plan = {}
+        if self.plan is not None:
+            shapes = plan_shapes(self.plan, kind, batch, max_q)  # SGLang's sizes for the step
+            plan = {name: view(name, *shapes[name]) for name in PLAN_FIELDS}
+            plan["work_metadata"] = self._pointers(plan["work_indptr"], plan["work_info_set"])
+            if kind == "extend":
+                plan["fp8_prefill_kv_indices"] = view("fp8_prefill_kv_indices", total)
+        if self.torch_launcher:
+            self._kv_indices_full = view("kv_indices", spec.capacity)
+        return ForwardMetadata(
+            view("kv_indptr", batch + 1), view("kv_indices", total),
+            view("qo_indptr", batch + 1), view("kv_last_page_len", batch), max_q, max_kv,
+            run_graph=False, num_kv_splits=self._num_kv_splits(), **plan)
+
+    def _init_idle(self, fb: ForwardBatch) -> None:
+        """IDLE (DP attention, nothing scheduled here): batch 0, empty metadata, no work."""
+        if fb.batch_size != 0:
+            raise ValueError(f"an IDLE batch must have batch_size 0, got {fb.batch_size}")
+        for field in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc"):
+            t = getattr(fb, field, None)
+            size = None if t is None else (t.numel() if isinstance(t, torch.Tensor) else len(t))
+            if size:
+                raise ValueError(f"an IDLE batch must be empty: forward_batch.{field} has "
+                                 f"{size} entries")
+        z = torch.zeros(1, dtype=torch.int32, device=self.device)
+        e = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self.forward_metadata = ForwardMetadata(z, e, z, e, 0, 0, run_graph=False,
+                                                num_kv_splits=self._num_kv_splits())
+        self._jax_meta, self._mode, self._max_kv_bound = None, "idle", None
+
+    # ---- CUDA graphs -----------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int,
+                              kv_indices_buf: torch.Tensor | None = None) -> None:
+        """Allocate the static packed buffer: indptrs for max_bs, token-granular kv_indices
+        (BufferPlan), the plan buffers of max_bs requests of max(1, num_draft_tokens) queries."""
+        if kv_indices_buf is not None:
+            raise ValueError(
+                "kv_indices_buf is not supported: the kv_indices buffer lives inside the static "
+                "packed metadata buffer, so replay is a single copy")
+        del max_num_tokens  # no custom mask for MLA
+        self.buffer_plan = BufferPlan(
+            max_bs=max_bs, max_context_len=self.max_context_len, page_size=self.page_size,
+            num_draft_tokens=self.num_draft_tokens,
+            legacy_block_granular_kv_indices=self.legacy_block_granular_kv_indices)
+        self._graph_plan_shapes = (plan_shapes(self.plan, "decode", max_bs,
+                                               max(1, self.num_draft_tokens))
+                                   if self.plan is not None else None)
+        self._graph_override = (tuple(sorted(self._graph_plan_shapes.items()))
+                                if self.plan is not None else None)
+        layout = step_layout(self._spec("decode", max_bs, self.buffer_plan.kv_indices_capacity,
+                                        0, 1, graph=True))
+        self._graph_buffer = layout.empty_torch(self.device)
+        self._graph_views = layout.torch_views(self._graph_buffer)
+        self._graph_views["kv_last_page_len"].fill_(1)
+        self._graph_plan = self._plan_views(self._graph_views, self._graph_plan_shapes)
+        self._graph_meta = {}
+
+    def _graph_kind(self, forward_mode) -> str:
+        kind = resolve_mode(forward_mode)
+        if kind == "idle":  # SGLang: is_decode_or_idle -> the decode graph
+            return "decode"
+        if kind == "extend":
+            raise ValueError(f"forward_mode {getattr(forward_mode, 'name', forward_mode)}: "
+                             "CUDA graphs cover DECODE, IDLE, TARGET_VERIFY and DRAFT_EXTEND_V2")
+        return kind
+
+    def _check_graph_step(self, kind: str, bs: int, req_pool_indices, seq_lens, seq_lens_cpu,
+                          seq_lens_sum, n: int) -> hc.HostLens:
+        plan = self.buffer_plan
+        if plan is None:
+            raise RuntimeError("call init_cuda_graph_state before capturing or replaying")
+        if not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"bs must be a positive int, got {bs!r}")
+        if bs > plan.max_bs:
+            raise CudaGraphBufferOverflow(f"bs = {bs} exceeds the captured max_bs = {plan.max_bs}")
+        seq = self._check_step(kind, bs, req_pool_indices, seq_lens, seq_lens_cpu, seq_lens_sum,
+                               n)
+        extra = n if kind == "target_verify" else 0
+        need = seq.sum + extra * bs
+        cap = plan.kv_indices_capacity
+        if need > cap:
+            unit = ("blocks: the legacy block-granular sizing, the seed's overflow bug"
+                    if plan.legacy_block_granular_kv_indices else "tokens")
+            raise CudaGraphBufferOverflow(
+                f"replayed {kind} batch needs {need} kv_indices entries (token slots) but the "
+                f"captured buffer holds {cap} ({unit}; max_bs={plan.max_bs}, "
+                f"max_context_len={plan.max_context_len}, page_size={plan.page_size}, "
+                f"num_draft_tokens={plan.num_draft_tokens}); writing it would run out of bounds")
+        return seq
+
+    def _fill_graph_buffers(self, kind: str, bs: int, req_pool_indices, seq_lens, n: int):
+        plan = self.buffer_plan
+        max_q = 1 if kind == "decode" else n
+        spec = self._spec(kind, plan.max_bs, plan.kv_indices_capacity, n, max_q, graph=True)
+        inputs = self._step_inputs(kind, bs, plan.max_bs, req_pool_indices, seq_lens)
+        meta, packed = build_step(self._req_to_token_jax, inputs, spec=spec)
+        self._graph_buffer.copy_(to_torch(packed))  # one export, one device copy
+        return meta
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int,
+                                                 req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, encoder_lens,
+                                                 forward_mode, spec_info) -> None:
+        """Fill the static buffers for a capture of batch size `bs` and bind views to them."""
+        del num_tokens, encoder_lens
+        kind = self._graph_kind(forward_mode)
+        n = self._draft_n(kind, spec_info)
+        seq_cpu = seq_lens[:bs].cpu()  # capture time only (as SGLang does)
+        seq = self._check_graph_step(kind, bs, req_pool_indices, seq_lens, seq_cpu, None, n)
+        meta = self._fill_graph_buffers(kind, bs, req_pool_indices, seq_lens, n)
+        v = self._graph_views
+        max_q, max_kv, _ = self._host_scalars(kind, seq, n)
+        fm = ForwardMetadata(v["kv_indptr"][: bs + 1], v["kv_indices"], v["qo_indptr"][: bs + 1],
+                             v["kv_last_page_len"][:bs], max_q, max_kv, run_graph=True,
+                             num_kv_splits=self._num_kv_splits(), **self._graph_plan)
+        self._graph_meta[(kind, bs)] = fm
+        self.forward_metadata = fm
+        self._kv_indices_full = v["kv_indices"]
+        self._jax_meta, self._mode = meta, kind
+        self._max_kv_bound = self._kv_bound(max_kv, seq, n)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                encoder_lens, forward_mode, spec_info,
+                                                seq_lens_cpu: torch.Tensor | None) -> None:
+        """Check the new batch on the host, then rebuild its metadata into the captured
+        buffers (nothing is written if a check fails)."""
+        del encoder_lens
+        kind = self._graph_kind(forward_mode)
+        if seq_lens_cpu is None:
+            raise ValueError("seq_lens_cpu is required for replay (host-side checks)")
+        n = self._draft_n(kind, spec_info)
+        seq = self._check_graph_step(kind, bs, req_pool_indices, seq_lens, seq_lens_cpu,
+                                     seq_lens_sum, n)
+        fm = self._graph_meta.get((kind, bs))
+        if fm is None:
+            raise ValueError(f"no CUDA graph was captured for mode {kind!r} at bs = {bs}")
+        self._jax_meta = self._fill_graph_buffers(kind, bs, req_pool_indices, seq_lens, n)
+        _, max_kv, _ = self._host_scalars(kind, seq, n)
+        fm.max_kv_len = max_kv
+        self.forward_metadata, self._mode = fm, kind
+        self._kv_indices_full = fm.kv_indices
+        self._max_kv_bound = self._kv_bound(max_kv, seq, n)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ---- attention -------------------------------------------------------------------------
+    def _kv_pool_jax(self, layer_id: int):
+        """(JAX alias of the layer's KV buffer, its fp8 dtype or None), imported once per
+        storage; fp8 pools are imported as their uint8 bytes and bitcast inside the jit."""
+        buf = self.token_to_kv_pool.get_key_buffer(layer_id)
+        cached = self._kv_jax.get(layer_id)
+        if cached is None or cached[0] != buf.data_ptr():
+            fp8 = FP8_DTYPES.get(buf.dtype)
+            cached = (buf.data_ptr(), to_jax(buf, fp8="bits"), fp8)
+            self._kv_jax[layer_id] = cached
+        return cached[1], cached[2]
+
+    def _attend(self, q, layer: RadixAttention, causal: bool) -> torch.Tensor:
+        if self.forward_metadata is None:
+            raise RuntimeError("call init_forward_metadata (or a CUDA-graph init) first")
+        heads = layer.tp_q_head_num
+        if self._mode == "idle":
+            if q.numel():
+                raise ValueError(f"an IDLE step got q with {q.shape[0]} rows; it must be empty")
+            return q.new_empty((0, heads * layer.v_head_dim))
+        q3 = q.reshape(-1, heads, layer.qk_head_dim)
+        if self.attention_backend == "aiter":
+            res = mla_attention(q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                                self.forward_metadata, plan=self._aiter_plan(),
+                                sm_scale=layer.scaling,
+                                v_head_dim=layer.v_head_dim, causal=causal, backend="aiter",
+                                mode=self._mode, num_kv_splits=self._num_kv_splits(),
+                                q_scale=layer.k_scale if q.dtype in FP8_DTYPES else None,
+                                kv_scale=layer.k_scale)
+        else:
+            launch = self.torch_launcher and self.attention_backend == "pallas"
+            inputs = ((self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                       self.forward_metadata.kv_indptr, self._kv_indices_full) if launch else None)
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if capturing:
+                reason = _launcher_reason(q3, inputs) if launch else "torch_launcher is off"
+                if reason is not None:
+                    raise RuntimeError(
+                        f"the {self.attention_backend!r} backend runs in JAX here ({reason}), "
+                        "which a torch CUDA graph cannot capture; capture with the aiter backend "
+                        "or the pallas torch launcher, or run eagerly")
+            kv, kv_fp8 = (None, None) if capturing else self._kv_pool_jax(layer.layer_id)
+            res = mla_attention(q3, kv, self._jax_meta, sm_scale=layer.scaling,
+                                v_head_dim=layer.v_head_dim, causal=causal,
+                                backend=self.attention_backend, max_kv_len=self._max_kv_bound,
+                                kv_fp8_dtype=kv_fp8,
+                                kv_scale=layer.k_scale if kv_fp8 is not None else None,
+                                return_lse=False, use_launcher=launch, launcher_inputs=inputs)
+        self.last_backend, self.last_via = res.backend, res.via
+        return res.out.reshape(-1, heads * layer.v_head_dim)
+
+    def _aiter_plan(self):
+        """The decode work plan of forward_metadata as AITER's persistent kernel reads it (the
+        PS prefill plan feeds SGLang's fp8 MHA prefill, not the absorbed extend run here)."""
+        fm = self.forward_metadata
+        if fm.work_info_set is None or self._mode == "extend":
+            return None
+        return AiterWorkPlan(work_meta_data=fm.work_metadata, work_indptr=fm.work_indptr,
+                             work_info_set=fm.work_info_set, reduce_indptr=fm.reduce_indptr,
+                             reduce_final_map=fm.reduce_final_map,
+                             reduce_partial_map=fm.reduce_partial_map, kind="decode")
+
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        """Write this step's latent rows, then attend -> [T, H * v_head_dim] in q's dtype."""
+        return self._save_and_attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        """Absorbed extend (bottom-right causal over prefix + new tokens)."""
+        return self._save_and_attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _save_and_attend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                         save_kv_cache: bool) -> torch.Tensor:
+        """SGLang's order for every mode: store the step's latent rows (out_cache_loc), then
+        attend bottom-right causal over everything the metadata lists."""
+        if save_kv_cache and k is not None and k.numel():
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        return self._attend(q, layer, causal=True)
+
+    def forward(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                save_kv_cache: bool = True) -> torch.Tensor:
+        """SGLang's dispatch: extend-like modes to forward_extend, the others to decode."""
+        if resolve_mode(forward_batch.forward_mode) == "extend":
+            return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
