@@ -46,7 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from funcmla.layout import PoolSpec, is_power_of_two
+from funcmla.layout import PoolSpec, check_page_size
 
 __all__ = [
     "AllocatorSpec",
@@ -132,10 +132,7 @@ class AllocatorSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"AllocatorSpec.{name} must be a positive int, got {value!r}")
-        if not is_power_of_two(self.page_size):
-            raise ValueError(
-                f"AllocatorSpec.page_size must be a power of two, got {self.page_size!r}"
-            )
+        check_page_size(self.page_size, "AllocatorSpec.page_size")
         if self.pool.num_slots > _INT32_MAX:
             raise ValueError(
                 f"AllocatorSpec: (num_pages + 1) * page_size = {self.pool.num_slots} token slots "

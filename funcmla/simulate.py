@@ -45,7 +45,7 @@ from funcmla import metadata as md
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.checks import check_metadata, check_page_contiguity, checked
 from funcmla.config import MLADims, custom_device
-from funcmla.layout import PoolSpec
+from funcmla.layout import PoolSpec, check_page_size
 
 __all__ = [
     "SimulationConfig",
@@ -197,8 +197,7 @@ class SimulationConfig:
     def allocator_spec(self, page_size: int) -> alloc.AllocatorSpec:
         """The allocator at `page_size`; checks that the pool is a whole number of pages and
         holds the longest request."""
-        if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+        check_page_size(page_size)
         if self.pool_tokens % page_size:
             raise ValueError(
                 f"SimulationConfig.pool_tokens={self.pool_tokens} is not a multiple of "
