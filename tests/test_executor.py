@@ -132,7 +132,7 @@ def test_seed_legacy_pairing_is_refused_and_wrong_when_forced(capsys):
     legacy_plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, jnp.diff(meta.kv_indptr),
                                   config=legacy_cfg)
     q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
-    with pytest.raises(ValueError, match=r"block_size=64 but kv_indices entries hold kv_page_size=1"):
+    with pytest.raises(ValueError, match=r"block_size=64 but kv_indices entries hold page_size=1"):
         run_work_plan(q, pool, meta, legacy_plan, sm_scale=SCALE, max_qo_span=Q_GRAN,
                       max_kv_span=KV_SPAN)
     errs = {}
@@ -177,7 +177,7 @@ def decode_case(name, kv_lens, seed=0):
     plan = plan_mla_decode_jit(qo_indptr, meta.kv_indptr, meta.kv_last_page_len, config=cfg)
     q, pool = random_qkv(B * uni, cfg.num_heads, seed)
     out, lse = run_work_plan(q, pool, meta, plan, sm_scale=SCALE, max_qo_span=uni,
-                             max_kv_span=KV_SPAN, kv_page_size=ps, causal=True,
+                             max_kv_span=KV_SPAN, page_size=ps, causal=True,
                              qk_batch_ratio=cfg.qk_batch_ratio, uni_seqlen_qo=uni)
     ref = mla_attention_reference(q, pool, qo_indptr, tok_indptr, tok_indices, sm_scale=SCALE,
                                   causal=True, max_kv_len=KV_SPAN)
@@ -219,9 +219,9 @@ def test_executor_static_errors():
     plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, jnp.diff(meta.kv_indptr),
                            config=PrefillPlanConfig(kvlen_granularity=KV_GRAN, **PREFILL_KW))
     q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
-    with pytest.raises(ValueError, match=r"plan block_size=1 but kv_indices entries hold kv_page_size=16"):
+    with pytest.raises(ValueError, match=r"plan block_size=1 but kv_indices entries hold page_size=16"):
         run_work_plan(q, pool, meta, plan, sm_scale=SCALE, max_qo_span=8, max_kv_span=8,
-                      kv_page_size=16)
+                      page_size=16)
     with pytest.raises(ValueError, match=r"max_kv_span must be a positive int, got 0"):
         run_work_plan(q, pool, meta, plan, sm_scale=SCALE, max_qo_span=8, max_kv_span=0)
     with pytest.raises(ValueError, match=r"qk_batch_ratio=2 needs a decode plan"):
