@@ -46,6 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from funcmla.guards import int_array
 from funcmla.layout import PoolSpec, check_page_size
 
 __all__ = [
@@ -264,17 +265,10 @@ def _cdiv(x: jax.Array, d: int) -> jax.Array:
     return (x + d - 1) // d
 
 
-def _as_i32(x, shape=None) -> jax.Array:
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"expected an integer array, got dtype {x.dtype}")
-    x = x.astype(jnp.int32)
-    return x if shape is None else jnp.broadcast_to(x, shape)
-
-
-def _batch_args(name: str, *arrays, valid=None):
-    """Cast per-request arrays to int32 [B] (checking equal rank-1 shapes) and the valid mask."""
-    arrays = [_as_i32(a) for a in arrays]
+def _batch_args(name: str, fields: str, *arrays, valid=None):
+    """Cast per-request arrays (named by the comma-separated `fields`) to int32 [B], checking
+    integer dtypes, equal rank-1 shapes and host values inside int32, and the valid mask."""
+    arrays = [int_array(a, f"{name}: {f.strip()}") for f, a in zip(fields.split(","), arrays)]
     shape = arrays[0].shape
     if len(shape) != 1 or shape[0] == 0:
         raise ValueError(
@@ -413,7 +407,8 @@ def alloc_extend(
     if not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"alloc_extend: capacity must be a positive int, got {capacity!r}")
     rows, prefix_lens, seq_lens, valid = _batch_args(
-        "alloc_extend", req_pool_indices, prefix_lens, seq_lens, valid=valid
+        "alloc_extend", "req_pool_indices, prefix_lens, seq_lens", req_pool_indices, prefix_lens,
+        seq_lens, valid=valid
     )
     num_batch = rows.shape[0]
     extend_lens = jnp.where(valid & (seq_lens > prefix_lens), seq_lens - prefix_lens, 0)
@@ -444,7 +439,8 @@ def alloc_decode(
     `req_to_token[row, seq_len - 1]`. Status bits as in `alloc_extend` (BAD_LENGTH when
     `seq_len - 1 != req_lens[row]` or `seq_len > max_context_len`).
     """
-    rows, seq_lens, valid = _batch_args("alloc_decode", req_pool_indices, seq_lens, valid=valid)
+    rows, seq_lens, valid = _batch_args("alloc_decode", "req_pool_indices, seq_lens",
+                                     req_pool_indices, seq_lens, valid=valid)
     prefix_lens = seq_lens - 1
     num_batch = rows.shape[0]
     tok_row = jnp.arange(num_batch, dtype=jnp.int32)
@@ -472,7 +468,7 @@ def truncate_requests(
     draft tokens. Status: BAD_REQUEST_INDEX, BAD_LENGTH (`new_len` outside `[0, req_len]`).
     """
     rows, new_lens, valid = _batch_args(
-        "truncate_requests", req_pool_indices, new_lens, valid=valid
+        "truncate_requests", "req_pool_indices, new_lens", req_pool_indices, new_lens, valid=valid
     )
     ps = state.page_size
     num_rows, max_len = state.req_to_token.shape
@@ -526,7 +522,7 @@ def free_requests(
     valid: jax.Array | None = None,  # bool [B]
 ) -> UpdateResult:
     """Free whole rows: `truncate_requests` to length 0 (pages shared with other rows survive)."""
-    rows = _as_i32(req_pool_indices)
+    rows = int_array(req_pool_indices, "free_requests: req_pool_indices")
     return truncate_requests(state, rows, jnp.zeros_like(rows), valid)
 
 
@@ -548,7 +544,8 @@ def share_prefix(
     longer than src, dst not empty).
     """
     src, dst, prefix_lens, valid = _batch_args(
-        "share_prefix", src_req, dst_req, prefix_lens, valid=valid
+        "share_prefix", "src_req, dst_req, prefix_lens", src_req, dst_req, prefix_lens,
+        valid=valid
     )
     ps = state.page_size
     num_rows, max_len = state.req_to_token.shape
