@@ -316,8 +316,8 @@ def check_metadata(meta, *, pool: PoolSpec, max_context_len: int) -> None:
     check_queries_fit(meta.qo_lens, meta.kv_lens)
 
 
-def check_attention_values(num_q: int, num_slots: int, qo_indptr: jax.Array, kv_indptr: jax.Array,
-                           kv_indices: jax.Array, *, max_kv_len: int | None = None) -> None:
+def check_attention_values(qo_indptr: jax.Array, kv_indptr: jax.Array, kv_indices: jax.Array, *,
+                           num_q: int, num_slots: int, max_kv_len: int | None = None) -> None:
     """What the attention paths need of their metadata: both indptrs well formed, every query row
     inside q (`qo_indptr[-1] <= T`, else requests would be dropped), `kv_indptr[-1] <=
     capacity`, each request's KV length <= `max_kv_len` (when given, else keys would be

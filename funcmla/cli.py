@@ -188,6 +188,9 @@ def cmd_plan(args) -> int:
     _positive(args.kv_granularity, "--kv-granularity")
     if args.max_rows < 0:
         raise CLIError(f"--max-rows must be >= 0, got {args.max_rows}")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise CLIError(f"--plot {args.plot!r}: the directory "
+                       f"{os.path.dirname(os.path.abspath(args.plot))!r} does not exist")
     plan, cfg = build_plan(args.kind, kv, qo, device=device, heads=args.heads,
                            page_size=args.page_size, kv_granularity=args.kv_granularity,
                            max_split_per_batch=args.max_split_per_batch, dtype=args.dtype,

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-__all__ = ["INT32_MAX", "checking", "is_concrete", "should_check", "int_array", "check_int32_total"]
+__all__ = [
+    "INT32_MAX", "checking", "is_concrete", "should_check", "enforce", "int_array",
+    "check_int32_total",
+]
 
 INT32_MAX = 2**31 - 1  # every index, length and offset in the metadata is int32
 
@@ -46,6 +51,25 @@ def is_concrete(*xs: Any) -> bool:
 def should_check(*xs: Any) -> bool:
     """Value checks run on concrete values, and under `funcmla.checks.checked`."""
     return _CHECKING.get() or is_concrete(*xs)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(fn: Callable, static: tuple) -> Callable:
+    return jax.jit(checkify.checkify(functools.partial(fn, **dict(static)),
+                                     errors=checkify.user_checks))
+
+
+def enforce(fn: Callable, *arrays: Any, **static: Any) -> None:
+    """Run the value check `fn(*arrays, **static)` (checkify checks; `static` hashable).
+
+    Under `checks.checked` with traced inputs its checks join the traced program; otherwise (an
+    eager call) it runs compiled once per shape and raises `checkify.JaxRuntimeError` (a
+    ValueError) naming the first failed check, at about one dispatch of cost."""
+    if _CHECKING.get() and not is_concrete(arrays):
+        fn(*arrays, **static)
+        return
+    err, _ = _compiled(fn, tuple(sorted(static.items())))(*arrays)
+    err.throw()
 
 
 def int_array(x: Any, name: str, *, ndim: int | None = None) -> jax.Array:

@@ -23,11 +23,13 @@ wrap-around) yields the fill value, never a clamped or wrapped row.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from funcmla.checks import check_lengths, check_request_table
-from funcmla.guards import check_int32_total, int_array, should_check
+from funcmla.guards import check_int32_total, enforce, int_array, should_check
 from funcmla.layout import PageTable, TokenCSR, check_page_size, expect_layout
 from funcmla.segments import cumsum_i32, segment_ids
 
@@ -38,6 +40,9 @@ __all__ = [
     "segment_ids",
     "cumsum_i32",
     "gather_token_indices",
+    "request_inputs",
+    "capacity_arg",
+    "token_csr_from_table",
     "page_table_from_token_slots",
     "token_slots_from_page_table",
     "page_table_from_csr",
@@ -57,9 +62,11 @@ def indptr_from_lens(lens: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
 
 
-def _capacity(capacity) -> None:
+def capacity_arg(capacity) -> int:
+    """A static buffer length: a positive Python int (ValueError naming it otherwise)."""
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    return capacity
 
 
 def request_inputs(req_to_token, req_pool_indices, lens, kv_start=None, *, lens_name: str,
@@ -81,8 +88,8 @@ def request_inputs(req_to_token, req_pool_indices, lens, kv_start=None, *, lens_
                 f"{tuple(arr.shape)}")
     if should_check(req_to_token, req_pool_indices, lens, kv_start):
         cap = 2**31 - 1 if capacity is None else capacity
-        check_request_table(req_to_token, req_pool_indices, lens, kv_start, capacity=cap,
-                            lens_name=lens_name)
+        enforce(check_request_table, req_to_token, req_pool_indices, lens, kv_start,
+                capacity=cap, lens_name=lens_name)
     return req_to_token, req_pool_indices, lens, kv_start
 
 
@@ -109,13 +116,21 @@ def gather_token_indices(
     (never written out of bounds) and out-of-range reads yield `FILL_SLOT`. `lens_name` names
     `kv_lens` in error messages (the metadata builders pass `seq_lens`).
     """
-    _capacity(capacity)
+    capacity_arg(capacity)
     req_to_token, req_pool_indices, kv_lens, kv_start = request_inputs(
         req_to_token, req_pool_indices, kv_lens, kv_start, lens_name=lens_name, capacity=capacity)
+    return token_csr_from_table(req_to_token, req_pool_indices, kv_lens, kv_start, capacity=capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def token_csr_from_table(req_to_token, req_pool_indices, kv_lens, kv_start=None, *,
+                         capacity: int) -> TokenCSR:
+    """`gather_token_indices` after its checks: int32 inputs as `request_inputs` returns them,
+    no value check (out-of-range reads still give FILL_SLOT)."""
     batch = kv_lens.shape[0]
     if kv_start is None:
         kv_start = jnp.zeros((batch,), jnp.int32)
-    indptr = indptr_from_lens(kv_lens)
+    indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kv_lens, dtype=jnp.int32)])
     t = jnp.arange(capacity, dtype=jnp.int32)
     seg = segment_ids(indptr, capacity)
     live = seg < batch
@@ -151,7 +166,7 @@ def page_table_from_token_slots(
         req_to_token, req_pool_indices, kv_lens, kv_start, lens_name="kv_lens",
         capacity=None)
     if should_check(kv_lens):
-        check_lengths(kv_lens, "kv_lens", max_context_len=max_pages * page_size,
+        enforce(check_lengths, kv_lens, name="kv_lens", max_context_len=max_pages * page_size,
                       limit=f"max_pages * page_size = {max_pages * page_size}")
     batch = kv_lens.shape[0]
     if kv_start is None:
@@ -168,7 +183,7 @@ def page_table_from_token_slots(
 def token_slots_from_page_table(page_table: PageTable, *, capacity: int) -> TokenCSR:
     """Expand a PageTable to a TokenCSR: `indices[indptr[i] + t] = table[i, t//ps]*ps + t%ps`."""
     expect_layout(page_table, PageTable, "page_table")
-    _capacity(capacity)
+    capacity_arg(capacity)
     ps = page_table.page_size
     lens = page_table.lengths.astype(jnp.int32)
     batch = lens.shape[0]

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcmla.checks import check_lengths, check_queries_fit
-from funcmla.guards import check_int32_total, int_array, should_check
-from funcmla.indices import gather_token_indices, indptr_from_lens, request_inputs
+from funcmla.guards import check_int32_total, enforce, int_array, should_check
+from funcmla.indices import capacity_arg, indptr_from_lens, request_inputs, token_csr_from_table
 from funcmla.layout import TokenCSR, check_page_size
 
 __all__ = [
@@ -149,10 +149,9 @@ def _max_or_zero(x: jax.Array) -> jax.Array:
     return jnp.max(x, initial=0).astype(jnp.int32)
 
 
-def _build(req_to_token, req_pool_indices, kv_lens, qo_indptr, *, capacity, mode, n=0,
-           lens_name="seq_lens"):
-    kv = gather_token_indices(req_to_token, req_pool_indices, kv_lens, capacity=capacity,
-                              lens_name=lens_name)
+def _build(req_to_token, req_pool_indices, kv_lens, qo_indptr, *, capacity, mode, n=0):
+    """The metadata of inputs that `request_inputs` has checked (with `capacity`)."""
+    kv = token_csr_from_table(req_to_token, req_pool_indices, kv_lens, capacity=capacity)
     batch = kv_lens.shape[0]
     qo_lens = qo_indptr[1:] - qo_indptr[:-1]
     return ForwardMetadata(
@@ -186,7 +185,8 @@ def decode_metadata(
     (`checks.check_request_table`: rows inside req_to_token, 0 <= seq_lens <= max_context_len,
     the total within `capacity` and int32); see `funcmla.checks` for the jitted variant."""
     req_to_token, req_pool_indices, seq_lens, _ = request_inputs(
-        req_to_token, req_pool_indices, seq_lens, lens_name="seq_lens")
+        req_to_token, req_pool_indices, seq_lens, lens_name="seq_lens",
+        capacity=capacity_arg(capacity))
     batch = seq_lens.shape[0]
     qo_indptr = jnp.arange(batch + 1, dtype=jnp.int32)
     return _build(req_to_token, req_pool_indices, seq_lens, qo_indptr, capacity=capacity,
@@ -204,14 +204,16 @@ def extend_metadata(
     """Extend / prefill: `extend_seq_lens` queries over the full `seq_lens` keys (prefix + new).
     Also checks `0 <= extend_seq_lens <= seq_lens` (bottom-right causal needs q <= k)."""
     req_to_token, req_pool_indices, seq_lens, _ = request_inputs(
-        req_to_token, req_pool_indices, seq_lens, lens_name="seq_lens")
+        req_to_token, req_pool_indices, seq_lens, lens_name="seq_lens",
+        capacity=capacity_arg(capacity))
     extend_seq_lens = int_array(extend_seq_lens, "extend_seq_lens", ndim=1)
     if extend_seq_lens.shape != seq_lens.shape:
         raise ValueError(f"extend_seq_lens must have shape [batch]=({seq_lens.shape[0]},) like "
                          f"req_pool_indices, got {tuple(extend_seq_lens.shape)}")
     if should_check(seq_lens, extend_seq_lens):
         check_int32_total(extend_seq_lens, "extend_seq_lens")
-        check_queries_fit(extend_seq_lens, seq_lens, q_name="extend_seq_lens", k_name="seq_lens")
+        enforce(check_queries_fit, extend_seq_lens, seq_lens, q_name="extend_seq_lens",
+                k_name="seq_lens")
     qo_indptr = indptr_from_lens(extend_seq_lens)
     return _build(req_to_token, req_pool_indices, seq_lens, qo_indptr, capacity=capacity,
                   mode="extend")
@@ -223,18 +225,19 @@ def _n_per_request(req_to_token, req_pool_indices, seq_lens, kv_extra, *, n, cap
     seq_lens = int_array(seq_lens, "seq_lens", ndim=1)
     if should_check(seq_lens):
         if mode == "draft_extend":  # seq_lens already include the n new tokens (the queries)
-            check_queries_fit(jnp.full_like(seq_lens, n), seq_lens, q_name="num_draft_tokens",
-                              k_name="seq_lens")
+            enforce(check_queries_fit, jnp.full_like(seq_lens, n), seq_lens,
+                    q_name="num_draft_tokens", k_name="seq_lens")
         else:  # seq_lens + n must not wrap before the table check sees it
             cols = np.shape(req_to_token)[-1]
-            check_lengths(seq_lens, "seq_lens", max_context_len=cols - n,
-                          limit=f"max_context_len - num_draft_tokens = {cols} - {n}")
+            enforce(check_lengths, seq_lens, name="seq_lens", max_context_len=cols - n,
+                    limit=f"max_context_len - num_draft_tokens = {cols} - {n}")
     name = "seq_lens" if kv_extra == 0 else f"seq_lens + num_draft_tokens({n})"
     req_to_token, req_pool_indices, kv_lens, _ = request_inputs(
-        req_to_token, req_pool_indices, seq_lens + kv_extra, lens_name=name)
+        req_to_token, req_pool_indices, seq_lens + kv_extra, lens_name=name,
+        capacity=capacity_arg(capacity))
     qo_indptr = jnp.arange(kv_lens.shape[0] + 1, dtype=jnp.int32) * n
     return _build(req_to_token, req_pool_indices, kv_lens, qo_indptr,
-                  capacity=capacity, mode=mode, n=n, lens_name=name)
+                  capacity=capacity, mode=mode, n=n)
 
 
 def target_verify_metadata(

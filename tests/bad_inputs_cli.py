@@ -96,5 +96,5 @@ CASES: list[BadInput] = [
          r"--page-sizes\[1\] must be a power of two", r"got 3"),
     case("cli.plot_unwritable",
          cli("plan", "decode", "--kv-lens", "5", "--plot", "/nonexistent/dir/plan.png"),
-         r"--plot '/nonexistent/dir/plan\.png'", r"No such file"),
+         r"--plot '/nonexistent/dir/plan\.png'", r"'/nonexistent/dir' does not exist"),
 ]

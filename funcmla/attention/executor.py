@@ -57,7 +57,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from funcmla.checks import check_indptr
-from funcmla.guards import should_check
+from funcmla.guards import enforce, should_check
 from funcmla.planners.plan import (
     BATCH_IDX, KV_END, KV_OFFSET, KV_START, PARTIAL_QO_LOC, QO_END, QO_START, Q_HEAD_RANGE,
     WorkPlan,
@@ -184,7 +184,8 @@ def run_work_plan(
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if should_check(q, metadata, plan):
-        _check_values(q, metadata, plan, qk_batch_ratio=qk_batch_ratio)
+        enforce(_check_values, metadata, plan, q_shape=tuple(q.shape),
+                qk_batch_ratio=qk_batch_ratio)
     return _run_work_plan(q, kv_pool, metadata, plan, sm_scale=sm_scale, max_qo_span=max_qo_span,
                           max_kv_span=max_kv_span, v_head_dim=v_head_dim, causal=causal,
                           page_size=page_size, qk_batch_ratio=qk_batch_ratio,
@@ -192,18 +193,18 @@ def run_work_plan(
                           allow_legacy_mismatch=allow_legacy_mismatch, work_chunk=work_chunk)
 
 
-def _check_values(q, metadata, plan: WorkPlan, *, qk_batch_ratio: int) -> None:
+def _check_values(metadata, plan: WorkPlan, *, q_shape: tuple, qk_batch_ratio: int) -> None:
     """The executor's value checks: well-formed indptrs, query rows inside q, and (prefill) every
     q head covered by the plan's head ranges."""
     check_indptr(metadata.qo_indptr, "qo_indptr")
     check_indptr(metadata.kv_indptr, "kv_indptr", capacity=metadata.kv_indices.shape[0])
     if qk_batch_ratio == 1:
         checkify.check(
-            metadata.qo_indptr[-1] <= q.shape[0],
-            f"qo_indptr[-1] = {{v}} query rows but q has {q.shape[0]} rows",
+            metadata.qo_indptr[-1] <= q_shape[0],
+            f"qo_indptr[-1] = {{v}} query rows but q has {q_shape[0]} rows",
             v=metadata.qo_indptr[-1])
-    if plan.kind == "prefill" and q.ndim == 3:
-        heads = q.shape[1]
+    if plan.kind == "prefill" and len(q_shape) == 3:
+        heads = q_shape[1]
         wi = plan.work_info
         live = jnp.arange(wi.shape[0]) < plan.num_works
         hr = wi[:, Q_HEAD_RANGE]

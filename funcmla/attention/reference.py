@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from funcmla.checks import check_attention_values
-from funcmla.guards import should_check
+from funcmla.guards import enforce, should_check
 from funcmla.layout import expect_index_array
 from funcmla.segments import segment_ids
 
@@ -90,8 +90,8 @@ def mla_attention_reference(
     if max_kv_len is not None and (not isinstance(max_kv_len, int) or max_kv_len < 0):
         raise ValueError(f"max_kv_len must be an int >= 0 or None, got {max_kv_len!r}")
     if should_check(qo_indptr, kv_indptr, kv_indices):
-        check_attention_values(q.shape[0], kv_pool.shape[0], qo_indptr, kv_indptr, kv_indices,
-                               max_kv_len=max_kv_len)
+        enforce(check_attention_values, qo_indptr, kv_indptr, kv_indices, num_q=q.shape[0],
+                num_slots=kv_pool.shape[0], max_kv_len=max_kv_len)
     return _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale,
                       v_head_dim=v_head_dim, causal=causal, max_kv_len=max_kv_len,
                       query_chunk=query_chunk)
