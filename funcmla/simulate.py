@@ -407,17 +407,6 @@ class _Forward:
     pallas: bool = False  # decode / verify through the Pallas kernel (interpret off-GPU)
 
 
-def _build_metadata(f: _Forward, req_to_token, rpi, seq_lens, extend_lens) -> md.ForwardMetadata:
-    if f.mode == "extend":
-        return md.extend_metadata(req_to_token, rpi, seq_lens, extend_lens,
-                                  capacity=f.kv_capacity)
-    if f.mode == "decode":
-        return md.decode_metadata(req_to_token, rpi, seq_lens, capacity=f.kv_capacity)
-    return md.target_verify_metadata(req_to_token, rpi, seq_lens,
-                                     num_draft_tokens=f.num_draft_tokens,
-                                     capacity=f.kv_capacity)
-
-
 def _attend_with_plan(f: _Forward, q, kv_pool, meta):
     from funcmla.attention.executor import run_work_plan
     from funcmla.planners.decode import plan_mla_decode
@@ -462,7 +451,9 @@ def _forward(f: _Forward, req_to_token, kv_pool, write_loc, write_rows, batch, q
     Returns (kv_pool, metadata, out [T, H, v_head_dim], plan works, plan partials).
     """
     kv_pool = kv_pool.at[write_loc].set(write_rows)
-    meta = _build_metadata(f, req_to_token, *batch)
+    rpi, seq_lens, extend_lens = batch
+    meta = md.build_metadata(f.mode, req_to_token, rpi, seq_lens, extend_lens,
+                             capacity=f.kv_capacity, num_draft_tokens=f.num_draft_tokens)
     if f.pallas and f.mode != "extend":
         out = _attend_with_pallas(f, q, kv_pool, meta)
         works = partials = jnp.int32(0)
