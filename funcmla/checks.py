@@ -216,8 +216,8 @@ def check_request_table(req_to_token: jax.Array, req_pool_indices: jax.Array, le
     i = _first(over)
     checkify.check(
         ~jnp.any(over),
-        f"sum({lens_name}) = {{v}} live tokens exceed capacity = {capacity} (the kv_indices "
-        f"buffer is too small for this batch; first past it at {lens_name}[{{i}}])",
+        f"sum({lens_name}) = {{v}} live tokens exceed the buffer capacity {capacity} (the "
+        f"kv_indices buffer is too small for this batch; first past it at {lens_name}[{{i}}])",
         i=i, v=total[-1] if total.shape[0] else jnp.int32(0),
     )
 

@@ -168,7 +168,7 @@ CASES: list[BadInput] = [
     case("checks.builder_capacity_under_jit",
          under_jit(lambda s: decode_metadata(R2T, jnp.array([0, 1]), s, capacity=8),
                    jnp.array([8, 8])),
-         checkify.JaxRuntimeError, r"sum\(seq_lens\) = 16", r"capacity = 8"),
+         checkify.JaxRuntimeError, r"sum\(seq_lens\) = 16", r"the buffer capacity 8"),
     case("checks.page_size", lambda: checks.check_page_size(24, "pool page_size"), ValueError,
          r"pool page_size must be a power of two", r"got 24"),
 ]

@@ -64,7 +64,7 @@ CASES: list[BadInput] = [
     case("metadata.live_tokens_over_capacity",
          lambda: md.decode_metadata(jnp.tile(jnp.arange(256, dtype=jnp.int32), (2, 1)),
                                     RPI, jnp.array([250, 221]), capacity=64),
-         ValueError, r"sum\(seq_lens\) = 471", r"capacity = 64"),
+         ValueError, r"sum\(seq_lens\) = 471", r"the buffer capacity 64"),
     case("metadata.capacity_not_positive", decode(capacity=0), ValueError,
          r"capacity must be a positive int", r"got 0"),
     case("metadata.capacity_not_int", decode(capacity=16.0), ValueError,
