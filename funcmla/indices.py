@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from funcmla.checks import check_lengths, check_request_table
+from funcmla.checks import check_indptr, check_lengths, check_request_table
 from funcmla.guards import check_int32_total, enforce, int_array, should_check
 from funcmla.layout import PageTable, TokenCSR, check_page_size, expect_layout
 from funcmla.segments import cumsum_i32, segment_ids
@@ -181,13 +181,21 @@ def page_table_from_token_slots(
 
 
 def token_slots_from_page_table(page_table: PageTable, *, capacity: int) -> TokenCSR:
-    """Expand a PageTable to a TokenCSR: `indices[indptr[i] + t] = table[i, t//ps]*ps + t%ps`."""
+    """Expand a PageTable to a TokenCSR: `indices[indptr[i] + t] = table[i, t//ps]*ps + t%ps`.
+
+    Checked (eager, or under `funcmla.checks.checked`): `0 <= lengths <= max_pages * ps` and
+    the total within `capacity` (both would otherwise read or drop fill entries silently)."""
     expect_layout(page_table, PageTable, "page_table")
     capacity_arg(capacity)
     ps = page_table.page_size
-    lens = page_table.lengths.astype(jnp.int32)
+    lens = int_array(page_table.lengths, "page_table.lengths", ndim=1)
     batch = lens.shape[0]
     indptr = indptr_from_lens(lens)
+    if should_check(lens):
+        limit = page_table.max_pages * ps
+        enforce(check_lengths, lens, name="page_table.lengths", max_context_len=limit,
+                limit=f"max_pages * page_size = {limit}")
+        enforce(check_indptr, indptr, name="kv_indptr", capacity=capacity)
     t = jnp.arange(capacity, dtype=jnp.int32)
     seg = segment_ids(indptr, capacity)
     live = seg < batch

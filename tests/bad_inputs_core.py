@@ -144,6 +144,15 @@ CASES: list[BadInput] = [
     case("indices.page_table_where_csr_expected",
          lambda: indices.page_table_from_csr(PT, page_size=4, max_pages=2), TypeError,
          r"kv: expected a TokenCSR", r"got PageTable"),
+    case("indices.page_table_length_past_its_pages",
+         lambda: indices.token_slots_from_page_table(
+             PageTable(jnp.array([[1, 2]], jnp.int32), jnp.array([9], jnp.int32), 4), capacity=16),
+         ValueError, r"page_table\.lengths\[0\] = 9", r"max_pages \* page_size = 8"),
+    case("indices.page_table_tokens_past_capacity",
+         lambda: indices.token_slots_from_page_table(
+             PageTable(jnp.array([[1, 2], [3, 0]], jnp.int32), jnp.array([8, 3], jnp.int32), 4),
+             capacity=10),
+         ValueError, r"kv_indptr\[-1\] = 11", r"buffer capacity 10"),
     case("indices.last_page_len_page_size",
          lambda: indices.kv_last_page_len(jnp.array([3]), page_size=0), ValueError,
          r"page_size must be a power of two", r"got 0"),
