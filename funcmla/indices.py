@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from funcmla.checks import check_indptr, check_lengths, check_request_table
 from funcmla.guards import check_int32_total, enforce, int_array, should_check
 from funcmla.layout import PageTable, TokenCSR, check_page_size, expect_layout
-from funcmla.segments import cumsum_i32, segment_ids
+from funcmla.segments import cumsum_i32, segment_ids, take_or_fill
 
 __all__ = [
     "FILL_SLOT",
@@ -93,11 +93,6 @@ def request_inputs(req_to_token, req_pool_indices, lens, kv_start=None, *, lens_
     return req_to_token, req_pool_indices, lens, kv_start
 
 
-def _table_get(table: jax.Array, rows: jax.Array, cols: jax.Array, fill: int) -> jax.Array:
-    """table[rows, cols] with any out-of-range index (negative too) reading `fill`."""
-    return table.at[rows, cols].get(mode="fill", fill_value=fill, wrap_negative_indices=False)
-
-
 def gather_token_indices(
     req_to_token: jax.Array,  # int32 [num_req_slots, max_context_len]  token slots
     req_pool_indices: jax.Array,  # int32 [B]
@@ -139,7 +134,7 @@ def token_csr_from_table(req_to_token, req_pool_indices, kv_lens, kv_start=None,
     # checks stay meaningful: they fire only for live positions past the request table)
     pos = jnp.where(live, kv_start[seg_c] + t - indptr[seg_c], 0)
     rows = jnp.where(live, req_pool_indices[seg_c], 0)
-    slots = _table_get(req_to_token, rows, pos, FILL_SLOT)
+    slots = take_or_fill(req_to_token, rows, pos, fill=FILL_SLOT)
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
 
 
@@ -175,7 +170,7 @@ def page_table_from_token_slots(
     n_pages = (kv_lens + page_size - 1) // page_size
     live = p < n_pages[:, None]
     pos = jnp.where(live, kv_start[:, None] + p * page_size, 0)
-    slots = _table_get(req_to_token, req_pool_indices[:, None], pos, 0)
+    slots = take_or_fill(req_to_token, req_pool_indices[:, None], pos, fill=0)
     table = jnp.where(live, slots // page_size, FILL_PAGE).astype(jnp.int32)
     return PageTable(table=table, lengths=kv_lens, page_size=page_size)
 
@@ -201,7 +196,7 @@ def token_slots_from_page_table(page_table: PageTable, *, capacity: int) -> Toke
     live = seg < batch
     seg_c = jnp.minimum(seg, batch - 1)
     off = jnp.where(live, t - indptr[seg_c], 0)
-    page = _table_get(page_table.table, seg_c, off // ps, FILL_PAGE)
+    page = take_or_fill(page_table.table, seg_c, off // ps, fill=FILL_PAGE)
     slots = page * ps + off % ps
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
 
@@ -218,7 +213,7 @@ def page_table_from_csr(kv: TokenCSR, *, page_size: int, max_pages: int) -> Page
     p = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     n_pages = (lens + page_size - 1) // page_size
     pos = jnp.where(p < n_pages[:, None], kv.indptr[:-1, None] + p * page_size, 0)
-    slots = kv.indices.at[pos].get(mode="fill", fill_value=FILL_SLOT, wrap_negative_indices=False)
+    slots = take_or_fill(kv.indices, pos, fill=FILL_SLOT)
     table = jnp.where(p < n_pages[:, None], slots // page_size, FILL_PAGE).astype(jnp.int32)
     return PageTable(table=table, lengths=lens, page_size=page_size)
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from funcmla.checks import check_attention_values
 from funcmla.guards import enforce, should_check
 from funcmla.layout import expect_index_array
-from funcmla.segments import segment_ids
+from funcmla.segments import segment_ids, take_or_fill
 
 __all__ = ["mla_attention_reference", "visible_kv_lens"]
 
@@ -114,9 +114,8 @@ def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head
     def one_query(args):
         q_t, start_t, vis_t = args
         valid = pos < vis_t
-        slots = kv_indices.at[start_t + pos].get(mode="fill", fill_value=-1,
-                                                 wrap_negative_indices=False)
-        k = kv_pool.at[slots].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+        slots = take_or_fill(kv_indices, start_t + pos, fill=-1)
+        k = take_or_fill(kv_pool, slots, fill=0)
         # select, never multiply: a masked key's row (slot 0, an unused row: NaN, Inf) is gone
         k = jnp.where(valid[:, None], k.astype(jnp.float32), 0.0)  # [S, D]
         s = jnp.einsum("hd,sd->hs", q_t.astype(jnp.float32), k, precision=hi) * sm_scale
