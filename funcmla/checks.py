@@ -7,7 +7,14 @@ concrete (an eager call): a failed check raises `checkify.JaxRuntimeError` (a `V
 once. Under `jit`, wrap the function once with `checked(fn)` (or call `run_checked(fn, ...)`):
 every entry point traced inside then emits its checks, and `err.throw()` raises the first that
 failed. Wrap outside the jit (`jax.jit(checked(fn))`), so the checked and the plain traces do not
-share a cache entry. Every message names the field, the position and the offending value, e.g.
+share a cache entry:
+
+    step = jax.jit(checks.checked(lambda r2t, rpi, seq: decode_metadata(r2t, rpi, seq,
+                                                                        capacity=4096)))
+    err, meta = step(req_to_token, req_pool_indices, seq_lens)
+    err.throw()  # e.g. "seq_lens[3] = 9000 exceeds max_context_len = 8192 (req_to_token.shape[1])"
+
+Every message names the field, the position and the offending value, e.g.
 `kv_indptr must be non-decreasing: kv_indptr[3] = 7 < kv_indptr[2] = 9`, and the limit it broke.
 
 Units: `capacity`, lengths and indptr values are tokens; `num_slots` counts token slots of the
