@@ -41,12 +41,13 @@ Failures are values, never silent reuse: every operation returns a `status` bit 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from funcmla.guards import int_array
+from funcmla.guards import int_array, is_concrete
 from funcmla.layout import PoolSpec, check_page_size
 
 __all__ = [
@@ -384,6 +385,28 @@ def _allocate(state, rows, prefix_lens, seq_lens, valid, tok_row, tok_pos, tok_v
 # public operations
 
 
+def _host_ints(*names: str):
+    """Range-check the named integer arguments on the host before `jax.jit` sees them: with
+    x64 off the jit boundary would narrow an int64 value modulo 2**32 (2**32 + 1 -> 1)."""
+
+    def wrap(jitted):
+        sig = inspect.signature(jitted)
+
+        @functools.wraps(jitted)
+        def call(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            for name in names:
+                value = bound.arguments.get(name)
+                if value is not None and is_concrete(value):
+                    int_array(value, f"{jitted.__name__}: {name}")
+            return jitted(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+@_host_ints("req_pool_indices", "prefix_lens", "seq_lens")
 @functools.partial(jax.jit, static_argnames=("capacity",))
 def alloc_extend(
     state: AllocatorState,
@@ -425,6 +448,7 @@ def alloc_extend(
     return AllocResult(new_state, slots, num_tokens.astype(jnp.int32), status.astype(jnp.int32))
 
 
+@_host_ints("req_pool_indices", "seq_lens")
 @jax.jit
 def alloc_decode(
     state: AllocatorState,
@@ -451,6 +475,7 @@ def alloc_decode(
     return AllocResult(new_state, slots, num_tokens, status.astype(jnp.int32))
 
 
+@_host_ints("req_pool_indices", "new_lens")
 @jax.jit
 def truncate_requests(
     state: AllocatorState,
@@ -526,6 +551,7 @@ def free_requests(
     return truncate_requests(state, rows, jnp.zeros_like(rows), valid)
 
 
+@_host_ints("src_req", "dst_req", "prefix_lens")
 @jax.jit
 def share_prefix(
     state: AllocatorState,
