@@ -495,7 +495,7 @@ class _Trace:
 
     def __init__(self, config: SimulationConfig, page_size: int, pool_rows: int, workload):
         self.cfg = config
-        self.ps = page_size
+        self.page_size = page_size
         self.spec = config.allocator_spec(page_size)
         self.state = alloc.init_allocator(self.spec)
         dims = config.dims
@@ -537,7 +537,7 @@ class _Trace:
         """Out of pages while decoding: free the newest running request and requeue it."""
         if len(self.running) <= 1:
             raise RuntimeError(
-                f"page_size={self.ps}: out of pages with a single running request; "
+                f"page_size={self.page_size}: out of pages with a single running request; "
                 f"SimulationConfig.pool_tokens={self.cfg.pool_tokens} is too small"
             )
         victim = self.running.pop()
@@ -551,7 +551,7 @@ class _Trace:
         for live in self.running:
             n = min(live.cur_len, req.prompt_len - 1)
             diff = np.flatnonzero(live.spec.token_ids[:n] != req.token_ids[:n])
-            m = (int(diff[0]) if diff.size else n) // self.ps * self.ps
+            m = (int(diff[0]) if diff.size else n) // self.page_size * self.page_size
             if m > best[1]:
                 best = (live.row, m)
         return best
@@ -586,7 +586,7 @@ class _Trace:
         q[~q_valid] = 0.0
         plan_config = None
         if cfg.use_plans:
-            prefill_cfg, decode_cfg = cfg.plan_configs(self.ps)
+            prefill_cfg, decode_cfg = cfg.plan_configs(self.page_size)
             plan_config = prefill_cfg if mode == "extend" else decode_cfg
         f = _Forward(mode, cfg.num_draft_tokens if mode == "target_verify" else 0,
                      self.kv_capacity, cfg.max_context_len, cfg.dims, plan_config,
