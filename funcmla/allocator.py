@@ -41,12 +41,14 @@ Failures are values, never silent reuse: every operation returns a `status` bit 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from funcmla.layout import PoolSpec, is_power_of_two
+from funcmla.guards import int_array, is_concrete
+from funcmla.layout import PoolSpec, check_page_size
 
 __all__ = [
     "AllocatorSpec",
@@ -132,10 +134,7 @@ class AllocatorSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"AllocatorSpec.{name} must be a positive int, got {value!r}")
-        if not is_power_of_two(self.page_size):
-            raise ValueError(
-                f"AllocatorSpec.page_size must be a power of two, got {self.page_size!r}"
-            )
+        check_page_size(self.page_size, "AllocatorSpec.page_size")
         if self.pool.num_slots > _INT32_MAX:
             raise ValueError(
                 f"AllocatorSpec: (num_pages + 1) * page_size = {self.pool.num_slots} token slots "
@@ -267,17 +266,10 @@ def _cdiv(x: jax.Array, d: int) -> jax.Array:
     return (x + d - 1) // d
 
 
-def _as_i32(x, shape=None) -> jax.Array:
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"expected an integer array, got dtype {x.dtype}")
-    x = x.astype(jnp.int32)
-    return x if shape is None else jnp.broadcast_to(x, shape)
-
-
-def _batch_args(name: str, *arrays, valid=None):
-    """Cast per-request arrays to int32 [B] (checking equal rank-1 shapes) and the valid mask."""
-    arrays = [_as_i32(a) for a in arrays]
+def _batch_args(name: str, fields: str, *arrays, valid=None):
+    """Cast per-request arrays (named by the comma-separated `fields`) to int32 [B], checking
+    integer dtypes, equal rank-1 shapes and host values inside int32, and the valid mask."""
+    arrays = [int_array(a, f"{name}: {f.strip()}") for f, a in zip(fields.split(","), arrays)]
     shape = arrays[0].shape
     if len(shape) != 1 or shape[0] == 0:
         raise ValueError(
@@ -393,6 +385,28 @@ def _allocate(state, rows, prefix_lens, seq_lens, valid, tok_row, tok_pos, tok_v
 # public operations
 
 
+def _host_ints(*names: str):
+    """Range-check the named integer arguments on the host before `jax.jit` sees them: with
+    x64 off the jit boundary would narrow an int64 value modulo 2**32 (2**32 + 1 -> 1)."""
+
+    def wrap(jitted):
+        sig = inspect.signature(jitted)
+
+        @functools.wraps(jitted)
+        def call(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            for name in names:
+                value = bound.arguments.get(name)
+                if value is not None and is_concrete(value):
+                    int_array(value, f"{jitted.__name__}: {name}")
+            return jitted(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+@_host_ints("req_pool_indices", "prefix_lens", "seq_lens")
 @functools.partial(jax.jit, static_argnames=("capacity",))
 def alloc_extend(
     state: AllocatorState,
@@ -416,7 +430,8 @@ def alloc_extend(
     if not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"alloc_extend: capacity must be a positive int, got {capacity!r}")
     rows, prefix_lens, seq_lens, valid = _batch_args(
-        "alloc_extend", req_pool_indices, prefix_lens, seq_lens, valid=valid
+        "alloc_extend", "req_pool_indices, prefix_lens, seq_lens", req_pool_indices, prefix_lens,
+        seq_lens, valid=valid
     )
     num_batch = rows.shape[0]
     extend_lens = jnp.where(valid & (seq_lens > prefix_lens), seq_lens - prefix_lens, 0)
@@ -433,6 +448,7 @@ def alloc_extend(
     return AllocResult(new_state, slots, num_tokens.astype(jnp.int32), status.astype(jnp.int32))
 
 
+@_host_ints("req_pool_indices", "seq_lens")
 @jax.jit
 def alloc_decode(
     state: AllocatorState,
@@ -447,7 +463,8 @@ def alloc_decode(
     `req_to_token[row, seq_len - 1]`. Status bits as in `alloc_extend` (BAD_LENGTH when
     `seq_len - 1 != req_lens[row]` or `seq_len > max_context_len`).
     """
-    rows, seq_lens, valid = _batch_args("alloc_decode", req_pool_indices, seq_lens, valid=valid)
+    rows, seq_lens, valid = _batch_args("alloc_decode", "req_pool_indices, seq_lens",
+                                     req_pool_indices, seq_lens, valid=valid)
     prefix_lens = seq_lens - 1
     num_batch = rows.shape[0]
     tok_row = jnp.arange(num_batch, dtype=jnp.int32)
@@ -458,6 +475,7 @@ def alloc_decode(
     return AllocResult(new_state, slots, num_tokens, status.astype(jnp.int32))
 
 
+@_host_ints("req_pool_indices", "new_lens")
 @jax.jit
 def truncate_requests(
     state: AllocatorState,
@@ -475,7 +493,7 @@ def truncate_requests(
     draft tokens. Status: BAD_REQUEST_INDEX, BAD_LENGTH (`new_len` outside `[0, req_len]`).
     """
     rows, new_lens, valid = _batch_args(
-        "truncate_requests", req_pool_indices, new_lens, valid=valid
+        "truncate_requests", "req_pool_indices, new_lens", req_pool_indices, new_lens, valid=valid
     )
     ps = state.page_size
     num_rows, max_len = state.req_to_token.shape
@@ -529,10 +547,11 @@ def free_requests(
     valid: jax.Array | None = None,  # bool [B]
 ) -> UpdateResult:
     """Free whole rows: `truncate_requests` to length 0 (pages shared with other rows survive)."""
-    rows = _as_i32(req_pool_indices)
+    rows = int_array(req_pool_indices, "free_requests: req_pool_indices")
     return truncate_requests(state, rows, jnp.zeros_like(rows), valid)
 
 
+@_host_ints("src_req", "dst_req", "prefix_lens")
 @jax.jit
 def share_prefix(
     state: AllocatorState,
@@ -551,7 +570,8 @@ def share_prefix(
     longer than src, dst not empty).
     """
     src, dst, prefix_lens, valid = _batch_args(
-        "share_prefix", src_req, dst_req, prefix_lens, valid=valid
+        "share_prefix", "src_req, dst_req, prefix_lens", src_req, dst_req, prefix_lens,
+        valid=valid
     )
     ps = state.page_size
     num_rows, max_len = state.req_to_token.shape

@@ -5,22 +5,44 @@
                   [--device mi300x|mi355x|h200|custom:N[:arch]] [--heads 16] [--plot FILE.png] [--json]
     funcmla bench [metadata|planners|decode|interop|all] [--out DIR] [--quick]
 
-Errors in arguments exit with status 2 and a message naming the argument.
+    funcmla --version
+
+Exit status: 0 on success; 2 for a bad argument, with `funcmla: error: ...` naming the argument
+and the value or limit (lengths and their sums must fit int32: 2147483647); 141 when the reader
+of stdout goes away (`funcmla plan ... --json | head`), quietly, as other Unix tools do.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from funcmla.compile_cache import enable_compilation_cache
+__all__ = ["main", "run", "build_parser", "CLIError", "PLAN_COLUMNS"]
 
-__all__ = ["main", "build_parser"]
+INT32_MAX = 2**31 - 1  # funcmla.guards.INT32_MAX, restated to keep `--help` free of JAX imports
+EXIT_BROKEN_PIPE = 128 + 13  # the shell's status for a writer killed by SIGPIPE
 
 
 class CLIError(Exception):
     """A bad argument: printed as `funcmla: error: ...`, exit status 2."""
+
+
+def _check_ints(values: list, name: str) -> list[int]:
+    """Every value an int in [0, INT32_MAX], and their sum too (offsets are int32 cumsums)."""
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise CLIError(f"{name}[{i}] must be an integer, got {v!r}")
+        if v < 0:
+            raise CLIError(f"{name}[{i}] = {v} must be >= 0")
+        if v > INT32_MAX:
+            raise CLIError(f"{name}[{i}] = {v} exceeds the int32 limit {INT32_MAX}")
+    total = sum(values)
+    if total > INT32_MAX:
+        raise CLIError(f"sum({name}) = {total} exceeds the int32 limit {INT32_MAX} (offsets "
+                       "are int32 cumulative sums); plan a smaller batch")
+    return values
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -30,9 +52,23 @@ def _int_list(text: str, name: str) -> list[int]:
         raise CLIError(f"{name} must be a comma-separated list of integers, got {text!r}") from None
     if not values:
         raise CLIError(f"{name} must not be empty")
-    if any(v < 0 for v in values):
-        raise CLIError(f"{name} must be >= 0, got {text!r}")
-    return values
+    return _check_ints(values, name)
+
+
+def _positive(value: int, name: str) -> int:
+    if value < 1:
+        raise CLIError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _page_size(value: int, name: str) -> int:
+    from funcmla.layout import check_page_size
+
+    try:
+        check_page_size(value, name)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return value
 
 
 def _device(text: str):
@@ -68,10 +104,13 @@ def _load_batch(args) -> tuple[list[int], list[int] | None]:
             raise CLIError(f"--batch {args.batch!r}: {e}") from None
         if not isinstance(data, dict) or "kv_lens" not in data:
             raise CLIError(f"--batch {args.batch!r} must be a JSON object with 'kv_lens' (and optional 'qo_lens')")
-        kv = [int(x) for x in data["kv_lens"]]
-        qo = [int(x) for x in data["qo_lens"]] if "qo_lens" in data else None
-        if any(x < 0 for x in kv) or (qo and any(x < 0 for x in qo)):
-            raise CLIError(f"--batch {args.batch!r}: lengths must be >= 0")
+        lists = {k: data[k] for k in ("kv_lens", "qo_lens") if k in data}
+        for key, value in lists.items():
+            if not isinstance(value, list) or not value:
+                raise CLIError(f"--batch {args.batch!r}: {key} must be a non-empty list of "
+                               f"integers, got {value!r}")
+        kv = _check_ints(lists["kv_lens"], "kv_lens")
+        qo = _check_ints(lists["qo_lens"], "qo_lens") if "qo_lens" in lists else None
     elif args.kv_lens:
         kv = _int_list(args.kv_lens, "--kv-lens")
         qo = _int_list(args.qo_lens, "--qo-lens") if args.qo_lens else None
@@ -117,15 +156,23 @@ def build_plan(kind: str, kv_lens, qo_lens, *, device, heads: int, page_size: in
     try:
         if legacy:
             cfg = PrefillPlanConfig.legacy_page_granular(page_size, device=device,
-                                                         max_qlen=max(int(qo.max()), 1))
+                                                         max_qlen=max(int(qo.max()), 1),
+                                                         gqa_ratio=heads)
             kv_entries = -(-kv // page_size)
         else:
-            cfg = PrefillPlanConfig(device=device, max_qlen=max(int(qo.max()), 1))
+            # absorbed MLA: all q heads share the one latent KV head, so gqa_ratio = heads
+            cfg = PrefillPlanConfig(device=device, max_qlen=max(int(qo.max()), 1), gqa_ratio=heads)
             kv_entries = kv
     except ValueError as e:
         raise CLIError(str(e)) from None
     plan = plan_ps_prefill(indptr_from_lens(qo), indptr_from_lens(kv_entries), kv, config=cfg)
     return plan, cfg
+
+
+# work_info columns as the plan table prints them (the JSON keeps AITER's field names)
+PLAN_COLUMNS = dict(batch_idx="batch", partial_qo_loc="partial", qo_start="qo_s",
+                    qo_end="qo_e", kv_start="kv_s", kv_end="kv_e", kv_offset="kv_off",
+                    q_head_range="heads")
 
 
 def cmd_plan(args) -> int:
@@ -136,8 +183,14 @@ def cmd_plan(args) -> int:
 
     kv, qo = _load_batch(args)
     device = _device(args.device)
-    if args.page_size < 1 or args.page_size & (args.page_size - 1):
-        raise CLIError(f"--page-size must be a power of two, got {args.page_size}")
+    _page_size(args.page_size, "--page-size")
+    _positive(args.heads, "--heads")
+    _positive(args.kv_granularity, "--kv-granularity")
+    if args.max_rows < 0:
+        raise CLIError(f"--max-rows must be >= 0, got {args.max_rows}")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise CLIError(f"--plot {args.plot!r}: the directory "
+                       f"{os.path.dirname(os.path.abspath(args.plot))!r} does not exist")
     plan, cfg = build_plan(args.kind, kv, qo, device=device, heads=args.heads,
                            page_size=args.page_size, kv_granularity=args.kv_granularity,
                            max_split_per_batch=args.max_split_per_batch, dtype=args.dtype,
@@ -146,7 +199,10 @@ def cmd_plan(args) -> int:
     n = summary["num_works"]
     works = np.asarray(plan.work_info)[:n].tolist()
     if args.plot:
-        plot_work_plan(plan, args.plot, title=args.title)
+        try:
+            plot_work_plan(plan, args.plot, title=args.title)
+        except OSError as e:
+            raise CLIError(f"--plot {args.plot!r}: {e}") from None
     if args.json:
         out = dict(summary, device=device.name, config=repr(cfg),
                    work_indptr=np.asarray(plan.work_indptr).tolist(),
@@ -169,14 +225,17 @@ def cmd_plan(args) -> int:
     con.print(f"tokens per unit: max {summary['tokens_per_cu_max']}, mean {summary['tokens_per_cu_mean']:.1f}")
     table = Table(title=f"work_info (first {min(n, args.max_rows)} of {n})")
     table.add_column("cu", justify="right")
-    short = dict(batch_idx="batch", partial_qo_loc="partial", qo_start="qo_s", qo_end="qo_e",
-                 kv_start="kv_s", kv_end="kv_e", kv_offset="kv_off", q_head_range="col7")
     for f in WORK_INFO_FIELDS:
-        table.add_column(short[f], justify="right")
+        table.add_column(PLAN_COLUMNS[f], justify="right")
     work_indptr = np.asarray(plan.work_indptr)
     cu_of = np.searchsorted(work_indptr, np.arange(n), side="right") - 1
     for w in range(min(n, args.max_rows)):
-        table.add_row(str(cu_of[w]), *[str(v) for v in works[w]])
+        cells = dict(zip(WORK_INFO_FIELDS, works[w]))
+        text = {f: str(v) for f, v in cells.items()}
+        if plan.kind == "prefill":  # (end << 16) | start, shown as start:end
+            v = cells["q_head_range"]
+            text["q_head_range"] = f"{v & 0xFFFF}:{v >> 16}"
+        table.add_row(str(cu_of[w]), *[text[f] for f in WORK_INFO_FIELDS])
     con.print(table)
     if args.plot:
         con.print(f"wrote {args.plot}")
@@ -223,15 +282,17 @@ def cmd_demo(args) -> int:
     from funcmla.demo import run_demo
 
     page_sizes = tuple(_int_list(args.page_sizes, "--page-sizes"))
-    for ps in page_sizes:
-        if ps < 1 or ps & (ps - 1):
-            raise CLIError(f"--page-sizes must be powers of two, got {ps}")
+    for i, ps in enumerate(page_sizes):
+        _page_size(ps, f"--page-sizes[{i}]")
     return run_demo(page_sizes=page_sizes, seed=args.seed, as_json=args.json,
                     progress=not args.no_progress)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from funcmla import __version__
+
     p = argparse.ArgumentParser(prog="funcmla", description="Paged MLA metadata, checked: demo, plan, bench.")
+    p.add_argument("--version", action="version", version=f"funcmla {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run the allocator -> metadata -> plan -> attention chain end to end")
@@ -247,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--qo-lens", help="query tokens per request (decode default 1; prefill default = kv)")
     pl.add_argument("--batch", help="JSON file {\"kv_lens\": [...], \"qo_lens\": [...]}")
     pl.add_argument("--device", default="mi300x", help="mi300x | mi355x | h200 | custom:N[:arch] (default mi300x)")
-    pl.add_argument("--heads", type=int, default=16, help="query heads (decode; default 16)")
+    pl.add_argument("--heads", type=int, default=16,
+                    help="query heads (prefill: its gqa_ratio, one latent KV head; default 16)")
     pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="q and kv dtype (decode)")
     pl.add_argument("--page-size", type=int, default=1, help="tokens per kv_indices entry (default 1)")
     pl.add_argument("--kv-granularity", type=int, default=16, help="decode split unit in entries (default 16)")
@@ -268,14 +330,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run(argv=None) -> int:
+    """Parse `argv` and run the command; a bad argument raises CLIError (argparse's own errors
+    exit with status 2)."""
+    args = build_parser().parse_args(argv)
+    from funcmla.compile_cache import enable_compilation_cache  # after parsing: --help needs no JAX
+
     enable_compilation_cache()
+    return int(args.func(args) or 0)
+
+
+def main(argv=None) -> int:
+    """The console entry point: `run`, with CLIError as exit status 2 and a closed stdout as a
+    quiet exit status 141."""
     try:
-        return int(args.func(args) or 0)
+        return run(argv)
     except CLIError as e:
-        parser.exit(2, f"funcmla: error: {e}\n")
+        sys.stderr.write(f"funcmla: error: {e}\n")
+        return 2
+    except BrokenPipeError:
+        # the reader went away (`| head`): point stdout at devnull so the interpreter's final
+        # flush does not raise again, and exit as a SIGPIPE-killed writer would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from funcmla.attention.executor import plan_spans, run_work_plan
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.checks import check_metadata, checked
 from funcmla.compile_cache import enable_compilation_cache
-from funcmla.config import MI355X
+from funcmla.config import MI355X, MLADims
 from funcmla.layout import PoolSpec
 from funcmla.planners.prefill import PrefillPlanConfig, check_plan_matches_metadata, plan_ps_prefill
 from funcmla.planners.validate import plan_problems
@@ -41,7 +41,7 @@ from funcmla.simulate import SimulationConfig, run_simulation
 __all__ = ["run_demo", "seed_prefill_case", "seed_buffer_case", "DemoPrefillBatch"]
 
 _extend_metadata = jax.jit(md.extend_metadata, static_argnames="capacity")
-SCALE = 0.1352337788608801  # DeepSeek-V3 sm_scale (funcmla.config.deepseek_v3_sm_scale())
+SCALE = MLADims().sm_scale  # DeepSeek-V3 sm_scale
 HEADS = 4
 _MAX_DEMO_PAGE_SIZE = 64
 

@@ -22,11 +22,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["TokenCSR", "PageTable", "PoolSpec", "expect_layout", "is_power_of_two"]
+__all__ = [
+    "TokenCSR", "PageTable", "PoolSpec", "expect_layout", "expect_index_array", "is_power_of_two",
+    "check_page_size",
+]
 
 
 def is_power_of_two(n: Any) -> bool:
+    """True for a Python int (not bool) that is a positive power of two."""
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and (n & (n - 1)) == 0
+
+
+def check_page_size(page_size: Any, name: str = "page_size") -> None:
+    """The one home of the page-size rule: a positive power of two (Python int), because slots
+    split into (page, offset) by shift and mask. Raises ValueError naming `name` and the value."""
+    if not is_power_of_two(page_size):
+        raise ValueError(f"{name} must be a power of two, got {page_size!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -82,8 +93,7 @@ class PageTable:
     granularity = "page"
 
     def __post_init__(self):
-        if not is_power_of_two(self.page_size):
-            raise ValueError(f"PageTable.page_size must be a power of two, got {self.page_size!r}")
+        check_page_size(self.page_size, "PageTable.page_size")
 
     @property
     def num_seqs(self) -> int:
@@ -117,8 +127,7 @@ class PoolSpec:
     page_size: int
 
     def __post_init__(self):
-        if not is_power_of_two(self.page_size):
-            raise ValueError(f"PoolSpec.page_size must be a power of two, got {self.page_size!r}")
+        check_page_size(self.page_size, "PoolSpec.page_size")
         if not isinstance(self.num_pages, int) or self.num_pages <= 0:
             raise ValueError(f"PoolSpec.num_pages must be a positive int, got {self.num_pages!r}")
 
@@ -144,3 +153,18 @@ def expect_layout(value: Any, cls: type, name: str) -> None:
             f"{name}: expected a {cls.__name__} ({cls.granularity}-granular), got {what}; "
             "convert explicitly with funcmla.indices"
         )
+
+
+def expect_index_array(value: Any, name: str) -> None:
+    """Trace-time check that `value` is a raw integer array (a token-granular index stream such
+    as `kv_indices`), not a layout object or a float array: raise TypeError naming `name`."""
+    got = getattr(value, "granularity", None)
+    if got is not None:
+        raise TypeError(
+            f"{name}: expected an int32 array of token slots or offsets (token-granular), got "
+            f"{type(value).__name__} ({got}-granular); pass its arrays (a TokenCSR's "
+            ".indptr / .indices) or convert explicitly with funcmla.indices"
+        )
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {dtype or type(value).__name__}")

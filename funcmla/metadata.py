@@ -30,9 +30,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from funcmla.indices import gather_token_indices, indptr_from_lens
-from funcmla.layout import TokenCSR, is_power_of_two
+from funcmla.checks import check_lengths, check_queries_fit
+from funcmla.guards import check_int32_total, enforce, int_array, should_check
+from funcmla.indices import capacity_arg, indptr_from_lens, request_inputs, token_csr_from_table
+from funcmla.layout import TokenCSR, check_page_size
 
 __all__ = [
     "MODES",
@@ -42,6 +45,7 @@ __all__ = [
     "extend_metadata",
     "target_verify_metadata",
     "draft_extend_metadata",
+    "build_metadata",
 ]
 
 MODES = ("decode", "extend", "target_verify", "draft_extend")
@@ -62,6 +66,10 @@ class ForwardMetadata:
     num_draft_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     granularity = "token"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"ForwardMetadata.mode must be one of {MODES}, got {self.mode!r}")
 
     @property
     def kv(self) -> TokenCSR:
@@ -110,10 +118,7 @@ class BufferPlan:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BufferPlan.{name} must be a positive int, got {value!r}")
-        if not is_power_of_two(self.page_size):
-            raise ValueError(
-                f"BufferPlan.page_size must be a power of two, got {self.page_size!r}"
-            )
+        check_page_size(self.page_size, "BufferPlan.page_size")
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
             raise ValueError(
                 f"BufferPlan.num_draft_tokens must be an int >= 0, got {self.num_draft_tokens!r}"
@@ -140,21 +145,13 @@ class BufferPlan:
         return (self.max_bs, self.max_pages_per_seq)
 
 
-def _as_i32(x, name: str) -> jax.Array:
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
-    if x.ndim != 1:
-        raise ValueError(f"{name} must be 1-D [batch], got shape {x.shape}")
-    return x.astype(jnp.int32)
-
-
 def _max_or_zero(x: jax.Array) -> jax.Array:
     return jnp.max(x, initial=0).astype(jnp.int32)
 
 
 def _build(req_to_token, req_pool_indices, kv_lens, qo_indptr, *, capacity, mode, n=0):
-    kv = gather_token_indices(req_to_token, req_pool_indices, kv_lens, capacity=capacity)
+    """The metadata of inputs that `request_inputs` has checked (with `capacity`)."""
+    kv = token_csr_from_table(req_to_token, req_pool_indices, kv_lens, capacity=capacity)
     batch = kv_lens.shape[0]
     qo_lens = qo_indptr[1:] - qo_indptr[:-1]
     return ForwardMetadata(
@@ -169,17 +166,9 @@ def _build(req_to_token, req_pool_indices, kv_lens, qo_indptr, *, capacity, mode
     )
 
 
-def _check_batch(req_pool_indices, **lens):
-    batch = req_pool_indices.shape[0]
-    for name, arr in lens.items():
-        if arr.shape != (batch,):
-            raise ValueError(
-                f"{name} must have shape [batch]=({batch},) like req_pool_indices, got {arr.shape}"
-            )
-
-
 def _check_n(num_draft_tokens):
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens <= 0:
+    if (not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool)
+            or num_draft_tokens <= 0):
         raise ValueError(f"num_draft_tokens must be a positive int, got {num_draft_tokens!r}")
 
 
@@ -190,10 +179,14 @@ def decode_metadata(
     *,
     capacity: int,
 ) -> ForwardMetadata:
-    """Decode: one query per request over its `seq_lens` tokens."""
-    req_pool_indices = _as_i32(req_pool_indices, "req_pool_indices")
-    seq_lens = _as_i32(seq_lens, "seq_lens")
-    _check_batch(req_pool_indices, seq_lens=seq_lens)
+    """Decode: one query per request over its `seq_lens` tokens.
+
+    Every builder refuses bad values when they are concrete or under `funcmla.checks.checked`
+    (`checks.check_request_table`: rows inside req_to_token, 0 <= seq_lens <= max_context_len,
+    the total within `capacity` and int32); see `funcmla.checks` for the jitted variant."""
+    req_to_token, req_pool_indices, seq_lens, _ = request_inputs(
+        req_to_token, req_pool_indices, seq_lens, lens_name="seq_lens",
+        capacity=capacity_arg(capacity))
     batch = seq_lens.shape[0]
     qo_indptr = jnp.arange(batch + 1, dtype=jnp.int32)
     return _build(req_to_token, req_pool_indices, seq_lens, qo_indptr, capacity=capacity,
@@ -208,11 +201,19 @@ def extend_metadata(
     *,
     capacity: int,
 ) -> ForwardMetadata:
-    """Extend / prefill: `extend_seq_lens` queries over the full `seq_lens` keys (prefix + new)."""
-    req_pool_indices = _as_i32(req_pool_indices, "req_pool_indices")
-    seq_lens = _as_i32(seq_lens, "seq_lens")
-    extend_seq_lens = _as_i32(extend_seq_lens, "extend_seq_lens")
-    _check_batch(req_pool_indices, seq_lens=seq_lens, extend_seq_lens=extend_seq_lens)
+    """Extend / prefill: `extend_seq_lens` queries over the full `seq_lens` keys (prefix + new).
+    Also checks `0 <= extend_seq_lens <= seq_lens` (bottom-right causal needs q <= k)."""
+    req_to_token, req_pool_indices, seq_lens, _ = request_inputs(
+        req_to_token, req_pool_indices, seq_lens, lens_name="seq_lens",
+        capacity=capacity_arg(capacity))
+    extend_seq_lens = int_array(extend_seq_lens, "extend_seq_lens", ndim=1)
+    if extend_seq_lens.shape != seq_lens.shape:
+        raise ValueError(f"extend_seq_lens must have shape [batch]=({seq_lens.shape[0]},) like "
+                         f"req_pool_indices, got {tuple(extend_seq_lens.shape)}")
+    if should_check(seq_lens, extend_seq_lens):
+        check_int32_total(extend_seq_lens, "extend_seq_lens")
+        enforce(check_queries_fit, extend_seq_lens, seq_lens, q_name="extend_seq_lens",
+                k_name="seq_lens")
     qo_indptr = indptr_from_lens(extend_seq_lens)
     return _build(req_to_token, req_pool_indices, seq_lens, qo_indptr, capacity=capacity,
                   mode="extend")
@@ -221,11 +222,21 @@ def extend_metadata(
 def _n_per_request(req_to_token, req_pool_indices, seq_lens, kv_extra, *, n, capacity, mode):
     """n queries per request (qo_indptr = arange(B + 1) * n) over `seq_lens + kv_extra` keys."""
     _check_n(n)
-    req_pool_indices = _as_i32(req_pool_indices, "req_pool_indices")
-    seq_lens = _as_i32(seq_lens, "seq_lens")
-    _check_batch(req_pool_indices, seq_lens=seq_lens)
-    qo_indptr = jnp.arange(seq_lens.shape[0] + 1, dtype=jnp.int32) * n
-    return _build(req_to_token, req_pool_indices, seq_lens + kv_extra, qo_indptr,
+    seq_lens = int_array(seq_lens, "seq_lens", ndim=1)
+    if should_check(seq_lens):
+        if mode == "draft_extend":  # seq_lens already include the n new tokens (the queries)
+            enforce(check_queries_fit, jnp.full_like(seq_lens, n), seq_lens,
+                    q_name="num_draft_tokens", k_name="seq_lens")
+        else:  # seq_lens + n must not wrap before the table check sees it
+            cols = np.shape(req_to_token)[-1]
+            enforce(check_lengths, seq_lens, name="seq_lens", max_context_len=cols - n,
+                    limit=f"max_context_len - num_draft_tokens = {cols} - {n}")
+    name = "seq_lens" if kv_extra == 0 else f"seq_lens + num_draft_tokens({n})"
+    req_to_token, req_pool_indices, kv_lens, _ = request_inputs(
+        req_to_token, req_pool_indices, seq_lens + kv_extra, lens_name=name,
+        capacity=capacity_arg(capacity))
+    qo_indptr = jnp.arange(kv_lens.shape[0] + 1, dtype=jnp.int32) * n
+    return _build(req_to_token, req_pool_indices, kv_lens, qo_indptr,
                   capacity=capacity, mode=mode, n=n)
 
 
@@ -253,3 +264,30 @@ def draft_extend_metadata(
     """Draft extend (EAGLE v2): n queries per request over `seq_lens` keys."""
     return _n_per_request(req_to_token, req_pool_indices, seq_lens, 0,
                           n=num_draft_tokens, capacity=capacity, mode="draft_extend")
+
+
+def build_metadata(
+    mode: str,
+    req_to_token: jax.Array,
+    req_pool_indices: jax.Array,  # int32 [B]
+    seq_lens: jax.Array,  # int32 [B]
+    extend_seq_lens: jax.Array | None = None,  # int32 [B]; extend only
+    *,
+    capacity: int,
+    num_draft_tokens: int = 0,
+) -> ForwardMetadata:
+    """The one per-mode dispatch: the builder of `mode` (one of `MODES`) with its arguments."""
+    if mode == "decode":
+        return decode_metadata(req_to_token, req_pool_indices, seq_lens, capacity=capacity)
+    if mode == "extend":
+        if extend_seq_lens is None:
+            raise ValueError("mode 'extend' needs extend_seq_lens")
+        return extend_metadata(req_to_token, req_pool_indices, seq_lens, extend_seq_lens,
+                               capacity=capacity)
+    if mode == "target_verify":
+        return target_verify_metadata(req_to_token, req_pool_indices, seq_lens,
+                                      num_draft_tokens=num_draft_tokens, capacity=capacity)
+    if mode == "draft_extend":
+        return draft_extend_metadata(req_to_token, req_pool_indices, seq_lens,
+                                     num_draft_tokens=num_draft_tokens, capacity=capacity)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -45,7 +45,7 @@ from funcmla import metadata as md
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.checks import check_metadata, check_page_contiguity, checked
 from funcmla.config import MLADims, custom_device
-from funcmla.layout import PoolSpec
+from funcmla.layout import PoolSpec, check_page_size
 
 __all__ = [
     "SimulationConfig",
@@ -197,8 +197,7 @@ class SimulationConfig:
     def allocator_spec(self, page_size: int) -> alloc.AllocatorSpec:
         """The allocator at `page_size`; checks that the pool is a whole number of pages and
         holds the longest request."""
-        if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+        check_page_size(page_size)
         if self.pool_tokens % page_size:
             raise ValueError(
                 f"SimulationConfig.pool_tokens={self.pool_tokens} is not a multiple of "
@@ -408,17 +407,6 @@ class _Forward:
     pallas: bool = False  # decode / verify through the Pallas kernel (interpret off-GPU)
 
 
-def _build_metadata(f: _Forward, req_to_token, rpi, seq_lens, extend_lens) -> md.ForwardMetadata:
-    if f.mode == "extend":
-        return md.extend_metadata(req_to_token, rpi, seq_lens, extend_lens,
-                                  capacity=f.kv_capacity)
-    if f.mode == "decode":
-        return md.decode_metadata(req_to_token, rpi, seq_lens, capacity=f.kv_capacity)
-    return md.target_verify_metadata(req_to_token, rpi, seq_lens,
-                                     num_draft_tokens=f.num_draft_tokens,
-                                     capacity=f.kv_capacity)
-
-
 def _attend_with_plan(f: _Forward, q, kv_pool, meta):
     from funcmla.attention.executor import run_work_plan
     from funcmla.planners.decode import plan_mla_decode
@@ -463,7 +451,9 @@ def _forward(f: _Forward, req_to_token, kv_pool, write_loc, write_rows, batch, q
     Returns (kv_pool, metadata, out [T, H, v_head_dim], plan works, plan partials).
     """
     kv_pool = kv_pool.at[write_loc].set(write_rows)
-    meta = _build_metadata(f, req_to_token, *batch)
+    rpi, seq_lens, extend_lens = batch
+    meta = md.build_metadata(f.mode, req_to_token, rpi, seq_lens, extend_lens,
+                             capacity=f.kv_capacity, num_draft_tokens=f.num_draft_tokens)
     if f.pallas and f.mode != "extend":
         out = _attend_with_pallas(f, q, kv_pool, meta)
         works = partials = jnp.int32(0)
@@ -505,7 +495,7 @@ class _Trace:
 
     def __init__(self, config: SimulationConfig, page_size: int, pool_rows: int, workload):
         self.cfg = config
-        self.ps = page_size
+        self.page_size = page_size
         self.spec = config.allocator_spec(page_size)
         self.state = alloc.init_allocator(self.spec)
         dims = config.dims
@@ -547,7 +537,7 @@ class _Trace:
         """Out of pages while decoding: free the newest running request and requeue it."""
         if len(self.running) <= 1:
             raise RuntimeError(
-                f"page_size={self.ps}: out of pages with a single running request; "
+                f"page_size={self.page_size}: out of pages with a single running request; "
                 f"SimulationConfig.pool_tokens={self.cfg.pool_tokens} is too small"
             )
         victim = self.running.pop()
@@ -561,7 +551,7 @@ class _Trace:
         for live in self.running:
             n = min(live.cur_len, req.prompt_len - 1)
             diff = np.flatnonzero(live.spec.token_ids[:n] != req.token_ids[:n])
-            m = (int(diff[0]) if diff.size else n) // self.ps * self.ps
+            m = (int(diff[0]) if diff.size else n) // self.page_size * self.page_size
             if m > best[1]:
                 best = (live.row, m)
         return best
@@ -596,7 +586,7 @@ class _Trace:
         q[~q_valid] = 0.0
         plan_config = None
         if cfg.use_plans:
-            prefill_cfg, decode_cfg = cfg.plan_configs(self.ps)
+            prefill_cfg, decode_cfg = cfg.plan_configs(self.page_size)
             plan_config = prefill_cfg if mode == "extend" else decode_cfg
         f = _Forward(mode, cfg.num_draft_tokens if mode == "target_verify" else 0,
                      self.kv_capacity, cfg.max_context_len, cfg.dims, plan_config,

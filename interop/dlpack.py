@@ -105,9 +105,10 @@ def _describe(t: torch.Tensor) -> str:
 def to_jax(t: torch.Tensor, *, copy: bool = False, fp8: str = "bitcast") -> jax.Array:
     """Import a torch tensor into JAX without copying it.
 
-    copy: if False (default) a non-contiguous or non-64-byte-aligned tensor raises ValueError;
-          if True it is first made contiguous and aligned (one copy, in torch). A contiguous,
-          aligned tensor is never copied either way.
+    copy: if False (default) a non-contiguous or non-64-byte-aligned tensor, or one with a lazy
+          negation / conjugation bit (`-t` views, `t.conj()`), raises ValueError; if True it is
+          first resolved, made contiguous and aligned (one copy, in torch). A contiguous,
+          aligned, resolved tensor is never copied either way.
     fp8:  "bitcast" returns a float8 array (one eager device copy, see the module docstring);
           "bits" returns the zero-copy uint8 alias of the bytes.
     The result is registered as shared (`check_not_shared`). int64/float64 tensors are refused
@@ -122,6 +123,17 @@ def to_jax(t: torch.Tensor, *, copy: bool = False, fp8: str = "bitcast") -> jax.
             f"to_jax: {t.dtype} is not supported ({_describe(t)}); JAX runs with x64 off and "
             "would narrow it with a copy. Convert in torch first, e.g. t.to(torch.int32)."
         )
+    if t.is_neg() or t.is_conj():
+        # a lazy negation / conjugation bit is not part of DLPack: exporting the raw memory
+        # would hand JAX the un-negated values
+        bit = "negation" if t.is_neg() else "conjugation"
+        if not copy:
+            raise ValueError(
+                f"to_jax: tensor carries a lazy {bit} bit ({_describe(t)}); its memory does not "
+                f"hold its values. Call t.resolve_neg() / t.resolve_conj() first, or pass "
+                "copy=True for one resolved copy."
+            )
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         if not copy:
             raise ValueError(

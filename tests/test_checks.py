@@ -96,9 +96,13 @@ def test_page_contiguity():
 
 def test_metadata_check_covers_queries_vs_keys():
     r2t = (jnp.arange(4 * 8, dtype=jnp.int32) + 4).reshape(4, 8)
-    meta = extend_metadata(r2t, jnp.array([0, 1]), jnp.array([2, 3]), jnp.array([2, 4]), capacity=8)
+    # built under a plain jit (no value checks), then checked: the metadata check still sees it
+    build = jax.jit(lambda *a: extend_metadata(*a, capacity=8))
+    meta = build(r2t, jnp.array([0, 1]), jnp.array([2, 3]), jnp.array([2, 4]))
     _raises(lambda m: checks.check_metadata(m, pool=POOL, max_context_len=8), meta,
             match=r"request 1 has 4 queries but only 3 keys")
+    with pytest.raises(ValueError, match=r"extend_seq_lens\[1\] = 4, seq_lens\[1\] = 3"):
+        extend_metadata(r2t, jnp.array([0, 1]), jnp.array([2, 3]), jnp.array([2, 4]), capacity=8)
     meta = decode_metadata(r2t, jnp.array([0, 1]), jnp.array([2, 3]), capacity=8)
     _ok(lambda m: checks.check_metadata(m, pool=POOL, max_context_len=8), meta)
 

@@ -75,7 +75,10 @@ def test_bench_metadata_quick_writes_json(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["plan", "decode", "--kv-lens", "12,x"], "--kv-lens must be a comma-separated list of integers"),
-    (["plan", "decode", "--kv-lens", "12,-3"], "--kv-lens must be >= 0"),
+    (["plan", "decode", "--kv-lens", "12,-3"], "--kv-lens[1] = -3 must be >= 0"),
+    (["plan", "decode", "--kv-lens", "99999999999"], "--kv-lens[0] = 99999999999 exceeds the int32 limit 2147483647"),
+    (["plan", "decode", "--kv-lens", "2000000000,2000000000", "--json"],
+     "sum(--kv-lens) = 4000000000 exceeds the int32 limit 2147483647"),
     (["plan", "decode"], "give the batch with --kv-lens"),
     (["plan", "decode", "--kv-lens", "5,6", "--qo-lens", "1"], "--qo-lens has 1 entries but --kv-lens has 2"),
     (["plan", "decode", "--kv-lens", "5", "--device", "tpu9"], "unknown device profile 'tpu9'"),
@@ -84,14 +87,36 @@ def test_bench_metadata_quick_writes_json(tmp_path):
     (["plan", "decode", "--kv-lens", "5", "--heads", "20"], "DecodePlanConfig.num_heads"),
     (["plan", "prefill", "--kv-lens", "5", "--qo-lens", "9"], "--qo-lens <= --kv-lens"),
     (["plan", "prefill", "--batch", "/nonexistent.json"], "--batch '/nonexistent.json'"),
-    (["demo", "--page-sizes", "1,3"], "--page-sizes must be powers of two"),
+    (["demo", "--page-sizes", "1,3"], "--page-sizes[1] must be a power of two, got 3"),
     (["plan", "sideways", "--kv-lens", "5"], "invalid choice: 'sideways'"),
 ])
-def test_bad_arguments_exit_2_and_name_the_argument(args, message):
-    r = funcmla(*args, timeout=120)
-    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
-    assert message in r.stderr, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
+def test_bad_arguments_exit_2_and_name_the_argument(args, message, capsys):
+    """In-process (the console script is `cli.main`); tests/bad_inputs_cli.py has the rest."""
+    from funcmla import cli
+
+    try:
+        code = cli.main(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err[-2000:])
+    assert message in err, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_version_and_a_closed_pipe():
+    r = funcmla("--version", timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("funcmla ")
+    # `funcmla plan ... --json | head -c 10`: the reader closes early; no traceback, status 141
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "funcmla", "plan", "decode", "--kv-lens",
+                             ",".join(["4096"] * 400), "--device", "custom:64", "--json"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(10).startswith(b"{")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_gpu_only_bench_is_refused_on_cpu():

@@ -132,7 +132,7 @@ def test_seed_legacy_pairing_is_refused_and_wrong_when_forced(capsys):
     legacy_plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, jnp.diff(meta.kv_indptr),
                                   config=legacy_cfg)
     q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
-    with pytest.raises(ValueError, match=r"block_size=64 but kv_indices entries hold kv_page_size=1"):
+    with pytest.raises(ValueError, match=r"block_size=64 but kv_indices entries hold page_size=1"):
         run_work_plan(q, pool, meta, legacy_plan, sm_scale=SCALE, max_qo_span=Q_GRAN,
                       max_kv_span=KV_SPAN)
     errs = {}
@@ -177,7 +177,7 @@ def decode_case(name, kv_lens, seed=0):
     plan = plan_mla_decode_jit(qo_indptr, meta.kv_indptr, meta.kv_last_page_len, config=cfg)
     q, pool = random_qkv(B * uni, cfg.num_heads, seed)
     out, lse = run_work_plan(q, pool, meta, plan, sm_scale=SCALE, max_qo_span=uni,
-                             max_kv_span=KV_SPAN, kv_page_size=ps, causal=True,
+                             max_kv_span=KV_SPAN, page_size=ps, causal=True,
                              qk_batch_ratio=cfg.qk_batch_ratio, uni_seqlen_qo=uni)
     ref = mla_attention_reference(q, pool, qo_indptr, tok_indptr, tok_indices, sm_scale=SCALE,
                                   causal=True, max_kv_len=KV_SPAN)
@@ -219,9 +219,9 @@ def test_executor_static_errors():
     plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, jnp.diff(meta.kv_indptr),
                            config=PrefillPlanConfig(kvlen_granularity=KV_GRAN, **PREFILL_KW))
     q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
-    with pytest.raises(ValueError, match=r"plan block_size=1 but kv_indices entries hold kv_page_size=16"):
+    with pytest.raises(ValueError, match=r"plan block_size=1 but kv_indices entries hold page_size=16"):
         run_work_plan(q, pool, meta, plan, sm_scale=SCALE, max_qo_span=8, max_kv_span=8,
-                      kv_page_size=16)
+                      page_size=16)
     with pytest.raises(ValueError, match=r"max_kv_span must be a positive int, got 0"):
         run_work_plan(q, pool, meta, plan, sm_scale=SCALE, max_qo_span=8, max_kv_span=0)
     with pytest.raises(ValueError, match=r"qk_batch_ratio=2 needs a decode plan"):
@@ -229,3 +229,51 @@ def test_executor_static_errors():
                       qk_batch_ratio=2, uni_seqlen_qo=1)
     with pytest.raises(ValueError, match=r"expected q \[T, H, D\]"):
         run_work_plan(q[0], pool, meta, plan, sm_scale=SCALE, max_qo_span=8, max_kv_span=8)
+
+
+# ---- unused rows never reach an output --------------------------------------------------------
+
+
+def live_slots(meta, page_size):
+    """Token slots of every live KV token of `meta` (token CSR or page CSR)."""
+    indptr, idx = np.asarray(meta.kv_indptr), np.asarray(meta.kv_indices)
+    last = np.asarray(meta.kv_last_page_len)
+    slots = []
+    for b in range(len(indptr) - 1):
+        ent = idx[indptr[b]:indptr[b + 1]]
+        if page_size == 1:
+            slots.append(ent)
+        elif len(ent):
+            n = (len(ent) - 1) * page_size + last[b]
+            t = np.arange(n)
+            slots.append(ent[t // page_size] * page_size + t % page_size)
+    return np.concatenate(slots) if slots else np.zeros(0, np.int64)
+
+
+@pytest.mark.parametrize("case", ["prefill_split_ps16", "decode_ps16", "decode_fold_mtp"])
+def test_poisoned_unused_rows_change_nothing(case):
+    """NaN, +Inf and -Inf in the reserved page 0, in every pool row no request uses and in q's
+    padding rows: the executor's output is bitwise the clean one (masked positions are selected
+    away, never multiplied by zero)."""
+    if case == "prefill_split_ps16":
+        plan, meta, got, _ = prefill_case([64, 64, 50, 7], [150, 0, 3, 100], 16, causal=True)
+        ps, kw = 1, dict(max_qo_span=Q_GRAN, max_kv_span=KV_SPAN)
+        q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
+    else:
+        name = "ps16_h16" if case == "decode_ps16" else "ps1_h32_fold2_mtp2"
+        plan, meta, got, _ = decode_case(name, [250, 3, 200, 77])
+        cfg, ps = DECODE_CONFIGS[name]
+        uni = max(cfg.uni_seqlen_qo, 1)
+        kw = dict(max_qo_span=uni, max_kv_span=KV_SPAN, page_size=ps,
+                  qk_batch_ratio=cfg.qk_batch_ratio, uni_seqlen_qo=uni)
+        q, pool = random_qkv(B * uni, cfg.num_heads, 0)
+    used = np.zeros(POOL_SLOTS, bool)
+    used[live_slots(meta, ps)] = True
+    assert not used[0] and used.sum() < POOL_SLOTS - 100
+    poison = jnp.asarray(np.resize([np.nan, np.inf, -np.inf], POOL_SLOTS), jnp.float32)
+    bad_pool = jnp.where(jnp.asarray(used)[:, None], pool, poison[:, None])
+    rows = int(meta.qo_indptr[-1])
+    bad_q = q.at[rows:].set(jnp.nan) if rows < q.shape[0] else q
+    out, lse = run_work_plan(bad_q, bad_pool, meta, plan, sm_scale=SCALE, causal=True, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(got[0]))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(got[1]))

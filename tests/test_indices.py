@@ -127,8 +127,12 @@ def test_kv_start_offsets_the_gather():
 
 
 def test_overflow_never_writes_past_capacity():
+    """Unchecked under jit the overflow is dropped; eager (checked) it raises."""
     r2t = jnp.arange(2 * 10, dtype=jnp.int32).reshape(2, 10) + 100
-    csr = gather_token_indices(r2t, jnp.array([0, 1]), jnp.array([6, 6]), capacity=8)
+    with pytest.raises(ValueError, match=r"sum\(kv_lens\) = 12 live tokens exceed the buffer capacity 8"):
+        gather_token_indices(r2t, jnp.array([0, 1]), jnp.array([6, 6]), capacity=8)
+    csr = jax.jit(lambda *a: gather_token_indices(*a, capacity=8))(
+        r2t, jnp.array([0, 1]), jnp.array([6, 6]))
     assert csr.indices.shape == (8,)
     assert int(csr.indptr[-1]) == 12  # live count says 12 > 8; funcmla.checks reports it
     np.testing.assert_array_equal(np.asarray(csr.indices), [100, 101, 102, 103, 104, 105, 110, 111])

@@ -130,6 +130,21 @@ def test_misaligned_tensor_is_refused_unless_copy_requested():
     np.testing.assert_array_equal(np.asarray(x), np.arange(1, 17))
 
 
+def test_lazy_negation_and_conjugation_bits_are_refused_unless_copy_requested():
+    """`-t` views and `t.conj()` carry a lazy bit DLPack cannot express: the raw memory holds
+    the un-negated values. Refused by default; copy=True resolves them (exact values)."""
+    t = torch.arange(64, dtype=torch.float32)
+    neg = torch._neg_view(t)
+    with pytest.raises(ValueError, match="lazy negation bit"):
+        to_jax(neg)
+    np.testing.assert_array_equal(np.asarray(to_jax(neg, copy=True)), -np.arange(64))
+    z = (torch.arange(16, dtype=torch.float32) * (1 + 2j)).to(torch.complex64)
+    with pytest.raises(ValueError, match="lazy conjugation bit"):
+        to_jax(z.conj())
+    np.testing.assert_array_equal(np.asarray(to_jax(z.conj(), copy=True)), np.conj(z.numpy()))
+    assert np.asarray(to_jax(t))[5] == 5  # the plain tensor still crosses without a copy
+
+
 def test_int64_is_refused_with_a_clear_error():
     with pytest.raises(TypeError, match=r"torch.int64 is not supported.*to\(torch.int32\)"):
         to_jax(torch.arange(4))

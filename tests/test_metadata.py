@@ -131,8 +131,10 @@ def test_seed_overflow_reproduced_and_reported():
     fn = jax.jit(checked(build_and_check), static_argnums=3)
     err, meta = fn(r2t, rpi, seq, legacy.kv_indices_capacity)
     assert meta.kv_indices.shape == (legacy.kv_indices_capacity,) == (64,)
-    with pytest.raises(Exception, match=r"kv_indptr\[-1\] = 650 live entries exceed the buffer capacity 64"):
+    with pytest.raises(Exception, match=r"sum\(seq_lens\) = 650 live tokens exceed the buffer capacity 64"):
         err.throw()
+    with pytest.raises(ValueError, match=r"sum\(seq_lens\) = 650 live tokens exceed the buffer capacity 64"):
+        md.decode_metadata(r2t, rpi, seq, capacity=legacy.kv_indices_capacity)  # eager: checked
     fixed = md.BufferPlan(max_bs, ctx, ps)
     err, meta = fn(r2t, rpi, seq, fixed.kv_indices_capacity)
     assert err.get() is None

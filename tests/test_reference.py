@@ -6,11 +6,12 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 from funcmla.attention.reference import mla_attention_reference
+from funcmla.config import MLADims
 from funcmla.metadata import decode_metadata, extend_metadata
 from tests.pools import attention_oracle_f64, latent_rows, layout_requests, rel_err
 
 D, DV, H = 576, 512, 4
-SCALE = 0.1352337788608801
+SCALE = MLADims().sm_scale  # DeepSeek-V3
 BATCH, MAX_CTX, CAP, MAX_Q = 4, 512, 4 * 512, 64
 POOL_ROWS = 2560  # >= (pages + 1) * page_size for every case below
 

@@ -8,12 +8,12 @@ means (modelled on AITER's `torch_mla_extend_split_kv` + `torch_mla_reduce_v1`).
                          kv_indices [cap] (entries), kv_last_page_len [B] (tokens in the last
                          entry); `funcmla.metadata.ForwardMetadata` or `PagedKVMetadata`.
 
-One kv_indices entry is `kv_page_size` tokens: a token slot when 1 (token CSR), a page id when
-> 1 (token t of the entry lives at slot `page * kv_page_size + t`). A work of request `b`
+One kv_indices entry is `page_size` tokens: a token slot when 1 (token CSR), a page id when
+> 1 (token t of the entry lives at slot `page * page_size + t`). A work of request `b`
 (`batch_idx // qk_batch_ratio`) reads entries `[kv_start, kv_end)`, i.e. batch-local tokens
 `[(kv_start - kv_indptr[b]) * ps, min((kv_end - kv_indptr[b]) * ps, kv_len - kv_offset))`,
 exactly as the kernel does: it reads entries, whatever granularity the planner assumed. That is
-why a plan whose `block_size` differs from `kv_page_size` is refused unless
+why a plan whose `block_size` differs from `page_size` is refused unless
 `allow_legacy_mismatch=True` (then it runs literally, reproducing the seed's garbage).
 
 Causal masking is bottom-right on absolute positions: query j of a request with q_len queries
@@ -35,8 +35,14 @@ follows the live works. Memory does not: the fp32 partial buffer has AITER's sta
 scratch), which for prefill plans on 256 CUs reaches gigabytes; plan small batches here.
 
 Static bounds: `max_qo_span` (query rows per work) and `max_kv_span` (tokens per work). A live
-work that exceeds them, or writes partial rows past `max_partials * max_qo_span`, makes the
-whole output NaN (loud, never a silent clamp); `plan_spans` computes them on the host.
+work that exceeds them, or writes partial rows past `max_partials * max_qo_span`, or a prefill
+plan whose works leave some of q's heads uncovered (a `PrefillPlanConfig.gqa_ratio` below q's
+heads), makes the whole output NaN (loud, never a silent clamp or zero heads); `plan_spans`
+computes the bounds on the host. With concrete inputs (eager, or under
+`funcmla.checks.checked`) the head coverage and the metadata are checked and raise instead.
+
+Masked keys and rows contribute exactly zero whatever the pool holds in them (NaN, Inf): they
+are selected away, never multiplied by a zero weight.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.experimental import checkify
+
+from funcmla.checks import check_indptr
+from funcmla.guards import enforce, should_check
 from funcmla.planners.plan import (
     BATCH_IDX, KV_END, KV_OFFSET, KV_START, PARTIAL_QO_LOC, QO_END, QO_START, Q_HEAD_RANGE,
     WorkPlan,
@@ -60,7 +70,7 @@ class PagedKVMetadata(NamedTuple):
     """Metadata whose kv_indices entries are pages (AITER decode with page_size > 1).
 
     qo_indptr [B+1] query tokens; kv_indptr [B+1] pages; kv_indices [cap] page ids;
-    kv_last_page_len [B] tokens in each request's last page. Pass `kv_page_size` to the executor.
+    kv_last_page_len [B] tokens in each request's last page. Pass `page_size` to the executor.
     """
 
     qo_indptr: jax.Array
@@ -69,17 +79,17 @@ class PagedKVMetadata(NamedTuple):
     kv_last_page_len: jax.Array
 
 
-def _entry_granularity_check(plan: WorkPlan, metadata, kv_page_size: int, allow: bool) -> None:
-    if getattr(metadata, "granularity", None) == "token" and kv_page_size != 1:
+def _entry_granularity_check(plan: WorkPlan, metadata, page_size: int, allow: bool) -> None:
+    if getattr(metadata, "granularity", None) == "token" and page_size != 1:
         raise ValueError(
-            f"kv_page_size={kv_page_size} but the metadata ({type(metadata).__name__}) is "
+            f"page_size={page_size} but the metadata ({type(metadata).__name__}) is "
             "token-granular: its kv_indices entries are single tokens")
-    if plan.block_size != kv_page_size and not allow:
+    if plan.block_size != page_size and not allow:
         raise ValueError(
             f"{plan.kind} plan block_size={plan.block_size} but kv_indices entries hold "
-            f"kv_page_size={kv_page_size} token(s): the kernel would read kv_len/{plan.block_size}"
+            f"page_size={page_size} token(s): the kernel would read kv_len/{plan.block_size}"
             " entries per work, not kv_len tokens (sglang#25556). Re-plan with block_size="
-            f"{kv_page_size}, or pass allow_legacy_mismatch=True to reproduce the bug.")
+            f"{page_size}, or pass allow_legacy_mismatch=True to reproduce the bug.")
 
 
 def _fold_q(q, *, ratio: int, seqlen: int):
@@ -124,7 +134,7 @@ def reduce_partials(out, lse, part_out, part_lse, plan: WorkPlan, *, max_qo_span
     tgt = jnp.where(ok, tgt, num_rows)
     src = jnp.where(ok, src, 0)
     p_lse = part_lse[src]  # [E, L, H]
-    p_out = part_out[src]  # [E, L, H, Dv]
+    p_out = jnp.where(ok[..., None, None], part_out[src], 0.0)  # [E, L, H, Dv]; no stray NaN
     m = jnp.full((num_rows + 1, num_heads), -jnp.inf, jnp.float32).at[tgt].max(
         jnp.where(ok[..., None], p_lse, -jnp.inf))
     m_t = m[tgt]
@@ -142,12 +152,6 @@ def reduce_partials(out, lse, part_out, part_lse, plan: WorkPlan, *, max_qo_span
     return out, lse
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "max_qo_span", "max_kv_span", "v_head_dim", "causal",
-                     "kv_page_size", "qk_batch_ratio", "uni_seqlen_qo", "allow_legacy_mismatch",
-                     "work_chunk"),
-)
 def run_work_plan(
     q: jax.Array,  # [T, H, D]
     kv_pool: jax.Array,  # [slots, D]
@@ -159,7 +163,7 @@ def run_work_plan(
     max_kv_span: int,
     v_head_dim: int = 512,
     causal: bool = True,
-    kv_page_size: int = 1,
+    page_size: int = 1,
     qk_batch_ratio: int = 1,
     uni_seqlen_qo: int = -1,
     allow_legacy_mismatch: bool = False,
@@ -169,8 +173,9 @@ def run_work_plan(
 
     Equals `mla_attention_reference` for every valid plan. `qk_batch_ratio` / `uni_seqlen_qo`
     describe decode head folding (`DecodePlanConfig.qk_batch_ratio`, `.uni_seqlen_qo`).
+    `page_size` is the tokens per kv_indices entry (1: token-granular metadata).
     """
-    _entry_granularity_check(plan, metadata, kv_page_size, allow_legacy_mismatch)
+    _entry_granularity_check(plan, metadata, page_size, allow_legacy_mismatch)
     if q.ndim != 3 or kv_pool.ndim != 2 or q.shape[-1] != kv_pool.shape[-1]:
         raise ValueError(f"expected q [T, H, D] and kv_pool [slots, D], got {q.shape}, {kv_pool.shape}")
     if not 0 < v_head_dim <= kv_pool.shape[-1]:
@@ -178,7 +183,51 @@ def run_work_plan(
     for name, v in (("max_qo_span", max_qo_span), ("max_kv_span", max_kv_span)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    ratio, ps = qk_batch_ratio, kv_page_size
+    if should_check(q, metadata, plan):
+        enforce(_check_values, metadata, plan, q_shape=tuple(q.shape),
+                qk_batch_ratio=qk_batch_ratio)
+    return _run_work_plan(q, kv_pool, metadata, plan, sm_scale=sm_scale, max_qo_span=max_qo_span,
+                          max_kv_span=max_kv_span, v_head_dim=v_head_dim, causal=causal,
+                          page_size=page_size, qk_batch_ratio=qk_batch_ratio,
+                          uni_seqlen_qo=uni_seqlen_qo,
+                          allow_legacy_mismatch=allow_legacy_mismatch, work_chunk=work_chunk)
+
+
+def _check_values(metadata, plan: WorkPlan, *, q_shape: tuple, qk_batch_ratio: int) -> None:
+    """The executor's value checks: well-formed indptrs, query rows inside q, and (prefill) every
+    q head covered by the plan's head ranges."""
+    check_indptr(metadata.qo_indptr, "qo_indptr")
+    check_indptr(metadata.kv_indptr, "kv_indptr", capacity=metadata.kv_indices.shape[0])
+    if qk_batch_ratio == 1:
+        checkify.check(
+            metadata.qo_indptr[-1] <= q_shape[0],
+            f"qo_indptr[-1] = {{v}} query rows but q has {q_shape[0]} rows",
+            v=metadata.qo_indptr[-1])
+    if plan.kind == "prefill" and len(q_shape) == 3:
+        heads = q_shape[1]
+        wi = plan.work_info
+        live = jnp.arange(wi.shape[0]) < plan.num_works
+        hr = wi[:, Q_HEAD_RANGE]
+        lo = jnp.min(jnp.where(live, hr & 0xFFFF, heads))
+        hi = jnp.max(jnp.where(live, hr >> 16, 0))
+        checkify.check(
+            (plan.num_works == 0) | ((lo == 0) & (hi == heads)),
+            f"the prefill plan's works cover q heads [{{lo}}, {{hi}}) but q has {heads} heads: "
+            f"build it with PrefillPlanConfig(gqa_ratio={heads}) (absorbed MLA: every q head "
+            "shares the one latent KV head)",
+            lo=lo, hi=hi)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "max_qo_span", "max_kv_span", "v_head_dim", "causal",
+                     "page_size", "qk_batch_ratio", "uni_seqlen_qo", "allow_legacy_mismatch",
+                     "work_chunk"),
+)
+def _run_work_plan(q, kv_pool, metadata, plan: WorkPlan, *, sm_scale, max_qo_span, max_kv_span,
+                   v_head_dim, causal, page_size, qk_batch_ratio, uni_seqlen_qo,
+                   allow_legacy_mismatch, work_chunk):
+    ratio, ps = qk_batch_ratio, page_size
     num_tokens, num_heads, _ = q.shape
     qo_indptr = metadata.qo_indptr
     kv_indptr, kv_indices = metadata.kv_indptr, metadata.kv_indices
@@ -223,6 +272,10 @@ def run_work_plan(
     part_rows = plan.reduce_partial_map.shape[0] * max_qo_span
     overflow = live & ((span > max_kv_span) | (n_rows > max_qo_span)
                        | ((ploc >= 0) & (ploc + n_rows > part_rows)))
+    # every q head must be covered by some live work (prefill plans carry head ranges)
+    covered = jnp.any(live[:, None] & (h_lo[:, None] <= jnp.arange(heads_f))
+                      & (jnp.arange(heads_f) < h_hi[:, None]), axis=0)
+    uncovered = jnp.any(plan.num_works > 0) & ~jnp.all(covered)
 
     pos = jnp.arange(max_kv_span, dtype=jnp.int32)
     lrow = jnp.arange(max_qo_span, dtype=jnp.int32)
@@ -235,7 +288,9 @@ def run_work_plan(
         entry = kbase + u // ps
         ent = kv_indices[jnp.clip(entry, 0, kv_indices.shape[0] - 1)]
         slot = ent * ps + u % ps if ps > 1 else ent
-        k = kv_pool[jnp.clip(jnp.where(kv_ok, slot, 0), 0, kv_pool.shape[0] - 1)].astype(jnp.float32)
+        k = kv_pool[jnp.clip(jnp.where(kv_ok, slot, 0), 0, kv_pool.shape[0] - 1)]
+        # select, never multiply: masked keys' rows (slot 0, unused rows: NaN, Inf) are gone
+        k = jnp.where(kv_ok[:, None], k.astype(jnp.float32), 0.0)
         rows = qs + lrow
         row_ok = rows < qe
         qr = qf32[jnp.clip(rows, 0, rows_f - 1)]  # [L, Hf, D]; rows past qe are masked
@@ -310,7 +365,7 @@ def run_work_plan(
         out.reshape(rows_f, heads_f, v_head_dim), lse.reshape(rows_f, heads_f),
         part_out.reshape(part_rows, heads_f, v_head_dim), part_lse.reshape(part_rows, heads_f),
         plan, max_qo_span=max_qo_span)
-    bad = jnp.any(overflow)
+    bad = jnp.any(overflow) | uncovered
     out = jnp.where(bad, jnp.nan, out)
     lse = jnp.where(bad, jnp.nan, lse)
     if ratio > 1:
@@ -319,7 +374,7 @@ def run_work_plan(
     return out, lse
 
 
-def plan_spans(plan: WorkPlan, metadata, *, kv_page_size: int = 1, qk_batch_ratio: int = 1) -> tuple[int, int]:
+def plan_spans(plan: WorkPlan, metadata, *, page_size: int = 1, qk_batch_ratio: int = 1) -> tuple[int, int]:
     """Host helper: (max_qo_span, max_kv_span) the live works of `plan` need (at least 1 each),
     computed with the executor's own range rule. Needs concrete arrays."""
     wi = np.asarray(plan.work_info)[: int(plan.num_works)]
@@ -328,9 +383,9 @@ def plan_spans(plan: WorkPlan, metadata, *, kv_page_size: int = 1, qk_batch_rati
     kv_indptr = np.asarray(metadata.kv_indptr)
     last = np.asarray(metadata.kv_last_page_len)
     n = np.diff(kv_indptr)
-    kv_len = np.where(n > 0, (n - 1) * kv_page_size + last, 0)
+    kv_len = np.where(n > 0, (n - 1) * page_size + last, 0)
     req = np.clip(wi[:, BATCH_IDX] // qk_batch_ratio, 0, len(n) - 1)
     kb = kv_indptr[req]
-    start = (wi[:, KV_START] - kb) * kv_page_size
-    end = np.minimum(np.minimum((wi[:, KV_END] - kb) * kv_page_size, kv_len[req] - wi[:, KV_OFFSET]), kv_len[req])
+    start = (wi[:, KV_START] - kb) * page_size
+    end = np.minimum(np.minimum((wi[:, KV_END] - kb) * page_size, kv_len[req] - wi[:, KV_OFFSET]), kv_len[req])
     return max(1, int((wi[:, QO_END] - wi[:, QO_START]).max())), max(1, int((end - start).max()))

@@ -11,6 +11,10 @@ when causal (bottom-right aligned: the last query sees every key), else to all k
 Queries past qo_indptr[-1] (padding) and queries that see no key get out = 0 and lse = +inf,
 as FlashMLA and AITER report them. Everything is computed in float32 (`Precision.HIGHEST`);
 lse is the natural log of the softmax denominator of the scaled scores.
+
+Masked keys contribute exactly zero whatever their pool rows hold (NaN, Inf): they are selected
+away before the products, never multiplied by a zero weight. Values are checked
+(`funcmla.checks.check_attention_values`) when concrete and under `funcmla.checks.checked`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from funcmla.indices import FILL_SLOT, segment_ids
+from funcmla.checks import check_attention_values
+from funcmla.guards import enforce, should_check
+from funcmla.layout import expect_index_array
+from funcmla.segments import segment_ids, take_or_fill
 
 __all__ = ["mla_attention_reference", "visible_kv_lens"]
 
@@ -45,9 +52,6 @@ def visible_kv_lens(
     return b, vis.astype(jnp.int32)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len", "query_chunk")
-)
 def mla_attention_reference(
     q: jax.Array,  # [T, H, D]
     kv_pool: jax.Array,  # [slots, D]
@@ -64,15 +68,40 @@ def mla_attention_reference(
     """Returns (out float32 [T, H, v_head_dim], lse float32 [T, H]).
 
     `max_kv_len` (static, tokens) bounds the keys gathered per query; it defaults to
-    `kv_indices.shape[0]`, always correct but slower. It must be >= every request's KV length
-    (check with `funcmla.checks`); keys past it would be ignored.
+    `kv_indices.shape[0]`, always correct but slower. Checked (eager, or under
+    `funcmla.checks.checked`): well-formed indptrs, `qo_indptr[-1] <= T` (no request dropped),
+    `kv_indptr[-1] <= capacity`, every request's KV length <= `max_kv_len`, live slots inside
+    the pool. Unchecked under `jit`, nothing is read out of bounds (keys past `max_kv_len` are
+    ignored, queries past `T` are not computed).
     """
+    for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                    ("kv_indices", kv_indices)):
+        expect_index_array(x, name)
     if q.ndim != 3 or kv_pool.ndim != 2 or q.shape[-1] != kv_pool.shape[-1]:
         raise ValueError(
             f"expected q [T, H, D] and kv_pool [slots, D], got q {q.shape}, kv_pool {kv_pool.shape}"
         )
+    if qo_indptr.shape != kv_indptr.shape or qo_indptr.ndim != 1 or kv_indices.ndim != 1:
+        raise ValueError(
+            f"qo_indptr and kv_indptr must both be [B + 1] and kv_indices 1-D, got "
+            f"{tuple(qo_indptr.shape)}, {tuple(kv_indptr.shape)}, {tuple(kv_indices.shape)}")
     if not 0 < v_head_dim <= kv_pool.shape[-1]:
         raise ValueError(f"v_head_dim={v_head_dim} must be in (0, {kv_pool.shape[-1]}]")
+    if max_kv_len is not None and (not isinstance(max_kv_len, int) or max_kv_len < 0):
+        raise ValueError(f"max_kv_len must be an int >= 0 or None, got {max_kv_len!r}")
+    if should_check(qo_indptr, kv_indptr, kv_indices):
+        enforce(check_attention_values, qo_indptr, kv_indptr, kv_indices, num_q=q.shape[0],
+                num_slots=kv_pool.shape[0], max_kv_len=max_kv_len)
+    return _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale,
+                      v_head_dim=v_head_dim, causal=causal, max_kv_len=max_kv_len,
+                      query_chunk=query_chunk)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len", "query_chunk")
+)
+def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head_dim, causal,
+               max_kv_len, query_chunk):
     num_q, num_heads, _ = q.shape
     span = kv_indices.shape[0] if max_kv_len is None else int(max_kv_len)
     span = max(span, 1)
@@ -85,9 +114,10 @@ def mla_attention_reference(
     def one_query(args):
         q_t, start_t, vis_t = args
         valid = pos < vis_t
-        idx = jnp.where(valid, start_t + pos, 0)  # dead keys read entry 0, never out of bounds
-        slots = jnp.where(valid, kv_indices[idx], FILL_SLOT)
-        k = kv_pool.at[slots].get(mode="fill", fill_value=0).astype(jnp.float32)  # [S, D]
+        slots = take_or_fill(kv_indices, start_t + pos, fill=-1)
+        k = take_or_fill(kv_pool, slots, fill=0)
+        # select, never multiply: a masked key's row (slot 0, an unused row: NaN, Inf) is gone
+        k = jnp.where(valid[:, None], k.astype(jnp.float32), 0.0)  # [S, D]
         s = jnp.einsum("hd,sd->hs", q_t.astype(jnp.float32), k, precision=hi) * sm_scale
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
