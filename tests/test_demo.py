@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from funcmla.demo import run_demo
 from funcmla.simulate import SimulationConfig
 
 PAGE_SIZES = (1, 64)  # the smallest and the largest page size of the full demo (1, 16, 64)
 
 
+@pytest.mark.slow  # ~45 s of CPU, nearly all XLA compiles of the chain at two page sizes
 def test_demo_on_a_small_trace_passes(capsys):
     small = SimulationConfig(num_requests=4, use_plans=True)
     status = run_demo(page_sizes=PAGE_SIZES, as_json=True, progress=False, simulation=small)
