@@ -37,10 +37,11 @@ def pytest_configure(config):
     it). Keys cover the program, the compile options and the jax version, and JAX never caches
     executables with host callbacks (Pallas interpret mode), so results are unchanged.
     FUNCMLA_TEST_JAX_CACHE=0 turns it off."""
-    if os.environ.get("FUNCMLA_TEST_JAX_CACHE", "1") == "0" or config.cache is None:
+    cache = getattr(config, "cache", None)  # None under `-p no:cacheprovider`
+    if os.environ.get("FUNCMLA_TEST_JAX_CACHE", "1") == "0" or cache is None:
         return
     settings_ = {
-        "jax_compilation_cache_dir": str(config.cache.mkdir("jax-compilation-cache")),
+        "jax_compilation_cache_dir": str(cache.mkdir("jax-compilation-cache")),
         "jax_persistent_cache_min_compile_time_secs": 0,  # the suite's programs compile in < 1 s
         "jax_persistent_cache_min_entry_size_bytes": 0,
         # a size limit turns on JAX's file lock, so concurrent workers never read a half-written entry
