@@ -74,7 +74,7 @@ from funcmla.attention.pallas.decode_common import (  # noqa: E402
 from funcmla.config import MLADims  # noqa: E402
 from funcmla.layout import PageTable  # noqa: E402
 
-from bench.decode_targets import case_label, print_verdicts, target_verdicts  # noqa: E402
+from .decode_targets import case_label, print_verdicts, target_verdicts  # noqa: E402
 
 D, DV = 576, 512
 SM_SCALE = MLADims().sm_scale

@@ -37,7 +37,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.decode import (  # noqa: E402
+from .decode import (  # noqa: E402
     MARK,
     D,
     DV,

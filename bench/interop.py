@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from bench.timing import environment, print_table, write_json
+from .timing import environment, print_table, write_json
 from funcmla.interop.dlpack import data_ptr, to_jax, to_torch
 from funcmla.interop.sglang import backend as backend_mod
 from funcmla.interop.sglang import host_checks

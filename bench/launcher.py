@@ -618,7 +618,7 @@ def main(argv=None):
     path = OUT_PATH[0]
     save()
     try:
-        from bench.timing import print_table
+        from .timing import print_table
 
         base = RESULTS["timings_us"].get("torch_add_128")
         try:

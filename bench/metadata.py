@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from rich.progress import track
 
-from bench.timing import environment, median_time_s, print_table, write_json
+from .timing import environment, median_time_s, print_table, write_json
 from funcmla.metadata import decode_metadata, extend_metadata
 
 PAGE_SIZE = 16

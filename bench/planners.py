@@ -49,7 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import device_kernel_times, environment, median_time_s, write_json  # noqa: E402
+from .timing import device_kernel_times, environment, median_time_s, write_json  # noqa: E402
 from funcmla.config import H200, MI300X, MI355X, custom_device  # noqa: E402
 from funcmla.planners.decode import plan_mla_decode, plan_mla_decode_jit  # noqa: E402
 from funcmla.planners.decode_config import DecodePlanConfig  # noqa: E402

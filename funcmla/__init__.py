@@ -1,15 +1,18 @@
-"""funcmla: paged MLA metadata as pure, shape-checked JAX functions."""
+"""funcmla: paged MLA metadata as pure, shape-checked JAX functions.
 
-import os as _os
+The chain is allocator -> metadata -> work plan -> attention (`funcmla.allocator`,
+`funcmla.metadata`, `funcmla.planners`, `funcmla.attention`); `funcmla.interop` is the torch
+shim (needs the `torch` extra) and `funcmla.bench` the benchmarks. docs/quickstart.md shows the
+chain inside one `jax.jit`.
+"""
 
-# The torch shim lives in the top-level folder `interop/` and is installed as `funcmla.interop`
-# (pyproject's package-dir). In a plain source checkout (PYTHONPATH=., no install) that mapping
-# does not exist, so let `funcmla.interop` resolve to `<checkout>/interop` there too.
-_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_checkout, "interop", "__init__.py")) and _checkout not in __path__:
-    __path__.append(_checkout)
+from funcmla._checkout import install_checkout_packages as _install_checkout_packages
 
-from funcmla.config import (  # noqa: F401
+# From a source checkout (PYTHONPATH=., no install), map the subpackages that pyproject.toml
+# installs from other folders (`funcmla.interop` <- interop/, `funcmla.bench` <- bench/).
+_install_checkout_packages()
+
+from funcmla.config import (  # noqa: E402,F401
     DEVICE_PROFILES,
     H200,
     MI300X,
@@ -20,6 +23,6 @@ from funcmla.config import (  # noqa: F401
     deepseek_v3,
     get_device_profile,
 )
-from funcmla.layout import PageTable, PoolSpec, TokenCSR  # noqa: F401
+from funcmla.layout import PageTable, PoolSpec, TokenCSR  # noqa: E402,F401
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one home of the version (pyproject reads it)

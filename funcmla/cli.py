@@ -265,9 +265,9 @@ def cmd_bench(args) -> int:
             print(f"== skipped: {why}", flush=True)
             continue
         try:
-            mod = importlib.import_module(f"bench.{name}")
-        except ModuleNotFoundError as e:
-            raise CLIError(f"benchmark {name!r} is not available here ({e}); run from the repository root") from None
+            mod = importlib.import_module(f"funcmla.bench.{name}")
+        except ModuleNotFoundError as e:  # bench.interop needs torch (the `torch` extra)
+            raise CLIError(f"benchmark {name!r} cannot run here: {e}") from None
         argv = ["--out", args.out] + (["--quick"] if args.quick else [])
         print(f"== bench.{name} {' '.join(argv)}", flush=True)
         mod.main(argv)

@@ -164,8 +164,13 @@ def _table(title, columns, rows):
 
 
 def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
-             progress: bool = True) -> int:
-    """Run the three parts, print tables (or one JSON object); return the exit status."""
+             progress: bool = True, simulation: SimulationConfig | None = None,
+             prefill_batch: DemoPrefillBatch = DemoPrefillBatch()) -> int:
+    """Run the three parts, print tables (or one JSON object); return the exit status.
+
+    `simulation` replaces the trace's workload (default: `SimulationConfig(seed=seed,
+    use_plans=True)`; its `seed` wins over `seed`); `prefill_batch` the seed cases' batch. The
+    test suite runs a smaller trace this way (tests/test_demo.py)."""
     enable_compilation_cache()
     from rich.console import Console
     from rich.progress import Progress
@@ -178,7 +183,8 @@ def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
     report: dict = {"page_sizes": list(page_sizes), "seed": seed}
 
     # 1. serving trace ------------------------------------------------------------------------
-    config = SimulationConfig(seed=seed, use_plans=True)
+    config = simulation if simulation is not None else SimulationConfig(seed=seed, use_plans=True)
+    seed = report["seed"] = config.seed
     with Progress(disable=not progress or as_json, console=con, transient=True) as bar:
         tasks = {ps: bar.add_task(f"trace, page size {ps}", total=config.num_requests) for ps in page_sizes}
         result = run_simulation(config, page_sizes,
@@ -211,12 +217,12 @@ def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
     # 2. seed: prefill plan granularity ---------------------------------------------------------
     rows, cases = [], []
     for ps in page_sizes:
-        fixed = seed_prefill_case(ps, legacy=False, seed=seed)
+        fixed = seed_prefill_case(ps, legacy=False, seed=seed, batch=prefill_batch)
         cases.append(fixed)
         verdicts[f"fixed prefill plan valid and exact at page size {ps}"] = (
             fixed["refused"] is None and fixed["num_problems"] == 0 and fixed["rel_err"] < 1e-5)
     legacy_ps = max(page_sizes)
-    legacy = seed_prefill_case(legacy_ps, legacy=True, seed=seed)
+    legacy = seed_prefill_case(legacy_ps, legacy=True, seed=seed, batch=prefill_batch)
     cases.append(legacy)
     if legacy_ps > 1:
         verdicts[f"legacy prefill pairing refused and flagged at page size {legacy_ps}"] = (
@@ -235,13 +241,13 @@ def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
         con.print(f"   first finding: {legacy['first_problem']}")
 
     # 3. seed: CUDA-graph kv_indices buffer ----------------------------------------------------
-    buf = seed_buffer_case(page_size=max(page_sizes))
+    buf = seed_buffer_case(page_size=max(page_sizes), batch=prefill_batch)
     report["seed_buffer"] = buf
     lb, tg = buf["legacy_blocks"], buf["token_granular"]
     verdicts["legacy block-granular buffer overflow reported"] = lb["error"] is not None or lb["live_tokens"] <= lb["capacity"]
     verdicts["token-granular buffer fits"] = tg["error"] is None
     con.print(_table("3. seed fix #2: CUDA-graph kv_indices buffer (decode, max_bs 4, max_context_len "
-                     f"{DemoPrefillBatch().max_context_len}, page size {max(page_sizes)})",
+                     f"{prefill_batch.max_context_len}, page size {max(page_sizes)})",
                      ["buffer", "capacity (entries)", "live tokens", "check"],
                      [[k, v["capacity"], v["live_tokens"], v["error"] or "ok"] for k, v in buf.items()]))
 

@@ -13,3 +13,10 @@
 
 Core `funcmla` never imports torch; this package does. amd-aiter is imported lazily.
 """
+
+import importlib.util as _importlib_util
+
+if _importlib_util.find_spec("torch") is None:
+    raise ModuleNotFoundError(
+        "funcmla.interop is the torch shim and needs torch, which is not installed: "
+        "pip install 'funcmla[torch]'", name="torch")

@@ -1,4 +1,5 @@
-"""Shared test configuration: hypothesis profiles sized for a 2-core CPU; tests marked `gpu`
+"""Shared test configuration: hypothesis profiles sized for a 2-core CPU, a persistent XLA
+compilation cache shared by the pytest workers and the CLI subprocesses, and the `gpu` marker's
 skip where JAX has no GPU."""
 
 import os
@@ -27,6 +28,28 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    """XLA compiles dominate the suite's CPU time, and the xdist workers and the `funcmla`
+    subprocesses compile many of the same programs: share them through JAX's persistent cache
+    in pytest's cache folder (`.pytest_cache/d/jax-compilation-cache`; `--cache-clear` empties
+    it). Keys cover the program, the compile options and the jax version, and JAX never caches
+    executables with host callbacks (Pallas interpret mode), so results are unchanged.
+    FUNCMLA_TEST_JAX_CACHE=0 turns it off."""
+    cache = getattr(config, "cache", None)  # None under `-p no:cacheprovider`
+    if os.environ.get("FUNCMLA_TEST_JAX_CACHE", "1") == "0" or cache is None:
+        return
+    settings_ = {
+        "jax_compilation_cache_dir": str(cache.mkdir("jax-compilation-cache")),
+        "jax_persistent_cache_min_compile_time_secs": 0,  # the suite's programs compile in < 1 s
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+        # a size limit turns on JAX's file lock, so concurrent workers never read a half-written entry
+        "jax_compilation_cache_max_size": 2 * 1024**3,
+    }
+    for name, value in settings_.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)  # for the subprocesses (`python -m funcmla ...`)
 
 
 def _jax_gpu() -> bool:
