@@ -30,7 +30,7 @@ jax.config.update("jax_num_cpu_devices", 4)  # CPU only; must precede the first 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.timing import environment, median_time_s, print_table, write_json  # noqa: E402
+from .timing import environment, median_time_s, print_table, write_json  # noqa: E402
 from funcmla.config import H200, custom_device, deepseek_v3_sm_scale  # noqa: E402
 from funcmla.metadata import BufferPlan, decode_metadata  # noqa: E402
 from funcmla.parallel import (  # noqa: E402

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     import jaxlib
     import torch
 
-    from bench.timing import device_kernel_times
+    from .timing import device_kernel_times
     from funcmla.attention.pallas import mla_decode
     from funcmla.interop import _launch
     from funcmla.interop import launcher as L
