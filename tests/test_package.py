@@ -88,7 +88,12 @@ def test_package_metadata():
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "funcmla.__version__"}
     assert funcmla.__version__.count(".") == 2
     packages = set(project["tool"]["setuptools"]["packages"])
-    on_disk = {"funcmla." + os.path.relpath(d, os.path.join(ROOT, "funcmla")).replace(os.sep, ".")
-               for d, _, files in os.walk(os.path.join(ROOT, "funcmla"))
-               if "__init__.py" in files and d != os.path.join(ROOT, "funcmla")}
-    assert on_disk | {"funcmla"} | {"funcmla.interop", "funcmla.bench"} == packages
+    on_disk = set()
+    for name, folder in (("funcmla", "funcmla"), ("funcmla.interop", "interop"),
+                         ("funcmla.bench", "bench")):
+        top = os.path.join(ROOT, folder)
+        for d, _, files in os.walk(top):
+            rel = os.path.relpath(d, top)
+            if "__init__.py" in files:
+                on_disk.add(name if rel == "." else f"{name}.{rel.replace(os.sep, '.')}")
+    assert on_disk == packages
