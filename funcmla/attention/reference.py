@@ -10,7 +10,8 @@ kv_len = kv_indptr[i+1] - kv_indptr[i] keys, attends to keys [0, kv_len - (q_len
 when causal (bottom-right aligned: the last query sees every key), else to all kv_len keys.
 Queries past qo_indptr[-1] (padding) and queries that see no key get out = 0 and lse = +inf,
 as FlashMLA and AITER report them. Everything is computed in float32 (`Precision.HIGHEST`);
-lse is the natural log of the softmax denominator of the scaled scores.
+lse is the natural log of the softmax denominator of the scaled scores. An fp8 pool
+(`funcmla.attention.kv_quant`) is dequantized in float32: k = k_scale * x, v = v_scale * x.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from funcmla.attention.kv_quant import check_kv_pool_dtype, kv_scales
 from funcmla.indices import FILL_SLOT, segment_ids
 
 __all__ = ["mla_attention_reference", "visible_kv_lens"]
@@ -45,9 +47,6 @@ def visible_kv_lens(
     return b, vis.astype(jnp.int32)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len", "query_chunk")
-)
 def mla_attention_reference(
     q: jax.Array,  # [T, H, D]
     kv_pool: jax.Array,  # [slots, D]
@@ -60,13 +59,29 @@ def mla_attention_reference(
     causal: bool = True,
     max_kv_len: int | None = None,
     query_chunk: int = 16,
+    k_scale=None,
+    v_scale=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out float32 [T, H, v_head_dim], lse float32 [T, H]).
 
     `max_kv_len` (static, tokens) bounds the keys gathered per query; it defaults to
     `kv_indices.shape[0]`, always correct but slower. It must be >= every request's KV length
-    (check with `funcmla.checks`); keys past it would be ignored.
+    (check with `funcmla.checks`); keys past it would be ignored. `k_scale` / `v_scale`: the
+    per-layer scales of an fp8 pool (`funcmla.attention.kv_quant`; a float or a float32 array
+    of shape () or [1]); an error for other pools.
     """
+    check_kv_pool_dtype(kv_pool.dtype)
+    scales = kv_scales(kv_pool.dtype, k_scale, v_scale)
+    return _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, scales, sm_scale=sm_scale,
+                      v_head_dim=v_head_dim, causal=causal, max_kv_len=max_kv_len,
+                      query_chunk=query_chunk)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len", "query_chunk")
+)
+def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, scales, *, sm_scale, v_head_dim,
+               causal, max_kv_len, query_chunk):
     if q.ndim != 3 or kv_pool.ndim != 2 or q.shape[-1] != kv_pool.shape[-1]:
         raise ValueError(
             f"expected q [T, H, D] and kv_pool [slots, D], got q {q.shape}, kv_pool {kv_pool.shape}"
@@ -81,6 +96,7 @@ def mla_attention_reference(
     start = kv_indptr[jnp.minimum(b, batch - 1)]
     pos = jnp.arange(span, dtype=jnp.int32)
     hi = jax.lax.Precision.HIGHEST
+    k_scale, v_scale = (1.0, 1.0) if scales is None else (scales[0][0], scales[1][0])
 
     def one_query(args):
         q_t, start_t, vis_t = args
@@ -88,13 +104,15 @@ def mla_attention_reference(
         idx = jnp.where(valid, start_t + pos, 0)  # dead keys read entry 0, never out of bounds
         slots = jnp.where(valid, kv_indices[idx], FILL_SLOT)
         k = kv_pool.at[slots].get(mode="fill", fill_value=0).astype(jnp.float32)  # [S, D]
+        v = k[:, :v_head_dim] * v_scale  # fp8 pools: dequantized in float32
+        k = k * k_scale
         s = jnp.einsum("hd,sd->hs", q_t.astype(jnp.float32), k, precision=hi) * sm_scale
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
         denom = jnp.sum(p, axis=-1)
-        out = jnp.einsum("hs,sd->hd", p, k[:, :v_head_dim], precision=hi)
+        out = jnp.einsum("hs,sd->hd", p, v, precision=hi)
         has = vis_t > 0
         out = jnp.where(has, out / jnp.where(has, denom, 1.0)[:, None], 0.0)
         lse = jnp.where(has, m[:, 0] + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)
