@@ -67,10 +67,10 @@ def check_decode_args(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale:
     t, h, d = q.shape
     slots, d_pool = kv_pool.shape
     if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise TypeError(f"q dtype {q.dtype} must be bfloat16 or float16")
+        raise TypeError(f"q ({q.dtype}) must be bfloat16 or float16")
     if kv_pool.dtype != q.dtype and kv_pool.dtype != KV_FP8_DTYPE:
-        raise TypeError(f"kv_pool dtype {kv_pool.dtype} is not taken by the decode kernels: "
-                        f"q's dtype ({q.dtype}) or {KV_FP8_DTYPE.name} (with k_scale / v_scale)")
+        raise TypeError(f"kv_pool ({kv_pool.dtype}) is not taken by the decode kernels: the "
+                        f"dtype of q ({q.dtype}) or {KV_FP8_DTYPE.name} (with k_scale / v_scale)")
     if d_pool != d:
         raise ValueError(f"kv_pool row width {d_pool} != q head dim {d} (q {q.shape})")
     if h < 1:
