@@ -69,6 +69,7 @@ from funcmla.attention.pallas import (  # noqa: E402
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
 from funcmla.attention.pallas.api import decode_num_splits, uses_mgpu  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
+    fp8_triton_config,
     kv_rows_from_csr,
     kv_rows_from_page_table,
     num_row_blocks,
@@ -488,7 +489,7 @@ def bench_case(key, h, b, ctx, page_size, ceiling, reps, config, num_splits=None
     t_main = time_calls(kern, args, reps)
     t_compile = time.perf_counter() - t0
     rows = s_q * h
-    cfg = config
+    cfg = fp8_triton_config(config, rows) if fp8 else config
     bm = cfg.resolved_block_m(rows)
     mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), page_size, s_q,
                      kv_dtype=pools[0].dtype)
@@ -822,8 +823,9 @@ def main(argv=None):
                     help="grid: storage of the split partials (DecodeKernelConfig.partial_dtype)")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                     help="fp8: the fp8 KV grid (bench.decode_fp8), bf16 and fp8 pools per case")
-    ap.add_argument("--fp8-stages", type=int, nargs="*", default=(),
-                    help="--kv-dtype fp8: also time the fp8 16-head cases at these num_stages")
+    ap.add_argument("--fp8-variants", action="store_true",
+                    help="--kv-dtype fp8: also time the Triton tilings of "
+                    "bench.decode_fp8.FP8_VARIANTS")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     deadline = math.inf if args.time_limit is None else t_start + args.time_limit

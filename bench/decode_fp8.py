@@ -4,8 +4,9 @@ with a float8_e4m3fn pool (the bf16 values / `KV_SCALE`, read with k_scale = v_s
 over the dequantized cache.
 
 Cases (issue #23's targets, H200): H16 B128 ctx 16k <= 300 us, H16 B32 ctx 4k <= 28 us, H128
-B128 ctx 16k no slower than bf16; pages 1 and 64; error < 1e-2. `--fp8-stages 3 7` also times
-the fp8 16-head cases at those Triton pipeline depths (fp8 tiles take half the shared memory).
+B128 ctx 16k no slower than bf16; pages 1 and 64; error < 1e-2. `--fp8-variants` also times
+the fp8 cases at the Triton tilings of `FP8_VARIANTS` (fp8 tiles take half the shared memory;
+at 128 heads the default 64-row wgmma tiling does not fit beside two stages).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from funcmla.attention.pallas import DecodeKernelConfig
 
 from bench.decode_targets import case_label
 
-__all__ = ["FP8_CASES", "KV_SCALE", "fp8_grid", "fp8_verdicts"]
+__all__ = ["FP8_CASES", "FP8_VARIANTS", "KV_SCALE", "fp8_grid", "fp8_verdicts"]
 
 # (heads, batch, ctx), each at pages 1 and 64.
 FP8_CASES = ((16, 32, 4096), (16, 128, 16384), (128, 128, 16384))
 # Not a power of two, so a wrong scale convention cannot hide in exact arithmetic; the pools'
 # normal values / KV_SCALE stay far below e4m3's 448.
 KV_SCALE = 0.03
+# Tilings timed by --fp8-variants, by heads (DecodeKernelConfig fields).
+FP8_VARIANTS = {16: (dict(num_stages=7),),
+                128: (dict(block_m=64, num_stages=1), dict(block_m=32, num_stages=3))}
 # Targets in us, device time per call (None: no slower than the case's bf16 time).
 FP8_TARGET_US = {(16, 32, 4096): 28.0, (16, 128, 16384): 300.0, (128, 128, 16384): None}
 
@@ -67,17 +71,19 @@ def fp8_grid(key, ceiling, args, results, deadline, bench_case, fmt_case) -> boo
     for i, (h, b, ctx) in enumerate(FP8_CASES):
         for page_size in (1, 64):
             runs = [("bf16", None, None), ("fp8", KV_SCALE, None)]
-            if h == 16:
-                runs += [("fp8", KV_SCALE, st) for st in args.fp8_stages]
-            for dtype, scale, stages in runs:
+            if args.fp8_variants:
+                runs += [("fp8", KV_SCALE, v) for v in FP8_VARIANTS.get(h, ())]
+            for dtype, scale, variant in runs:
+                vname = None if variant is None else ",".join(f"{k}={v}"
+                                                              for k, v in variant.items())
                 label = f"{case_label(h, b, ctx, page_size)} {dtype}" + (
-                    "" if stages is None else f" stages={stages}")
+                    "" if vname is None else f" {vname}")
                 if time.perf_counter() > deadline:
                     _log(f"   {label}: time limit, not run")
                     continue
                 cfg = DecodeKernelConfig(partial_dtype=args.partial_dtype)
-                if stages is not None:
-                    cfg = dataclasses.replace(cfg, num_stages=stages)
+                if variant is not None:
+                    cfg = dataclasses.replace(cfg, **variant)
                 try:
                     r = bench_case(jax.random.fold_in(key, 1000 + i), h, b, ctx, page_size,
                                    ceiling, args.reps, cfg, baseline=False,
@@ -86,10 +92,9 @@ def fp8_grid(key, ceiling, args, results, deadline, bench_case, fmt_case) -> boo
                     _log(f"   {label}: FAILED {type(e).__name__}: {e}")
                     ok = False
                     continue
-                r["variant"] = None if stages is None else f"num_stages={stages}"
+                r["variant"] = vname
                 rows.append(r)
-                _log(f"   [{dtype}{'' if stages is None else f' stages={stages}'}] "
-                     + fmt_case(r))
+                _log(f"   [{dtype}{'' if vname is None else ' ' + vname}] " + fmt_case(r))
     verdicts = fp8_verdicts(rows)
     results["fp8_verdicts"] = verdicts
     _log("== fp8 targets (device us per call; error vs float32 over the dequantized cache)")

@@ -188,3 +188,14 @@ def test_gpu_fp8_bitwise_to_interpret():
                           config=DecodeKernelConfig(kernel="triton"))
     np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse))
     np.testing.assert_array_equal(np.asarray(out8, np.float32), np.asarray(out, np.float32))
+
+
+def test_fp8_triton_tiling_rule():
+    from funcmla.attention.pallas.decode_common import FP8_WIDE_TILING, fp8_triton_config
+
+    c = DecodeKernelConfig()
+    assert fp8_triton_config(c, 16) == c  # 16 heads: the bf16 tiling
+    wide = fp8_triton_config(c, 128)
+    assert wide.resolved_block_m(128) == FP8_WIDE_TILING["block_m"] < 64
+    explicit = DecodeKernelConfig(num_stages=1)
+    assert fp8_triton_config(explicit, 128) == explicit

@@ -29,6 +29,7 @@ from funcmla.attention.pallas.decode_common import (
     DecodeKernelConfig,
     KVRows,
     choose_num_splits,
+    fp8_triton_config,
     kv_rows_from_csr,
     kv_rows_from_page_table,
     num_row_blocks,
@@ -162,6 +163,8 @@ def _triton_rows(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v
     b = check_decode_args(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
                           v_head_dim=v_head_dim)
     _check_triton_dims(q.shape[2], v_head_dim)
+    if scales is not None:
+        config = fp8_triton_config(config, s_q * q.shape[1])
     ns = num_splits or decode_num_splits(config, b, s_q * q.shape[1], kv.max_kv_len, mgpu=False)
     return decode_triton.decode_call(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=ns,
                                      config=config, v_head_dim=v_head_dim, interpret=interpret,

@@ -98,8 +98,17 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
         k_pe = pltriton.load(
             kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, d_rope)), cols_r], mask=mask,
             other=0.0, eviction_policy=eviction)
-        if fp8:  # fp8 bytes from memory, converted on chip (exact: bf16 holds every e4m3 value)
+        v = k_nope
+        if fp8:
+            # fp8 bytes converted on chip (exact: bf16 and f16 hold every e4m3 value). V is
+            # loaded a second time (from L2/L1): one fp8 tile converted for two products in
+            # two layouts is not pipelined by Triton, a tile per product is.
+            v = pltriton.load(
+                kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, d_v)), cols_v],
+                mask=jnp.broadcast_to(in_seq[:, None], (block_kv, d_v)), other=0.0,
+                eviction_policy="evict_last" if evict_first else "evict_first")
             k_nope, k_pe = k_nope.astype(q_nope.dtype), k_pe.astype(q_nope.dtype)
+            v = v.astype(q_nope.dtype)
         s = lax.dot_general(q_nope, k_nope, nt, preferred_element_type=jnp.float32)
         s = s + lax.dot_general(q_pe, k_pe, nt, preferred_element_type=jnp.float32)
         # Select, not multiply: a masked score is -inf, so its P is exactly 0.
@@ -109,7 +118,7 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
         alpha = jnp.exp2(m_i - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(k_nope.dtype), k_nope, (((1,), (0,)), ((), ())),
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l_new
 
