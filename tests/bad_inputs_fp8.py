@@ -106,4 +106,10 @@ CASES = [
              ("kernel='mgpu'", "float8_e4m3fn")),
     BadInput("fp8.decode_rows_mgpu", _rows_mgpu, ValueError,
              ("mla_decode_rows_mgpu", "float8_e4m3fn")),
+    BadInput("fp8.decode_uint8_pool_without_kv_dtype", _decode(_pool(jnp.uint8)), TypeError,
+             ("kv_pool", "uint8")),
+    BadInput("fp8.decode_kv_dtype_e5m2", _decode(_pool(jnp.uint8), kv_dtype="float8_e5m2"),
+             TypeError, ("kv_dtype", "float8_e5m2")),
+    BadInput("fp8.decode_kv_dtype_on_fp8_pool", _decode(kv_dtype="float8_e4m3fn"), TypeError,
+             ("kv_dtype", "float8_e4m3fn")),
 ]

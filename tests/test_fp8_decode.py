@@ -175,9 +175,11 @@ def test_gpu_fp8_matches_dequantized_reference(heads, page_size):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_bitwise_to_interpret():
-    """The compiled fp8 kernel equals the bf16 kernel on the dequantized pool (power-of-two
-    scales), as in interpret mode."""
+def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool():
+    """The compiled fp8 kernel against the bf16 kernel on the dequantized pool (power-of-two
+    scales): the scores, hence lse, are bitwise equal; P V is rounded differently (the two
+    compiled kernels feed the tensor cores from different layouts), so out is compared with a
+    tolerance."""
     rng = np.random.default_rng(3)
     p = _problem(rng, batch=3, heads=16, s_q=1, page_size=64, lens=[700, 64, 5])
     pt = PageTable(p["table"], p["lens"], 64)
@@ -187,15 +189,18 @@ def test_gpu_fp8_bitwise_to_interpret():
     out, lse = mla_decode(p["q"], deq, page_table=pt, sm_scale=SCALE,
                           config=DecodeKernelConfig(kernel="triton"))
     np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse))
-    np.testing.assert_array_equal(np.asarray(out8, np.float32), np.asarray(out, np.float32))
+    assert rel_err(np.asarray(out8, np.float32), np.asarray(out, np.float32)) < 1e-2
 
 
-def test_fp8_triton_tiling_rule():
-    from funcmla.attention.pallas.decode_common import FP8_WIDE_TILING, fp8_triton_config
-
-    c = DecodeKernelConfig()
-    assert fp8_triton_config(c, 16) == c  # 16 heads: the bf16 tiling
-    wide = fp8_triton_config(c, 128)
-    assert wide.resolved_block_m(128) == FP8_WIDE_TILING["block_m"] < 64
-    explicit = DecodeKernelConfig(num_stages=1)
-    assert fp8_triton_config(explicit, 128) == explicit
+def test_uint8_bytes_with_kv_dtype_equal_the_fp8_pool():
+    """A uint8 pool of fp8 bytes (DLPack's zero-copy form) with kv_dtype gives the fp8 pool's
+    bits (the bitcast happens inside the jit)."""
+    rng = np.random.default_rng(11)
+    p = _problem(rng, batch=2, heads=16, s_q=1, page_size=64, lens=[90, 3])
+    pt = PageTable(p["table"], p["lens"], 64)
+    kw = dict(page_table=pt, sm_scale=SCALE, interpret=True, k_scale=0.37)
+    out, lse = mla_decode(p["q"], p["pool"], **kw)
+    bits = jax.lax.bitcast_convert_type(p["pool"], jnp.uint8)
+    out_b, lse_b = mla_decode(p["q"], bits, kv_dtype="float8_e4m3fn", **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_b, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_b))

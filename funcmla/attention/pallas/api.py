@@ -234,10 +234,13 @@ def _merged(o: jax.Array, lse: jax.Array, out_dtype, config: DecodeKernelConfig,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
-                                              "interpret", "v_head_dim"))
+                                              "interpret", "v_head_dim", "kv_dtype"))
 def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits, config,
-                   v_head_dim, interpret):
-    """Decode kernel + (num_splits > 1) merge, unpadded to [T, H, Dv] and [T, H]."""
+                   v_head_dim, interpret, kv_dtype=None):
+    """Decode kernel + (num_splits > 1) merge, unpadded to [T, H, Dv] and [T, H]. kv_dtype:
+    the fp8 dtype a uint8 pool's bytes hold (bitcast here, inside the jit: no copy)."""
+    if kv_dtype is not None:
+        kv_pool = jax.lax.bitcast_convert_type(kv_pool, kv_dtype)
     check_decode_args(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
                       v_head_dim=v_head_dim)
     t, h, _ = q.shape
@@ -263,7 +266,7 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
                sm_scale: float, s_q: int = 1, num_splits: int | None = None,
                config: DecodeKernelConfig = DecodeKernelConfig(), max_kv_len: int | None = None,
                v_head_dim: int = 512, interpret: bool = False, k_scale=None,
-               v_scale=None) -> tuple[jax.Array, jax.Array]:
+               v_scale=None, kv_dtype=None) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over the paged latent pool.
 
     q:          [T, H, 576] bf16 (or f16 on the Triton kernel), T = batch * s_q, token-major
@@ -274,6 +277,9 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
                 () or [1]; v_scale defaults to k_scale, k_scale to 1): scores use k_scale * x,
                 the output v_scale * x (`funcmla.attention.kv_quant`). An error for other
                 pools. An fp8 pool runs the Triton kernel.
+    kv_dtype:   None, or "float8_e4m3fn" for a uint8 kv_pool holding fp8 bytes (the zero-copy
+                form `funcmla.interop.dlpack.to_jax(t, fp8="bits")` gives): bitcast inside
+                the jit, so the pool is never copied.
     KV metadata, exactly one of:
       kv_indptr [B+1] int32 (tokens) + kv_indices [capacity] int32 (token slots); page size 1.
       page_table: funcmla.layout.PageTable (page ids [B, max_pages], lengths [B] in tokens,
@@ -307,10 +313,20 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
         raise TypeError(f"config must be a DecodeKernelConfig, got {type(config).__name__}")
     if not (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)):
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float")
-    scales = kv_scales(kv_pool.dtype, k_scale, v_scale)
+    pool_dtype = kv_pool.dtype
+    if kv_dtype is not None:
+        if jnp.dtype(kv_dtype) != KV_FP8_DTYPE:
+            raise TypeError(f"kv_dtype={kv_dtype!r}: the decode kernels read "
+                            f"{KV_FP8_DTYPE.name} bytes from a uint8 kv_pool")
+        if kv_pool.dtype != jnp.uint8:
+            raise TypeError(f"kv_dtype={kv_dtype!r} reinterprets a uint8 kv_pool; kv_pool is "
+                            f"{kv_pool.dtype}")
+        pool_dtype = KV_FP8_DTYPE
+    scales = kv_scales(pool_dtype, k_scale, v_scale)
     return _mla_decode_kv(q, kv_pool, kv, scales, sm_scale=float(sm_scale), s_q=s_q,
                           num_splits=num_splits, config=config, v_head_dim=v_head_dim,
-                          interpret=interpret)
+                          interpret=interpret,
+                          kv_dtype=None if kv_dtype is None else KV_FP8_DTYPE.name)
 
 
 def validate_decode_inputs(kv_pool_rows: int, *, kv_indptr=None, kv_indices=None,

@@ -282,10 +282,10 @@ def causal_limit(kv_len, s_q: int, row_token):
 
 
 # The Triton tiling of an fp8 pool where the defaults would give 64-row blocks (128 heads):
-# there the wgmma path keeps both converted bf16 tiles in shared memory beside the fp8 stages,
-# 276 KB at two stages (more than the 227 KB an SM has), so fp8 runs 32-row blocks on mma.sync
-# (`python -m bench.decode --kv-dtype fp8`; docs/decode_kernel.md, "fp8 KV").
-FP8_WIDE_TILING = dict(block_m=32)
+# the wgmma path keeps both converted bf16 tiles in shared memory beside the fp8 stages, 276 KB
+# at two stages (an SM has 227 KB), so fp8 runs one stage. H128 B128 ctx 16k: 4.1-4.4 ms at one
+# stage, 4.8-5.3 ms with 32-row blocks (`python -m bench.decode --kv-dtype fp8 --fp8-variants`).
+FP8_WIDE_TILING = dict(num_stages=1)
 
 
 def fp8_triton_config(config: DecodeKernelConfig, rows: int) -> DecodeKernelConfig:
