@@ -283,8 +283,8 @@ def causal_limit(kv_len, s_q: int, row_token):
 
 # The Triton tiling of an fp8 pool where the defaults would give 64-row blocks (128 heads):
 # the wgmma path keeps both converted bf16 tiles in shared memory beside the fp8 stages, 276 KB
-# at two stages (an SM has 227 KB), so fp8 runs one stage. H128 B128 ctx 16k: 4.1-4.4 ms at one
-# stage, 4.8-5.3 ms with 32-row blocks (`python -m bench.decode --kv-dtype fp8 --fp8-variants`).
+# at two stages (an SM has 227 KB), so fp8 runs one stage, faster than 32-row blocks
+# (`python -m bench.decode --kv-dtype fp8 --fp8-variants`; docs/decode_kernel.md, "fp8 KV").
 FP8_WIDE_TILING = dict(num_stages=1)
 
 
