@@ -204,3 +204,15 @@ def test_uint8_bytes_with_kv_dtype_equal_the_fp8_pool():
     out_b, lse_b = mla_decode(p["q"], bits, kv_dtype="float8_e4m3fn", **kw)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_b, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_b))
+
+
+def test_launcher_names_the_fp8_route():
+    """The torch launcher runs bf16 / f16 pools; for an fp8 pool it says where fp8 runs."""
+    torch = pytest.importorskip("torch")
+    from funcmla.interop.launcher.torch_entry import torch_decode_unsupported_reason
+
+    q = torch.zeros(2, 16, D, dtype=torch.bfloat16)
+    pool = torch.zeros(64, D, dtype=torch.float8_e4m3fn)
+    ind = torch.zeros(3, dtype=torch.int32)
+    why = torch_decode_unsupported_reason(q, pool, ind, ind)
+    assert "float8_e4m3fn" in why and "mla_decode" in why
