@@ -153,6 +153,8 @@ def test_fp8_dispatch_runs_triton_and_mgpu_refuses():
     with pytest.raises(ValueError, match="kernel='mgpu'.*float8_e4m3fn"):
         kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1, kv_dtype=FP8)
     assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1)[0] == "mgpu"
+    q16 = jax.ShapeDtypeStruct((4, 16, D), jnp.bfloat16)  # the dtype is the reason named
+    assert "float8_e4m3fn" in kernel_choice(DecodeKernelConfig(), q16, 1, 1, kv_dtype=FP8)[1]
 
 
 # ------------------------------------------------------------------------------- GPU

@@ -134,9 +134,11 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     if config.kernel == "triton":
         return "triton", "DecodeKernelConfig.kernel='triton'"
     dtype = q.dtype if kv_dtype is None else kv_dtype
-    why = mgpu_decode_supported(s_q * q.shape[1], page_size, q.shape[2], v_head_dim, q.dtype)
-    if why is None and jnp.dtype(dtype) != jnp.dtype(q.dtype):
+    if jnp.dtype(dtype) != jnp.dtype(q.dtype):
         why = f"kv_pool dtype {jnp.dtype(dtype).name} is not bfloat16"
+    else:
+        why = mgpu_decode_supported(s_q * q.shape[1], page_size, q.shape[2], v_head_dim,
+                                    q.dtype)
     if config.kernel == "mgpu":
         if why is not None:
             raise ValueError(f"DecodeKernelConfig.kernel='mgpu': {why}")
