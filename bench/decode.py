@@ -33,7 +33,9 @@ tiling variants on the target cases by device time (the default is replaced only
 >= 3% faster) and the merge kernel's output tiles, and runs the grid with the chosen configs.
 --time-limit / --variants-time-limit bound one call (the grid runs the target cases first).
 Writes decode.json and decode.png under --out, and ends with the issue's targets judged on the
-grid (`bench.decode_targets`).
+grid (`bench.decode_targets`). --kv-dtype fp8 runs the fp8 KV grid instead (`bench.decode_fp8`:
+each case with a bf16 pool and a float8_e4m3fn pool in the same run; error against float32
+over the dequantized cache), saved as decode_fp8.json.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from funcmla.attention.pallas import (  # noqa: E402
 from funcmla.attention.pallas.merge import merge_block_d  # noqa: E402
 from funcmla.attention.pallas.api import decode_num_splits, uses_mgpu  # noqa: E402
 from funcmla.attention.pallas.decode_common import (  # noqa: E402
+    fp8_triton_config,
     kv_rows_from_csr,
     kv_rows_from_page_table,
     num_row_blocks,
@@ -87,9 +90,11 @@ def log(*a):
 
 # ----------------------------------------------------------------------------- data
 
-def make_case(key, b: int, h: int, ctx: int, page_size: int, s_q: int, copies: int, n_q: int):
+def make_case(key, b: int, h: int, ctx: int, page_size: int, s_q: int, copies: int, n_q: int,
+              kv_scale: float | None = None):
     """Pool copies [copies][slots, 576], q list, metadata pytree (CSR arrays for page 1, a
-    PageTable else) and the [B, ctx] slot matrix for the XLA baseline."""
+    PageTable else) and the [B, ctx] slot matrix for the XLA baseline. kv_scale: fp8 pools
+    (float8_e4m3fn) holding the bf16 pool's values / kv_scale."""
     rows = b * ctx
     if page_size == 1:
         slots = rows + 1  # slot 0 reserved
@@ -98,6 +103,8 @@ def make_case(key, b: int, h: int, ctx: int, page_size: int, s_q: int, copies: i
     k1, k2, k3 = jax.random.split(key, 3)
     pools = [jax.random.normal(jax.random.fold_in(k1, c), (slots, D), jnp.bfloat16)
              for c in range(copies)]
+    if kv_scale is not None:
+        pools = [_to_fp8(p, kv_scale) for p in pools]
     qs = [jax.random.normal(jax.random.fold_in(k2, i), (b * s_q, h, D), jnp.bfloat16)
           for i in range(n_q)]
     if page_size == 1:
@@ -114,6 +121,11 @@ def make_case(key, b: int, h: int, ctx: int, page_size: int, s_q: int, copies: i
         pos = jnp.arange(ctx, dtype=jnp.int32)
         slot_mat = table[:, pos // page_size] * page_size + pos % page_size
     return pools, qs, meta, slot_mat
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _to_fp8(pool, kv_scale: float):
+    return (pool.astype(jnp.float32) / kv_scale).astype(jnp.float8_e4m3fn)
 
 
 def xla_decode(q, pool, slot_mat, *, s_q: int, sm_scale: float, precision=None):
@@ -441,38 +453,46 @@ def big_pool_check(results):
 _REFS: dict = {}
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _ref_fn(q, p, slot_mat, s_q):
-    """float32 (Precision.HIGHEST) XLA reference of one case."""
-    return xla_decode(q.astype(jnp.float32), p.astype(jnp.float32), slot_mat, s_q=s_q,
-                      sm_scale=SM_SCALE, precision=HI)
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _ref_fn(q, p, slot_mat, s_q, kv_scale=None):
+    """float32 (Precision.HIGHEST) XLA reference of one case (an fp8 pool dequantized)."""
+    pf = p.astype(jnp.float32) if kv_scale is None else p.astype(jnp.float32) * kv_scale
+    return xla_decode(q.astype(jnp.float32), pf, slot_mat, s_q=s_q, sm_scale=SM_SCALE,
+                      precision=HI)
 
 
 def bench_case(key, h, b, ctx, page_size, ceiling, reps, config, num_splits=None, baseline=True,
-               s_q=1, kernel_only=False, merge_alone=False, profile=True, check=True):
+               s_q=1, kernel_only=False, merge_alone=False, profile=True, check=True,
+               kv_scale=None):
     """One case, timed two ways (see the module docstring): `wall_us`, the wall clock per
     `mla_decode` call of a jit of n calls; `device_us`, the device span per call of that jit
     (CUPTI), with the decode and merge kernels' durations. The headline `time_us` (GB/s, % of
     the ceiling, TFLOP/s, ratio to XLA) is the device span when profiled, else the wall clock;
     the XLA baseline is timed the same two ways. kernel_only: the decode kernel alone
     (`mla_decode_rows`) by wall clock; merge_alone: the merge kernel alone on partials of the
-    kernel's shape (wall clock and device)."""
-    kv_bytes = b * ctx * D * 2
+    kernel's shape (wall clock and device). kv_scale: an fp8 pool (float8_e4m3fn) read with
+    k_scale = v_scale = kv_scale (no XLA baseline)."""
+    fp8 = kv_scale is not None
+    kv_bytes = b * ctx * D * (1 if fp8 else 2)
     copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
     n = max(copies, 32 if kv_bytes < 64e6 else 8)
-    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, page_size, s_q, copies, n)
+    pools, qs, meta, slot_mat = make_case(key, b, h, ctx, page_size, s_q, copies, n,
+                                          kv_scale=kv_scale)
     # metadata travels as jit arguments (never as baked-in constants)
     args = [(qs[i], pools[i % copies], meta) for i in range(n)]
     mkl = dict(max_kv_len=ctx) if page_size == 1 else {}
+    if fp8:
+        mkl["k_scale"] = kv_scale
     kern = lambda q, p, m: mla_decode(q, p, **m, **mkl, sm_scale=SM_SCALE,  # noqa: E731
                                       s_q=s_q, num_splits=num_splits, config=config)
     t0 = time.perf_counter()
     t_main = time_calls(kern, args, reps)
     t_compile = time.perf_counter() - t0
     rows = s_q * h
-    cfg = config
+    cfg = fp8_triton_config(config, rows) if fp8 else config
     bm = cfg.resolved_block_m(rows)
-    mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), page_size, s_q)
+    mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), page_size, s_q,
+                     kv_dtype=pools[0].dtype)
     kernel = "mgpu" if mgpu else "triton"
     ns = num_splits or decode_num_splits(cfg, b, rows, ctx, mgpu=mgpu)
     t_kern = None
@@ -481,23 +501,24 @@ def bench_case(key, h, b, ctx, page_size, ceiling, reps, config, num_splits=None
             kv = (kv_rows_from_csr(m["kv_indptr"], m["kv_indices"], ctx) if page_size == 1
                   else kv_rows_from_page_table(m["page_table"]))
             return mla_decode_rows(q, p, kv, sm_scale=SM_SCALE, s_q=s_q, num_splits=ns,
-                                   config=cfg)
+                                   config=cfg, k_scale=kv_scale)
         t_kern = time_calls(parts, args, reps)
     err = lse_err = None
     if check:
         o, lse = jax.jit(kern)(qs[0], pools[0], meta)
         ref_key = (tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
                    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-                   else tuple(np.asarray(key).ravel().tolist()), h, b, ctx, page_size, s_q)
+                   else tuple(np.asarray(key).ravel().tolist()), h, b, ctx, page_size, s_q,
+                   kv_scale)
         if ref_key not in _REFS:
             _REFS.clear()  # one case's reference at a time (they can be large)
-            _REFS[ref_key] = _ref_fn(qs[0], pools[0], slot_mat, s_q)
+            _REFS[ref_key] = _ref_fn(qs[0], pools[0], slot_mat, s_q, kv_scale)
         ref_o, ref_l = _REFS[ref_key]
         err = rel_err(o, ref_o)
         lse_err = float(jnp.max(jnp.abs(lse - ref_l)))
         del o, lse, ref_o, ref_l
     t_x = None
-    if baseline:
+    if baseline and not fp8:
         xargs = [(qs[i], pools[i % copies], slot_mat) for i in range(n)]
         base = lambda q, p, sm: xla_decode(q, p, sm, s_q=s_q, sm_scale=SM_SCALE)  # noqa: E731
         t_x = time_calls(base, xargs, reps)
@@ -524,7 +545,7 @@ def bench_case(key, h, b, ctx, page_size, ceiling, reps, config, num_splits=None
     x_wall = None if t_x is None else t_x.wall_s * 1e6
     x_us = x_dev if device_us else x_wall
     return dict(heads=h, batch=b, ctx=ctx, page_size=page_size, s_q=s_q, num_splits=ns, block_m=bm,
-                kernel=kernel,
+                kernel=kernel, kv_dtype="fp8" if fp8 else "bf16", kv_scale=kv_scale,
                 block_kv=cfg.block_kv, num_stages=cfg.resolved_num_stages(bm),
                 num_warps=cfg.resolved_num_warps(bm), copies=copies, calls_per_timing=n,
                 compile_and_time_s=t_compile, config=dataclasses.asdict(cfg),
@@ -800,6 +821,11 @@ def main(argv=None):
     ap.add_argument("--partial-dtype", choices=("float32", "bfloat16"),
                     default=DecodeKernelConfig().partial_dtype,
                     help="grid: storage of the split partials (DecodeKernelConfig.partial_dtype)")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: the fp8 KV grid (bench.decode_fp8), bf16 and fp8 pools per case")
+    ap.add_argument("--fp8-variants", action="store_true",
+                    help="--kv-dtype fp8: also time the Triton tilings of "
+                    "bench.decode_fp8.FP8_VARIANTS")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     deadline = math.inf if args.time_limit is None else t_start + args.time_limit
@@ -842,6 +868,15 @@ def main(argv=None):
                       else min(deadline, t_start + args.variants_time_limit))
         tuned = variant_sweep(key, ceiling, results, v_deadline)
         dump(results, args.out)
+    if args.kv_dtype == "fp8":
+        from bench.decode_fp8 import fp8_grid
+
+        ok &= fp8_grid(key, ceiling, args, results, deadline, bench_case, fmt_case)
+        results["wall_s"] = time.perf_counter() - t_start
+        with open(os.path.join(args.out, "decode_fp8.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        log("OK" if ok else "SOME CHECKS FAILED")
+        return 0 if ok else 1
     if not args.no_grid:
         log("== grid (" + GRID_ORDER_NOTE + ")")
         ctxs = (4096,) if args.quick else (1024, 4096, 16384)

@@ -10,7 +10,8 @@ kv_len = kv_indptr[i+1] - kv_indptr[i] keys, attends to keys [0, kv_len - (q_len
 when causal (bottom-right aligned: the last query sees every key), else to all kv_len keys.
 Queries past qo_indptr[-1] (padding) and queries that see no key get out = 0 and lse = +inf,
 as FlashMLA and AITER report them. Everything is computed in float32 (`Precision.HIGHEST`);
-lse is the natural log of the softmax denominator of the scaled scores.
+lse is the natural log of the softmax denominator of the scaled scores. An fp8 pool
+(`funcmla.attention.kv_quant`) is dequantized in float32: k = k_scale * x, v = v_scale * x.
 
 Masked keys contribute exactly zero whatever their pool rows hold (NaN, Inf): they are selected
 away before the products, never multiplied by a zero weight. Values are checked
@@ -24,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from funcmla.attention.kv_quant import check_kv_pool_dtype, kv_scales
 from funcmla.checks import check_attention_values
 from funcmla.guards import enforce, should_check
 from funcmla.layout import expect_index_array
@@ -64,6 +66,8 @@ def mla_attention_reference(
     causal: bool = True,
     max_kv_len: int | None = None,
     query_chunk: int = 16,
+    k_scale=None,
+    v_scale=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out float32 [T, H, v_head_dim], lse float32 [T, H]).
 
@@ -72,7 +76,9 @@ def mla_attention_reference(
     `funcmla.checks.checked`): well-formed indptrs, `qo_indptr[-1] <= T` (no request dropped),
     `kv_indptr[-1] <= capacity`, every request's KV length <= `max_kv_len`, live slots inside
     the pool. Unchecked under `jit`, nothing is read out of bounds (keys past `max_kv_len` are
-    ignored, queries past `T` are not computed).
+    ignored, queries past `T` are not computed). `k_scale` / `v_scale`: the per-layer scales
+    of an fp8 pool (`funcmla.attention.kv_quant`; a float or a float32 array of shape () or
+    [1]); an error for other pools.
     """
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
                     ("kv_indices", kv_indices)):
@@ -87,12 +93,14 @@ def mla_attention_reference(
             f"{tuple(qo_indptr.shape)}, {tuple(kv_indptr.shape)}, {tuple(kv_indices.shape)}")
     if not 0 < v_head_dim <= kv_pool.shape[-1]:
         raise ValueError(f"v_head_dim={v_head_dim} must be in (0, {kv_pool.shape[-1]}]")
+    check_kv_pool_dtype(kv_pool.dtype)
+    scales = kv_scales(kv_pool.dtype, k_scale, v_scale)
     if max_kv_len is not None and (not isinstance(max_kv_len, int) or max_kv_len < 0):
         raise ValueError(f"max_kv_len must be an int >= 0 or None, got {max_kv_len!r}")
     if should_check(qo_indptr, kv_indptr, kv_indices):
         enforce(check_attention_values, qo_indptr, kv_indptr, kv_indices, num_q=q.shape[0],
                 num_slots=kv_pool.shape[0], max_kv_len=max_kv_len)
-    return _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale,
+    return _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, scales, sm_scale=sm_scale,
                       v_head_dim=v_head_dim, causal=causal, max_kv_len=max_kv_len,
                       query_chunk=query_chunk)
 
@@ -100,8 +108,8 @@ def mla_attention_reference(
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len", "query_chunk")
 )
-def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head_dim, causal,
-               max_kv_len, query_chunk):
+def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, scales, *, sm_scale, v_head_dim,
+               causal, max_kv_len, query_chunk):
     num_q, num_heads, _ = q.shape
     span = kv_indices.shape[0] if max_kv_len is None else int(max_kv_len)
     span = max(span, 1)
@@ -110,6 +118,7 @@ def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head
     start = kv_indptr[jnp.minimum(b, batch - 1)]
     pos = jnp.arange(span, dtype=jnp.int32)
     hi = jax.lax.Precision.HIGHEST
+    k_scale, v_scale = (1.0, 1.0) if scales is None else (scales[0][0], scales[1][0])
 
     def one_query(args):
         q_t, start_t, vis_t = args
@@ -118,13 +127,15 @@ def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head
         k = take_or_fill(kv_pool, slots, fill=0)
         # select, never multiply: a masked key's row (slot 0, an unused row: NaN, Inf) is gone
         k = jnp.where(valid[:, None], k.astype(jnp.float32), 0.0)  # [S, D]
+        v = k[:, :v_head_dim] * v_scale  # fp8 pools: dequantized in float32
+        k = k * k_scale
         s = jnp.einsum("hd,sd->hs", q_t.astype(jnp.float32), k, precision=hi) * sm_scale
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
         denom = jnp.sum(p, axis=-1)
-        out = jnp.einsum("hs,sd->hd", p, k[:, :v_head_dim], precision=hi)
+        out = jnp.einsum("hs,sd->hd", p, v, precision=hi)
         has = vis_t > 0
         out = jnp.where(has, out / jnp.where(has, denom, 1.0)[:, None], 0.0)
         lse = jnp.where(has, m[:, 0] + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)

@@ -9,6 +9,7 @@ from funcmla.interop.launcher.plan import DecodeLaunchConfig
 
 
 _TORCH_KEYED: dict[tuple, object] = {}
+_FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 
 def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | None:
@@ -19,16 +20,22 @@ def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | 
         import torch
     except ImportError:
         return "torch is not installed"
-    for name, t in (("q", q), ("kv_pool", kv_pool), ("kv_indptr", kv_indptr),
-                    ("kv_indices", kv_indices)):
+    tensors = (("q", q), ("kv_pool", kv_pool), ("kv_indptr", kv_indptr),
+               ("kv_indices", kv_indices))
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             return f"{name} is not a torch.Tensor ({type(t).__name__})"
-        if not t.is_cuda:
-            return f"{name} is on {t.device}, not a CUDA device"
+    fp8 = {getattr(torch, n) for n in _FP8_NAMES if hasattr(torch, n)}
+    if kv_pool.dtype in fp8 and q.dtype in (torch.bfloat16, torch.float16):
+        return (f"kv_pool is {kv_pool.dtype}: the launcher runs bf16 / f16 pools; an fp8 pool "
+                "runs through the DLPack + jit path (mla_decode with k_scale / v_scale)")
     if q.dtype not in (torch.bfloat16, torch.float16) or kv_pool.dtype != q.dtype:
         return f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must both be bf16 or f16"
     if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
         return "kv_indptr and kv_indices must be int32"
+    for name, t in tensors:
+        if not t.is_cuda:
+            return f"{name} is on {t.device}, not a CUDA device"
     return launcher_unavailable_reason()
 
 

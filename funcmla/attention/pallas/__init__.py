@@ -2,7 +2,7 @@
 
 `mla_decode` (in `api`) checks its arguments, runs one of two decode kernels, the
 Triton-lowered one (`mla_decode_rows`; every shape) or the warp-specialized Mosaic GPU one for
-Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks), and merges split-KV partials with
+Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks; an fp8 pool runs the Triton one), and merges split-KV partials with
 `merge_splits_pallas`. `DecodeKernelConfig` is the static tiling, `choose_num_splits` the split
 rule. All of it runs in Pallas interpret mode on CPU. Design: docs/decode_kernel.md.
 """
@@ -19,6 +19,8 @@ from funcmla.attention.pallas.decode_mgpu import (  # noqa: F401
     mgpu_decode_supported,
 )
 from funcmla.attention.pallas.api import (  # noqa: F401
+    KV_FP8_DTYPE,
+    kernel_choice,
     mla_decode,
     mla_decode_rows,
     mla_decode_rows_mgpu,

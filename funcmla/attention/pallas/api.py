@@ -4,7 +4,9 @@
 page size, heads, s_q, split count), picks the kernel (`uses_mgpu`: the Mosaic GPU kernel where
 it applies and the batch fills a quarter of the GPU, else the Triton-lowered one), runs it with
 the split rule's count (`decode_num_splits`) and merges the splits (`merge_splits_pallas`).
-`mla_decode_rows` and `mla_decode_rows_mgpu` run one kernel alone. `validate_decode_inputs` is
+`mla_decode_rows` and `mla_decode_rows_mgpu` run one kernel alone. An fp8 pool
+(float8_e4m3fn, with `k_scale` / `v_scale`: `funcmla.attention.kv_quant`) runs the Triton
+kernel, which reads fp8 bytes and converts them on chip; the Mosaic GPU kernel reads bf16 only. `validate_decode_inputs` is
 the eager check of index values. Why the rule picks what it does: docs/decode_kernel.md;
 reproduce with `python -m bench.decode --only "H128 B1 L4096"`.
 """
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcmla.attention.kv_quant import kv_scales
 from funcmla.attention.pallas import decode_mgpu, decode_triton
 from funcmla.attention.pallas.decode_common import (
     MAX_POOL_ROWS,
@@ -26,6 +29,7 @@ from funcmla.attention.pallas.decode_common import (
     DecodeKernelConfig,
     KVRows,
     choose_num_splits,
+    fp8_triton_config,
     kv_rows_from_csr,
     kv_rows_from_page_table,
     num_row_blocks,
@@ -40,15 +44,20 @@ from funcmla.attention.pallas.merge import merge_splits_pallas
 from funcmla.layout import PageTable, is_power_of_two
 
 __all__ = ["mla_decode", "mla_decode_rows", "mla_decode_rows_mgpu", "check_decode_args",
-           "validate_decode_inputs", "uses_mgpu", "decode_num_splits"]
+           "validate_decode_inputs", "uses_mgpu", "kernel_choice", "decode_num_splits",
+           "KV_FP8_DTYPE"]
+
+# The fp8 pool dtype the decode kernels read. float8_e4m3fnuz (AMD's variant) stays on the
+# reference: the Triton lowering casts it on no NVIDIA GPU.
+KV_FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def check_decode_args(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
                       s_q: int, num_splits: int | None, v_head_dim: int) -> int:
     """Checks what both kernels need of their static arguments; returns the batch size.
 
-    q [T, H, D] and kv_pool [slots, D] both bf16 or both f16, T = batch * s_q; D = v_head_dim
-    + a rope part; `kv` well formed for `batch` sequences; slots fit int32 ids. Raises
+    q [T, H, D] bf16 or f16 and kv_pool [slots, D] of q's dtype or float8_e4m3fn, T = batch *
+    s_q; D = v_head_dim + a rope part; `kv` well formed for `batch` sequences; slots fit int32 ids. Raises
     TypeError (dtypes) or ValueError naming the argument and the value or limit.
     """
     kv.check()
@@ -58,9 +67,11 @@ def check_decode_args(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale:
         raise ValueError(f"kv_pool must have shape [slots, D], got {kv_pool.shape}")
     t, h, d = q.shape
     slots, d_pool = kv_pool.shape
-    if q.dtype != kv_pool.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise TypeError(f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must both be bfloat16 "
-                        "or float16")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"q ({q.dtype}) must be bfloat16 or float16")
+    if kv_pool.dtype != q.dtype and kv_pool.dtype != KV_FP8_DTYPE:
+        raise TypeError(f"kv_pool ({kv_pool.dtype}) is not taken by the decode kernels: the "
+                        f"dtype of q ({q.dtype}) or {KV_FP8_DTYPE.name} (with k_scale / v_scale)")
     if d_pool != d:
         raise ValueError(f"kv_pool row width {d_pool} != q head dim {d} (q {q.shape})")
     if h < 1:
@@ -109,37 +120,57 @@ def decode_num_splits(config: DecodeKernelConfig, num_seqs: int, rows: int, max_
                              block_m)
 
 
-def uses_mgpu(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
-              v_head_dim: int = 512, interpret: bool = False) -> bool:
-    """Whether `mla_decode` runs the Mosaic GPU kernel for q ([T, H, D], an array or a
-    ShapeDtypeStruct) at this page size (`DecodeKernelConfig.kernel`); raises for
-    kernel="mgpu" on a shape it does not take.
+def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
+                  v_head_dim: int = 512, interpret: bool = False,
+                  kv_dtype=None) -> tuple[str, str]:
+    """("mgpu" or "triton", why) for q ([T, H, D], an array or a ShapeDtypeStruct) over a pool
+    of `kv_dtype` (default q's) at this page size (`DecodeKernelConfig.kernel`); raises for
+    kernel="mgpu" on a shape or dtype it does not take.
 
     "auto" keeps batches of fewer than num_sms / 4 blocks of 64 rows on Triton: there a Mosaic
     GPU block's fixed cost and launch outweigh its matrix rate (`python -m bench.decode
-    --only "H128 B1 L4096"`).
+    --only "H128 B1 L4096"`). An fp8 pool runs Triton (the Mosaic GPU kernel reads bf16).
     """
     if config.kernel == "triton":
-        return False
-    why = mgpu_decode_supported(s_q * q.shape[1], page_size, q.shape[2], v_head_dim, q.dtype)
+        return "triton", "DecodeKernelConfig.kernel='triton'"
+    dtype = q.dtype if kv_dtype is None else kv_dtype
+    if jnp.dtype(dtype) != jnp.dtype(q.dtype):
+        why = f"kv_pool dtype {jnp.dtype(dtype).name} is not bfloat16"
+    else:
+        why = mgpu_decode_supported(s_q * q.shape[1], page_size, q.shape[2], v_head_dim,
+                                    q.dtype)
     if config.kernel == "mgpu":
         if why is not None:
             raise ValueError(f"DecodeKernelConfig.kernel='mgpu': {why}")
-        return True
-    if why is not None or interpret or jax.default_backend() != "gpu":
-        return False
+        return "mgpu", "DecodeKernelConfig.kernel='mgpu'"
+    if why is not None:
+        return "triton", f"the Mosaic GPU kernel does not apply: {why}"
+    if interpret or jax.default_backend() != "gpu":
+        return "triton", "interpret mode or no GPU backend"
     blocks = (q.shape[0] // s_q) * (s_q * q.shape[1] // MGPU_BLOCK_M)
-    return blocks >= config.num_sms // 4
+    if blocks < config.num_sms // 4:
+        return "triton", f"{blocks} blocks of 64 rows < num_sms / 4 = {config.num_sms // 4}"
+    return "mgpu", f"{blocks} blocks of 64 rows >= num_sms / 4 = {config.num_sms // 4}"
+
+
+def uses_mgpu(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
+              v_head_dim: int = 512, interpret: bool = False, kv_dtype=None) -> bool:
+    """Whether `mla_decode` runs the Mosaic GPU kernel (`kernel_choice`)."""
+    return kernel_choice(config, q, page_size, s_q, v_head_dim=v_head_dim, interpret=interpret,
+                         kv_dtype=kv_dtype)[0] == "mgpu"
 
 
 def _triton_rows(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
-                 interpret):
+                 interpret, scales=None):
     b = check_decode_args(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
                           v_head_dim=v_head_dim)
     _check_triton_dims(q.shape[2], v_head_dim)
+    if scales is not None:
+        config = fp8_triton_config(config, s_q * q.shape[1])
     ns = num_splits or decode_num_splits(config, b, s_q * q.shape[1], kv.max_kv_len, mgpu=False)
     return decode_triton.decode_call(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=ns,
-                                     config=config, v_head_dim=v_head_dim, interpret=interpret)
+                                     config=config, v_head_dim=v_head_dim, interpret=interpret,
+                                     scales=scales)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
@@ -147,9 +178,11 @@ def _triton_rows(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v
 def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
                     s_q: int = 1, num_splits: int | None = None,
                     config: DecodeKernelConfig = DecodeKernelConfig(), v_head_dim: int = 512,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    interpret: bool = False, k_scale=None,
+                    v_scale=None) -> tuple[jax.Array, jax.Array]:
     """The Triton-lowered decode kernel alone (one pallas_call, no merge) on a `KVRows`;
-    arguments as in `mla_decode`.
+    arguments as in `mla_decode` (scale values are not checked under this jit: see
+    `kv_quant.check_kv_scale_values`).
 
     Returns o [B, S, rows_pad, Dv] (q.dtype when S == 1: the output; else per-split partials in
     `config.partial_dtype`) and lse float32 [B, S, rows_pad] (S == 1: +inf for no KV; else
@@ -158,7 +191,8 @@ def mla_decode_rows(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: f
     turns S > 1 partials into the output.
     """
     return _triton_rows(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
-                        config=config, v_head_dim=v_head_dim, interpret=interpret)
+                        config=config, v_head_dim=v_head_dim, interpret=interpret,
+                        scales=kv_scales(kv_pool.dtype, k_scale, v_scale))
 
 
 def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float,
@@ -177,7 +211,8 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
                       v_head_dim=v_head_dim)
     if num_splits is None:
         raise ValueError("num_splits must be a positive int, got None")
-    why = mgpu_decode_supported(s_q * q.shape[1], kv.page_size, q.shape[2], v_head_dim, q.dtype)
+    why = mgpu_decode_supported(s_q * q.shape[1], kv.page_size, q.shape[2], v_head_dim,
+                                kv_pool.dtype)
     if why is not None:
         raise ValueError(f"mla_decode_rows_mgpu: {why}")
     if not isinstance(config, MgpuDecodeConfig):
@@ -201,15 +236,19 @@ def _merged(o: jax.Array, lse: jax.Array, out_dtype, config: DecodeKernelConfig,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "num_splits", "config",
-                                              "interpret", "v_head_dim"))
-def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
-                   interpret):
-    """Decode kernel + (num_splits > 1) merge, unpadded to [T, H, Dv] and [T, H]."""
+                                              "interpret", "v_head_dim", "kv_dtype"))
+def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits, config,
+                   v_head_dim, interpret, kv_dtype=None):
+    """Decode kernel + (num_splits > 1) merge, unpadded to [T, H, Dv] and [T, H]. kv_dtype:
+    the fp8 dtype a uint8 pool's bytes hold (bitcast here, inside the jit: no copy)."""
+    if kv_dtype is not None:
+        kv_pool = jax.lax.bitcast_convert_type(kv_pool, kv_dtype)
     check_decode_args(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=num_splits,
                       v_head_dim=v_head_dim)
     t, h, _ = q.shape
     rows = s_q * h
-    if uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret):
+    if uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret,
+                 kv_dtype=kv_pool.dtype):
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
         o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
                                       num_splits=ns, v_head_dim=v_head_dim,
@@ -217,7 +256,7 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config,
     else:
         o, lse = _triton_rows(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
                               num_splits=num_splits, config=config, v_head_dim=v_head_dim,
-                              interpret=interpret)
+                              interpret=interpret, scales=scales)
     out, lse_out = _merged(o, lse, q.dtype, config, interpret)
     if out.shape[1] != rows:
         out, lse_out = out[:, :rows], lse_out[:, :rows]
@@ -228,12 +267,21 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
                kv_indices: jax.Array | None = None, page_table: PageTable | None = None,
                sm_scale: float, s_q: int = 1, num_splits: int | None = None,
                config: DecodeKernelConfig = DecodeKernelConfig(), max_kv_len: int | None = None,
-               v_head_dim: int = 512, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+               v_head_dim: int = 512, interpret: bool = False, k_scale=None,
+               v_scale=None, kv_dtype=None) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over the paged latent pool.
 
     q:          [T, H, 576] bf16 (or f16 on the Triton kernel), T = batch * s_q, token-major
                 (the s_q tokens of a sequence are consecutive).
-    kv_pool:    [slots, 576], q's dtype; V is the first `v_head_dim` (512) columns of a row.
+    kv_pool:    [slots, 576], q's dtype or float8_e4m3fn; V is the first `v_head_dim` (512)
+                columns of a row.
+    k_scale, v_scale: an fp8 pool's per-layer scales (a float or a float32 array of shape
+                () or [1]; v_scale defaults to k_scale, k_scale to 1): scores use k_scale * x,
+                the output v_scale * x (`funcmla.attention.kv_quant`). An error for other
+                pools. An fp8 pool runs the Triton kernel.
+    kv_dtype:   None, or "float8_e4m3fn" for a uint8 kv_pool holding fp8 bytes (the zero-copy
+                form `funcmla.interop.dlpack.to_jax(t, fp8="bits")` gives): bitcast inside
+                the jit, so the pool is never copied.
     KV metadata, exactly one of:
       kv_indptr [B+1] int32 (tokens) + kv_indices [capacity] int32 (token slots); page size 1.
       page_table: funcmla.layout.PageTable (page ids [B, max_pages], lengths [B] in tokens,
@@ -267,9 +315,20 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
         raise TypeError(f"config must be a DecodeKernelConfig, got {type(config).__name__}")
     if not (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)):
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float")
-    return _mla_decode_kv(q, kv_pool, kv, sm_scale=float(sm_scale), s_q=s_q,
+    pool_dtype = kv_pool.dtype
+    if kv_dtype is not None:
+        if jnp.dtype(kv_dtype) != KV_FP8_DTYPE:
+            raise TypeError(f"kv_dtype={kv_dtype!r}: the decode kernels read "
+                            f"{KV_FP8_DTYPE.name} bytes from a uint8 kv_pool")
+        if kv_pool.dtype != jnp.uint8:
+            raise TypeError(f"kv_dtype={kv_dtype!r} reinterprets a uint8 kv_pool; kv_pool is "
+                            f"{kv_pool.dtype}")
+        pool_dtype = KV_FP8_DTYPE
+    scales = kv_scales(pool_dtype, k_scale, v_scale)
+    return _mla_decode_kv(q, kv_pool, kv, scales, sm_scale=float(sm_scale), s_q=s_q,
                           num_splits=num_splits, config=config, v_head_dim=v_head_dim,
-                          interpret=interpret)
+                          interpret=interpret,
+                          kv_dtype=None if kv_dtype is None else KV_FP8_DTYPE.name)
 
 
 def validate_decode_inputs(kv_pool_rows: int, *, kv_indptr=None, kv_indices=None,

@@ -27,6 +27,8 @@ __all__ = [
     "choose_num_splits",
     "merge_splits",
     "num_row_blocks",
+    "fp8_triton_config",
+    "FP8_WIDE_TILING",
     "MAX_POOL_ROWS",
     "PARTIAL_DTYPES",
 ]
@@ -277,6 +279,23 @@ def causal_limit(kv_len, s_q: int, row_token):
     visible), for the row's token index among the sequence's s_q query tokens; rows past the
     last token (padding) clamp to kv_len."""
     return jnp.minimum(kv_len - s_q + 1 + row_token, kv_len)
+
+
+# The Triton tiling of an fp8 pool where the defaults would give 64-row blocks (128 heads):
+# the wgmma path keeps both converted bf16 tiles in shared memory beside the fp8 stages, 276 KB
+# at two stages (an SM has 227 KB), so fp8 runs one stage, faster than 32-row blocks
+# (`python -m bench.decode --kv-dtype fp8 --fp8-variants`; docs/decode_kernel.md, "fp8 KV").
+FP8_WIDE_TILING = dict(num_stages=1)
+
+
+def fp8_triton_config(config: DecodeKernelConfig, rows: int) -> DecodeKernelConfig:
+    """`config` for the Triton kernel over an fp8 pool of `rows` folded query rows: the
+    defaults, except `FP8_WIDE_TILING` where they would give 64-row blocks; a config that sets
+    block_m or num_stages is kept as is."""
+    if (config.block_m is not None or config.num_stages is not None
+            or config.resolved_block_m(rows) < 64):
+        return config
+    return dataclasses.replace(config, **FP8_WIDE_TILING)
 
 
 def _check_int32(value, name: str) -> None:

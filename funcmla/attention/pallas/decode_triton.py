@@ -14,6 +14,11 @@ pool row (NaN, Inf) reaches the result. A sequence with kv_len = 0 gives out 0 a
 Slot ids are int32; the lowering forms 64-bit element offsets once the pool exceeds 4 GiB
 (`python -m bench.decode --big-pool` checks it).
 
+An fp8 pool (float8_e4m3fn) is read as fp8 bytes (half the traffic of bf16) and converted to
+q's dtype on chip for both products; the per-layer k_scale multiplies the float32 scores and
+v_scale the float32 output (`funcmla.attention.kv_quant`), so the fp8 values themselves are
+never rescaled.
+
 Arguments are checked by `funcmla.attention.pallas.api`, which calls `decode_call`.
 """
 
@@ -44,11 +49,18 @@ _LN2 = 0.6931471805599453
 
 def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, page_size: int,
                    block_kv: int, num_splits: int, s_q: int, num_heads: int, d_v: int,
-                   d_rope: int, scale_log2: float, final: bool, evict_first: bool):
+                   d_rope: int, scale_log2: float, final: bool, evict_first: bool,
+                   fp8: bool):
     hb = pl.program_id(0)
     split = pl.program_id(1)
     b = pl.program_id(2)
-    meta, (table_ref, q_ref, kv_ref, o_ref, lse_ref) = refs[:n_meta], refs[n_meta:]
+    meta, refs = refs[:n_meta], refs[n_meta:]
+    if fp8:
+        table_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref, lse_ref = refs
+        score_scale = scale_log2 * k_scale_ref[0]
+    else:
+        table_ref, q_ref, kv_ref, o_ref, lse_ref = refs
+        score_scale = scale_log2
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     block_m = q_ref.shape[0]
     table_len = table_ref.shape[0]
@@ -86,16 +98,27 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
         k_pe = pltriton.load(
             kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, d_rope)), cols_r], mask=mask,
             other=0.0, eviction_policy=eviction)
+        v = k_nope
+        if fp8:
+            # fp8 bytes converted on chip (exact: bf16 and f16 hold every e4m3 value). V is
+            # loaded a second time (from L2/L1): one fp8 tile converted for two products in
+            # two layouts is not pipelined by Triton, a tile per product is.
+            v = pltriton.load(
+                kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, d_v)), cols_v],
+                mask=jnp.broadcast_to(in_seq[:, None], (block_kv, d_v)), other=0.0,
+                eviction_policy="evict_last" if evict_first else "evict_first")
+            k_nope, k_pe = k_nope.astype(q_nope.dtype), k_pe.astype(q_nope.dtype)
+            v = v.astype(q_nope.dtype)
         s = lax.dot_general(q_nope, k_nope, nt, preferred_element_type=jnp.float32)
         s = s + lax.dot_general(q_pe, k_pe, nt, preferred_element_type=jnp.float32)
         # Select, not multiply: a masked score is -inf, so its P is exactly 0.
-        s = jnp.where(pos[None, :] < limit[:, None], s * scale_log2, -jnp.inf)
+        s = jnp.where(pos[None, :] < limit[:, None], s * score_scale, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m_i - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(k_nope.dtype), k_nope, (((1,), (0,)), ((), ())),
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l_new
 
@@ -105,15 +128,20 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
     acc, m_i, l_i = lax.fori_loop(first, last, body, (acc, m_i, l_i))
 
     has = l_i > 0.0
-    o_ref[...] = (acc / jnp.where(has, l_i, 1.0)[:, None]).astype(o_ref.dtype)
+    denom = jnp.where(has, l_i, 1.0)
+    if fp8:
+        denom = denom / v_scale_ref[0]
+    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
     empty = jnp.inf if final else -jnp.inf
     lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, empty)
 
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
                 num_splits: int, config: DecodeKernelConfig, v_head_dim: int,
-                interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """The decode pallas_call on checked arguments (`api.check_decode_args`).
+                interpret: bool, scales: tuple[jax.Array, jax.Array] | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """The decode pallas_call on checked arguments (`api.check_decode_args`). `scales`:
+    (k_scale, v_scale) float32 [1] for an fp8 pool, None otherwise.
 
     Returns o [B, S, rows_pad, Dv] (q.dtype when S == 1, else `config.partial_dtype`) and lse
     float32 [B, S, rows_pad] (S == 1: +inf for no KV; else -inf for an empty split); rows =
@@ -137,14 +165,15 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         _decode_kernel, form=kv.form, n_meta=len(meta), entries_per_seq=kv.entries_per_seq,
         page_size=kv.page_size, block_kv=config.block_kv, num_splits=num_splits,
         s_q=s_q, num_heads=h, d_v=v_head_dim, d_rope=d_rope,
-        scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first)
+        scale_log2=float(sm_scale) * _LOG2E, final=final, evict_first=config.evict_first,
+        fp8=scales is not None)
     o_dtype = q.dtype if final else jnp.dtype(config.partial_dtype)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa: E731
     in_specs = [full(m.shape) for m in meta] + [
         full(kv.table.shape),
         pl.BlockSpec((None, block_m, d), lambda i, j, k: (k, i, 0)),
         full(kv_pool.shape),
-    ]
+    ] + ([full((1,)), full((1,))] if scales is not None else [])
     out_specs = [
         pl.BlockSpec((None, None, block_m, v_head_dim), lambda i, j, k: (k, j, i, 0)),
         pl.BlockSpec((None, None, block_m), lambda i, j, k: (k, j, i)),
@@ -161,6 +190,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
             num_warps=config.resolved_num_warps(block_m),
             num_stages=config.resolved_num_stages(block_m)),
         interpret=interpret,
-        name=f"mla_decode_ps{kv.page_size}_m{block_m}_kv{config.block_kv}",
-    )(*meta, kv.table, qr, kv_pool)
+        name=(f"mla_decode_ps{kv.page_size}_m{block_m}_kv{config.block_kv}"
+              + ("_fp8" if scales is not None else "")),
+    )(*meta, kv.table, qr, kv_pool, *(scales or ()))
     return o, lse

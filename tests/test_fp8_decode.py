@@ -1,0 +1,220 @@
+"""fp8 KV pools (float8_e4m3fn / e4m3fnuz with per-layer k_scale / v_scale): the reference and
+the Triton decode kernel against a float64 NumPy restatement over the dequantized cache.
+
+The kernel runs in Pallas interpret mode on CPU (small shapes, a few calls); unused pool rows
+hold fp8 NaN, so any read past a sequence's end shows up. GPU tests are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from funcmla.attention.pallas import DecodeKernelConfig, kernel_choice, mla_decode
+from funcmla.attention.reference import mla_attention_reference
+from funcmla.config import MLADims
+from funcmla.layout import PageTable
+from tests.pools import attention_oracle_f64, rel_err
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
+
+D, DV = 576, 512
+SCALE = MLADims().sm_scale
+FP8 = jnp.float8_e4m3fn
+
+
+def _problem(rng, *, batch, heads, s_q, page_size, lens, dtype=FP8):
+    """q (bf16), an fp8 pool of values up to ~4 (NaN in every row no sequence uses, page 0
+    included), a page table and per-sequence slot lists."""
+    max_pages = max(1, max(-(-int(n) // page_size) for n in lens))
+    n_pages = batch * max_pages + 1
+    slots = n_pages * page_size
+    pool = rng.standard_normal((slots, D)).astype(np.float32)
+    perm = rng.permutation(np.arange(1, n_pages)).astype(np.int32)
+    table = perm[: batch * max_pages].reshape(batch, max_pages).copy()
+    slot_lists, live = [], np.zeros(slots, bool)
+    for b in range(batch):
+        table[b, -(-int(lens[b]) // page_size):] = 0
+        pos = np.arange(lens[b])
+        sl = (table[b, pos // page_size] * page_size + pos % page_size).astype(np.int32)
+        slot_lists.append(sl)
+        live[sl] = True
+    pool[~live] = np.nan
+    q = jnp.asarray(rng.standard_normal((batch * s_q, heads, D)), jnp.bfloat16)
+    return dict(q=q, pool=jnp.asarray(pool, dtype), table=jnp.asarray(table),
+                lens=jnp.asarray(np.asarray(lens, np.int32)), slot_lists=slot_lists)
+
+
+def _csr(slot_lists, pad=5):
+    lens = np.array([len(s) for s in slot_lists])
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    indices = np.zeros(int(indptr[-1]) + pad, np.int32)
+    if indptr[-1]:
+        indices[: indptr[-1]] = np.concatenate(slot_lists)
+    return indptr, indices
+
+
+def oracle(q, pool, slot_lists, s_q, k_scale, v_scale):
+    """float64: scores over k_scale * x, output over v_scale * x (linear in V, so the output
+    over k-scaled rows times v_scale / k_scale)."""
+    indptr, indices = _csr(slot_lists)
+    qo = np.arange(len(slot_lists) + 1) * s_q
+    deq = np.asarray(jnp.asarray(pool, jnp.float32), np.float64) * k_scale
+    out, lse = attention_oracle_f64(np.asarray(jnp.asarray(q, jnp.float32)), deq, qo, indptr,
+                                    indices, SCALE, DV)
+    return out * (v_scale / k_scale), lse
+
+
+def _check(out, lse, ref_out, ref_lse, tol=1e-2):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    lse = np.asarray(lse, np.float64)
+    assert np.isfinite(out).all(), "NaN/inf reached the output"
+    live = np.isfinite(ref_lse)
+    assert (lse[~live] == np.inf).all() and (out[~live] == 0).all()
+    assert rel_err(out[live], ref_out[live]) < tol
+    np.testing.assert_allclose(lse[live], ref_lse[live], rtol=1e-3, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------- reference
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz])
+def test_reference_dequantizes_fp8(dtype):
+    rng = np.random.default_rng(1)
+    p = _problem(rng, batch=3, heads=4, s_q=2, page_size=16, lens=[40, 0, 17], dtype=dtype)
+    # The reference reads dead keys from FILL_SLOT 0 (the reserved page): NaN masking there
+    # is the reference's own rule (funcmla.checks); here page 0 holds zeros.
+    p["pool"] = p["pool"].at[:16].set(0)
+    indptr, indices = _csr(p["slot_lists"])
+    qo = jnp.arange(4, dtype=jnp.int32) * 2
+    ks, vs = 0.37, jnp.asarray([1.9], jnp.float32)
+    out, lse = mla_attention_reference(p["q"], p["pool"], qo, jnp.asarray(indptr),
+                                       jnp.asarray(indices), sm_scale=SCALE, k_scale=ks,
+                                       v_scale=vs)
+    ref_out, ref_lse = oracle(p["q"], p["pool"], p["slot_lists"], 2, 0.37, 1.9)
+    fin = np.isfinite(ref_lse)
+    assert rel_err(np.asarray(out)[fin], ref_out[fin]) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], rtol=1e-5)
+    # v_scale defaults to k_scale; k_scale to 1
+    out1, _ = mla_attention_reference(p["q"], p["pool"], qo, jnp.asarray(indptr),
+                                      jnp.asarray(indices), sm_scale=SCALE)
+    ref1, _ = oracle(p["q"], p["pool"], p["slot_lists"], 2, 1.0, 1.0)
+    assert rel_err(np.asarray(out1)[fin], ref1[fin]) < 1e-5
+
+
+# ------------------------------------------------------------------------------- interpret
+
+@pytest.mark.parametrize("page_size,s_q,num_splits", [(1, 1, 2), (16, 2, None), (64, 1, 1)])
+def test_triton_fp8_matches_dequantized_reference(page_size, s_q, num_splits):
+    rng = np.random.default_rng(page_size)
+    lens = [130, 0, 65]
+    p = _problem(rng, batch=3, heads=16, s_q=s_q, page_size=page_size, lens=lens)
+    ks, vs = jnp.float32(0.37), jnp.asarray([1.9], jnp.float32)
+    if page_size == 1:
+        indptr, indices = _csr(p["slot_lists"])
+        out, lse = mla_decode(p["q"], p["pool"], kv_indptr=jnp.asarray(indptr),
+                              kv_indices=jnp.asarray(indices), sm_scale=SCALE, s_q=s_q,
+                              num_splits=num_splits, interpret=True, k_scale=ks, v_scale=vs)
+    else:
+        pt = PageTable(p["table"], p["lens"], page_size)
+        out, lse = mla_decode(p["q"], p["pool"], page_table=pt, sm_scale=SCALE, s_q=s_q,
+                              num_splits=num_splits, interpret=True, k_scale=ks, v_scale=vs)
+    assert out.dtype == jnp.bfloat16 and out.shape == (3 * s_q, 16, DV)
+    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
+
+
+def test_fp8_equals_bf16_kernel_on_the_dequantized_pool_bitwise():
+    """Power-of-two scales are exact, and bf16 holds every e4m3 value: the fp8 kernel must give
+    the bf16 kernel's bits on the dequantized pool (the conversion happens on chip, the scales
+    on the float32 scores and output)."""
+    rng = np.random.default_rng(7)
+    p = _problem(rng, batch=2, heads=16, s_q=1, page_size=16, lens=[100, 37])
+    pt = PageTable(p["table"], p["lens"], 16)
+    kw = dict(page_table=pt, sm_scale=SCALE, interpret=True, num_splits=2)
+    out8, lse8 = mla_decode(p["q"], p["pool"], k_scale=0.5, v_scale=4.0, **kw)
+    deq = p["pool"].astype(jnp.float32)
+    out_k, lse_k = mla_decode(p["q"], (deq * 0.5).astype(jnp.bfloat16), **kw)
+    np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse_k))
+    # output: v_scale / k_scale = 8 times the output over the k-scaled pool, exactly
+    np.testing.assert_array_equal(np.asarray(out8, np.float32),
+                                  np.asarray(out_k, np.float32) * 8.0)
+    # v_scale defaults to k_scale: the bf16 kernel's bits on the k-scaled pool
+    out_d, lse_d = mla_decode(p["q"], p["pool"], k_scale=jnp.float32(0.5), **kw)
+    assert_bits = np.testing.assert_array_equal
+    assert_bits(np.asarray(out_d, np.float32), np.asarray(out_k, np.float32))
+    assert_bits(np.asarray(lse_d), np.asarray(lse_k))
+
+
+def test_fp8_dispatch_runs_triton_and_mgpu_refuses():
+    q = jax.ShapeDtypeStruct((4, 128, D), jnp.bfloat16)
+    name, why = kernel_choice(DecodeKernelConfig(), q, 64, 1, kv_dtype=FP8)
+    assert name == "triton" and "float8_e4m3fn" in why
+    with pytest.raises(ValueError, match="kernel='mgpu'.*float8_e4m3fn"):
+        kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1, kv_dtype=FP8)
+    assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1)[0] == "mgpu"
+    q16 = jax.ShapeDtypeStruct((4, 16, D), jnp.bfloat16)  # the dtype is the reason named
+    assert "float8_e4m3fn" in kernel_choice(DecodeKernelConfig(), q16, 1, 1, kv_dtype=FP8)[1]
+
+
+# ------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,page_size", [(16, 1), (16, 64), (128, 64)])
+def test_gpu_fp8_matches_dequantized_reference(heads, page_size):
+    rng = np.random.default_rng(heads + page_size)
+    p = _problem(rng, batch=4, heads=heads, s_q=1, page_size=page_size, lens=[1000, 0, 513, 7])
+    if page_size == 1:
+        indptr, indices = _csr(p["slot_lists"])
+        out, lse = mla_decode(p["q"], p["pool"], kv_indptr=jnp.asarray(indptr),
+                              kv_indices=jnp.asarray(indices), sm_scale=SCALE, k_scale=0.37,
+                              v_scale=1.9)
+    else:
+        pt = PageTable(p["table"], p["lens"], page_size)
+        out, lse = mla_decode(p["q"], p["pool"], page_table=pt, sm_scale=SCALE, k_scale=0.37,
+                              v_scale=1.9)
+    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], 1, 0.37, 1.9))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool():
+    """The compiled fp8 kernel against the bf16 kernel on the dequantized pool (power-of-two
+    scales): the scores, hence lse, are bitwise equal; P V is rounded differently (the two
+    compiled kernels feed the tensor cores from different layouts), so out is compared with a
+    tolerance."""
+    rng = np.random.default_rng(3)
+    p = _problem(rng, batch=3, heads=16, s_q=1, page_size=64, lens=[700, 64, 5])
+    pt = PageTable(p["table"], p["lens"], 64)
+    out8, lse8 = mla_decode(p["q"], p["pool"], page_table=pt, sm_scale=SCALE, k_scale=0.25,
+                            v_scale=0.25)
+    deq = (p["pool"].astype(jnp.float32) * 0.25).astype(jnp.bfloat16)
+    out, lse = mla_decode(p["q"], deq, page_table=pt, sm_scale=SCALE,
+                          config=DecodeKernelConfig(kernel="triton"))
+    np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse))
+    assert rel_err(np.asarray(out8, np.float32), np.asarray(out, np.float32)) < 1e-2
+
+
+def test_uint8_bytes_with_kv_dtype_equal_the_fp8_pool():
+    """A uint8 pool of fp8 bytes (DLPack's zero-copy form) with kv_dtype gives the fp8 pool's
+    bits (the bitcast happens inside the jit)."""
+    rng = np.random.default_rng(11)
+    p = _problem(rng, batch=2, heads=16, s_q=1, page_size=64, lens=[90, 3])
+    pt = PageTable(p["table"], p["lens"], 64)
+    kw = dict(page_table=pt, sm_scale=SCALE, interpret=True, k_scale=0.37)
+    out, lse = mla_decode(p["q"], p["pool"], **kw)
+    bits = jax.lax.bitcast_convert_type(p["pool"], jnp.uint8)
+    out_b, lse_b = mla_decode(p["q"], bits, kv_dtype="float8_e4m3fn", **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_b, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_b))
+
+
+def test_launcher_names_the_fp8_route():
+    """The torch launcher runs bf16 / f16 pools; for an fp8 pool it says where fp8 runs."""
+    torch = pytest.importorskip("torch")
+    from funcmla.interop.launcher.torch_entry import torch_decode_unsupported_reason
+
+    q = torch.zeros(2, 16, D, dtype=torch.bfloat16)
+    pool = torch.zeros(64, D, dtype=torch.float8_e4m3fn)
+    ind = torch.zeros(3, dtype=torch.int32)
+    why = torch_decode_unsupported_reason(q, pool, ind, ind)
+    assert "float8_e4m3fn" in why and "mla_decode" in why
