@@ -55,8 +55,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
+from funcmla.config import MLADims  # noqa: E402
+
 RESULTS: dict = {"checks": {}, "timings_us": {}, "info": {}, "errors": {}, "verdicts": {}}
-SCALE = 0.1352337788608801
+SCALE = MLADims().sm_scale
 
 
 def log(*a):

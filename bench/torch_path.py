@@ -42,9 +42,11 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from funcmla.config import MLADims  # noqa: E402
+
 RESULTS: dict = {"info": {}, "checks": {}, "verdicts": {}, "host_us": {}, "grid": [],
                  "errors": {}}
-SCALE = 0.1352337788608801
+SCALE = MLADims().sm_scale
 OUT: list = []
 
 

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from funcmla.attention.executor import PagedKVMetadata, plan_spans, run_work_plan
 from funcmla.attention.reference import mla_attention_reference
-from funcmla.config import MI300X, custom_device
+from funcmla.config import MI300X, MLADims, custom_device
 from funcmla.planners.decode import DecodePlanConfig, plan_mla_decode_jit
 from funcmla.planners.prefill import PrefillPlanConfig, plan_ps_prefill
 
-D, DV, SCALE = 576, 512, 0.135
+D, DV, SCALE = 576, 512, MLADims().sm_scale
 POOL_SLOTS = 2048  # static pool rows for every page size (one compile per executor config)
 B = 4  # static batch (padded with empty requests)
 T_ROWS = 256  # static query rows (prefill)

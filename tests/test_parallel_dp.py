@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from funcmla.attention.reference import mla_attention_reference
-from funcmla.config import custom_device
+from funcmla.config import MLADims, custom_device
 from funcmla.metadata import BufferPlan, decode_metadata
 from funcmla.parallel import (
     DPLayout,
@@ -33,7 +33,7 @@ from funcmla.parallel.dp_schedule import shortest_queue_budget
 from funcmla.planners import DecodePlanConfig, plan_mla_decode, plan_problems
 from tests.pools import attention_oracle_f64
 
-D, DV, SCALE = 576, 512, 0.1352
+D, DV, SCALE = 576, 512, MLADims().sm_scale
 N, CTX, SLOTS = 7, 40, 320
 
 

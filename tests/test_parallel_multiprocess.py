@@ -15,8 +15,10 @@ import sys
 
 import numpy as np
 
+from funcmla.config import MLADims
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-D, DV, SCALE = 576, 512, 0.1352
+D, DV, SCALE = 576, 512, MLADims().sm_scale
 N, CTX, SLOTS, HEADS = 6, 24, 192, 16
 
 

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from funcmla.layout import next_power_of_two
 from funcmla.planners.decode_fill import FillParams, fill_step
 from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, on_gpu, padded_slots
 from funcmla.planners.decode_sizes import DecodePlanSizes
@@ -63,10 +64,6 @@ EMIT_BLOCK = 128
 EMIT_PROGRAMS = 16
 UNROLL_CHUNKS = 64
 EMIT_WARPS = 4  # warps per derive + emit program
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _search(gather, n: int, v, *, strict: bool):
@@ -147,7 +144,7 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         """Queue body(base, idx, mask, eb) over [0, size) in vector chunks (masked tail); the
         chunks of all phases are dealt to the programs round-robin by `run_phases`."""
         # Interpret mode (CPU tests): big chunks, fewer traced bodies, a faster compile.
-        eb = min(VECTOR_BLOCK if interpret else EMIT_BLOCK, _pow2_at_least(size))
+        eb = min(VECTOR_BLOCK if interpret else EMIT_BLOCK, next_power_of_two(size))
         phases.append((size, eb, -(-size // eb), body))
 
     def run_chunk(bi, size, eb, body):

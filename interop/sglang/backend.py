@@ -44,13 +44,10 @@ from funcmla.interop.sglang.workplan import (
     device_profile_of,
     plan_shapes,
 )
+from funcmla.layout import next_power_of_two
 from funcmla.metadata import BufferPlan
 
 __all__ = ["FuncMLAAttnBackend"]
-
-
-def _next_pow2(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
 class _PointerStage:
@@ -260,7 +257,7 @@ class FuncMLAAttnBackend:
 
     def _kv_bound(self, max_kv_len: int | None, seq: hc.HostLens, n: int) -> int:
         longest = max_kv_len if max_kv_len is not None else seq.max + n
-        return _next_pow2(longest, 16)
+        return next_power_of_two(longest, 16)
 
     def _num_kv_splits(self):
         if self.num_kv_splits is not None or self.plan is None:

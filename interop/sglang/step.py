@@ -20,12 +20,7 @@ import jax.numpy as jnp
 
 from funcmla.interop.packed import PackedLayout
 from funcmla.interop.sglang.workplan import PLAN_FIELDS, PlanSettings, plan_arrays, plan_shapes
-from funcmla.metadata import (
-    decode_metadata,
-    draft_extend_metadata,
-    extend_metadata,
-    target_verify_metadata,
-)
+from funcmla.metadata import build_metadata
 
 __all__ = ["StepSpec", "build_step", "step_layout", "num_parts"]
 
@@ -94,15 +89,9 @@ def _unpack_inputs(inputs, spec: StepSpec):
 
 
 def _metadata(req_to_token, rpi, seq, ext, mask, spec: StepSpec):
-    cap, n = spec.capacity, spec.n
-    if spec.kind == "decode":
-        meta = decode_metadata(req_to_token, rpi, seq, capacity=cap)
-    elif spec.kind == "extend":
-        meta = extend_metadata(req_to_token, rpi, seq, ext, capacity=cap)
-    elif spec.kind == "target_verify":
-        meta = target_verify_metadata(req_to_token, rpi, seq, num_draft_tokens=n, capacity=cap)
-    else:
-        meta = draft_extend_metadata(req_to_token, rpi, seq, num_draft_tokens=n, capacity=cap)
+    n = spec.n
+    meta = build_metadata(spec.kind, req_to_token, rpi, seq, ext, capacity=spec.capacity,
+                          num_draft_tokens=n)
     if spec.kind in ("target_verify", "draft_extend", "decode"):
         # padded requests get no queries either (qo_indptr flat past the live batch)
         q = 1 if spec.kind == "decode" else n
