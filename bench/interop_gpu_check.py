@@ -69,13 +69,13 @@ def check_zero_copy(dev):
     return out, all(v["same_pointer"] and v["exact"] for v in out.values())
 
 
-def _setup(rng, prefix, extend, ps, dev, **kw):
-    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=extend, page_size=ps,
+def _setup(rng, prefix, extend, page_size, dev, **kw):
+    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=extend, page_size=page_size,
                            max_context_len=MAX_CTX, pool_size=len(prefix) + 4,
-                           num_pages=16384 // ps - 1)
-    pool = MLATokenToKVPool(b.num_slots - ps, ps, torch.bfloat16, 1, device=dev)
+                           num_pages=16384 // page_size - 1)
+    pool = MLATokenToKVPool(b.num_slots - page_size, page_size, torch.bfloat16, 1, device=dev)
     pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, device=dev))
-    backend = FuncMLAAttnBackend(b.req_to_token.to(dev), pool, page_size=ps, **kw)
+    backend = FuncMLAAttnBackend(b.req_to_token.to(dev), pool, page_size=page_size, **kw)
     return b, pool, backend
 
 
@@ -90,15 +90,16 @@ def check_backend(dev):
     rng = np.random.default_rng(0)
     rows = []
     ok = True
-    for ps in (1, 16, 64):
+    for page_size in (1, 16, 64):
         for kind in ("decode", "extend"):
             bsz = 8
             prefix = rng.integers(0, 900, bsz).tolist()
             extend = [1] * bsz if kind == "decode" else rng.integers(1, 120, bsz).tolist()
             T = sum(extend)
-            row = dict(page_size=ps, kind=kind, batch=bsz, tokens=T)
+            row = dict(page_size=page_size, kind=kind, batch=bsz, tokens=T)
             try:
-                b, pool, backend = _setup(rng, prefix, extend, ps, dev, attention_backend="auto")
+                b, pool, backend = _setup(rng, prefix, extend, page_size, dev,
+                                          attention_backend="auto")
                 fb = _fb(ForwardMode.DECODE if kind == "decode" else ForwardMode.EXTEND, b, dev)
                 q = torch.randn(T, H, 576, device=dev).bfloat16()
                 k = torch.randn(T, 1, 576, device=dev).bfloat16()
@@ -118,7 +119,7 @@ def check_backend(dev):
                 ok &= err < 1e-2
                 row.update(backend_selected=backend.attention_backend,
                            backend_ran=backend.last_backend, max_rel_err=err)
-                print(f"  backend ps={ps:2d} {kind:6s} selected={backend.attention_backend} "
+                print(f"  backend ps={page_size:2d} {kind:6s} selected={backend.attention_backend} "
                       f"ran={backend.last_backend:9s} max rel err {err:.2e}")
             except Exception:  # record and continue with the other cases
                 row["error"] = traceback.format_exc()

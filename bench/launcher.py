@@ -242,14 +242,15 @@ def main(argv=None):
     sync = torch.cuda.synchronize
     rng = np.random.default_rng(0)
 
-    def cfg(b, h, *, ps=1, ctx=1024, splits=None, s_q=1):
-        if ps == 1:
+    def cfg(b, h, *, page_size=1, ctx=1024, splits=None, s_q=1):
+        if page_size == 1:
             return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 64,
                                         kv_capacity=b * ctx, max_kv_len=ctx, num_splits=splits,
                                         sm_scale=SCALE)
-        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 4 * ps,
-                                    kv_capacity=b * (ctx // ps), num_splits=splits,
-                                    sm_scale=SCALE, page_size=ps)
+        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q,
+                                    pool_rows=b * ctx + 4 * page_size,
+                                    kv_capacity=b * (ctx // page_size), num_splits=splits,
+                                    sm_scale=SCALE, page_size=page_size)
 
     shapes = {
         "b1_h16_ps1": cfg(1, 16),
@@ -259,9 +260,9 @@ def main(argv=None):
         "b32_h128_ps1_s1": cfg(32, 128, splits=1),
         "b128_h128_ps1": cfg(128, 128),
         "b3_h8_sq3_ps1_pad": cfg(3, 8, s_q=3, ctx=512),
-        "b1_h16_ps64": cfg(1, 16, ps=64),
-        "b32_h128_ps64": cfg(32, 128, ps=64),
-        "b128_h16_ps64_s1": cfg(128, 16, ps=64, splits=1),
+        "b1_h16_ps64": cfg(1, 16, page_size=64),
+        "b32_h128_ps64": cfg(32, 128, page_size=64),
+        "b128_h16_ps64_s1": cfg(128, 16, page_size=64, splits=1),
     }
     if args.quick:
         shapes = {k: shapes[k] for k in ("b1_h16_ps1", "b32_h128_ps1_s1", "b1_h16_ps64")}

@@ -156,14 +156,15 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
 
-    def cfg(b, h, *, ps=1, ctx=4096, splits=None, s_q=1):
-        if ps == 1:
+    def cfg(b, h, *, page_size=1, ctx=4096, splits=None, s_q=1):
+        if page_size == 1:
             return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 64,
                                         kv_capacity=b * ctx, max_kv_len=ctx, num_splits=splits,
                                         sm_scale=SCALE)
-        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 4 * ps,
-                                    kv_capacity=b * (ctx // ps), num_splits=splits,
-                                    sm_scale=SCALE, page_size=ps)
+        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q,
+                                    pool_rows=b * ctx + 4 * page_size,
+                                    kv_capacity=b * (ctx // page_size), num_splits=splits,
+                                    sm_scale=SCALE, page_size=page_size)
 
     def batch(c, *, full=False, seed=0):
         """q, kv_pool, x, y on dev: random lengths (full: every sequence at max length) and a
@@ -227,11 +228,11 @@ def main(argv=None) -> int:
         return launchers[name]
 
     checks = {
-        "b32_h128_ps64": cfg(32, 128, ps=64),
+        "b32_h128_ps64": cfg(32, 128, page_size=64),
         "b32_h128_ps1": cfg(32, 128),
-        "b128_h128_ps64_s1": cfg(128, 128, ps=64, splits=1),
+        "b128_h128_ps64_s1": cfg(128, 128, page_size=64, splits=1),
         "b64_h64_sq2_ps1": cfg(64, 64, s_q=2, ctx=2048),
-        "b32_h16_ps64": cfg(32, 16, ps=64),
+        "b32_h16_ps64": cfg(32, 16, page_size=64),
         "b1_h128_ps1": cfg(1, 128),
     }
 
@@ -440,10 +441,10 @@ def main(argv=None) -> int:
         for h in (16, 128):
             for b in (1, 32, 128):
                 for ctx in (4096, 16384):
-                    for ps in (1, 64):
-                        c = cfg(b, h, ps=ps, ctx=ctx)
-                        name = f"h{h}_b{b}_ctx{ctx // 1024}k_p{ps}"
-                        row = {"name": name, "H": h, "B": b, "ctx": ctx, "page": ps}
+                    for page_size in (1, 64):
+                        c = cfg(b, h, page_size=page_size, ctx=ctx)
+                        name = f"h{h}_b{b}_ctx{ctx // 1024}k_p{page_size}"
+                        row = {"name": name, "H": h, "B": b, "ctx": ctx, "page": page_size}
                         try:
                             lau = L.decode_launcher(c, dev)
                             row.update(kernel=lau.plan.kernel, splits=lau.plan.num_splits,

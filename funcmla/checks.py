@@ -286,8 +286,9 @@ def check_page_table(pt: PageTable, *, pool: PoolSpec, max_context_len: int) -> 
 
 
 def check_page_contiguity(kv: TokenCSR, *, page_size: int, name: str = "kv_indices") -> None:
-    """Within a page, consecutive tokens occupy consecutive slots: slot(t) % ps == t % ps and
-    slot(t) == slot(t - 1) + 1 when t % ps != 0 (the invariant page tables rely on)."""
+    """Within a page, consecutive tokens occupy consecutive slots: slot(t) % page_size ==
+    t % page_size and slot(t) == slot(t - 1) + 1 when t % page_size != 0 (the invariant page
+    tables rely on)."""
     check_page_size(page_size)
     n = kv.capacity
     t = jnp.arange(n, dtype=jnp.int32)

@@ -87,8 +87,8 @@ class TokenCSR:
 class PageTable:
     """Page-granular block table (FlashMLA / FlashInfer style).
 
-    table:   int32 [num_seqs, max_pages]  page ids; columns past ceil(lengths / ps) are padding
-                                          (they point at the reserved page 0).
+    table:   int32 [num_seqs, max_pages]  page ids; columns past ceil(lengths / page_size) are
+                                          padding (they point at the reserved page 0).
     lengths: int32 [num_seqs]             tokens per sequence.
     page_size: static int, power of two.
     """
@@ -117,7 +117,7 @@ class PageTable:
 
     @property
     def kv_last_page_len(self) -> jax.Array:
-        """int32 [num_seqs]: tokens in the last page ((len - 1) % ps + 1; 0 for empty)."""
+        """int32 [num_seqs]: tokens in the last page ((len - 1) % page_size + 1; 0 for empty)."""
         return jnp.where(self.lengths > 0, (self.lengths - 1) % self.page_size + 1, 0)
 
 

@@ -98,11 +98,12 @@ class ForwardMetadata:
 class BufferPlan:
     """Static capacities for CUDA-graph-style reuse of metadata buffers.
 
-    `kv_indices_capacity` is token-granular: `max_bs * (ceil(max_ctx / ps) * ps + n_draft)`
-    (SGLang after #24587, plus draft slack for target-verify's `seq_len + n` rows).
+    `kv_indices_capacity` is token-granular:
+    `max_bs * (ceil(max_ctx / page_size) * page_size + n_draft)` (SGLang after #24587, plus
+    draft slack for target-verify's `seq_len + n` rows).
 
     `legacy_block_granular_kv_indices=True` reproduces the seed's undersized buffer,
-    `max_bs * ceil(max_ctx / ps)` entries (blocks, while the writer writes tokens). It exists
+    `max_bs * ceil(max_ctx / page_size)` entries (blocks, while the writer writes tokens). It exists
     only so the overflow can be reproduced; `funcmla.checks.check_token_csr` then reports
     `kv_indptr[-1] > capacity` instead of the silent out-of-bounds write SGLang had.
     """
@@ -141,7 +142,7 @@ class BufferPlan:
 
     @property
     def page_table_shape(self) -> tuple[int, int]:
-        """[max_bs, ceil(max_ctx / ps)]: a separate page table for page-granular kernels."""
+        """[max_bs, ceil(max_ctx / page_size)]: a separate page table for page-granular kernels."""
         return (self.max_bs, self.max_pages_per_seq)
 
 
