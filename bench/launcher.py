@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -55,58 +55,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from funcmla.config import MLADims  # noqa: E402
+from .launch_cases import SCALE, launch_config, same_bits  # noqa: E402
+from .report import Report, log  # noqa: E402
+from .timing import host_us  # noqa: E402
 
 RESULTS: dict = {"checks": {}, "timings_us": {}, "info": {}, "errors": {}, "verdicts": {}}
-SCALE = MLADims().sm_scale
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-OUT_PATH: list = []
-
-
-def save() -> None:
-    """Write the results so far (so a run stopped at its time limit still reports)."""
-    if OUT_PATH:
-        with open(OUT_PATH[0], "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-
-
-def section(name):
-    def deco(fn):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            log(f"\n=== {name}")
-            try:
-                return fn(*args, **kw)
-            except Exception as err:  # noqa: BLE001 - keep the other sections running
-                RESULTS["errors"][name] = f"{type(err).__name__}: {err}"
-                log(traceback.format_exc())
-            finally:
-                log(f"=== {name}: {time.perf_counter() - t0:.1f} s")
-                save()
-        return run
-    return deco
-
-
-def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
-    """Median host time of one call (us); sync every 100 calls outside the timed region."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    pc = time.perf_counter_ns
-    for i in range(calls):
-        t0 = pc()
-        fn()
-        times.append(pc() - t0)
-        if i % 100 == 99:
-            sync()
-    sync()
-    return statistics.median(times) / 1e3
+REPORT = Report(RESULTS)
+save, section = REPORT.save, REPORT.section
 
 
 def _nop_launch_address():
@@ -188,7 +143,7 @@ def host_only(args) -> int:
     for k, v in T.items():
         log(f"{k:40s} {v:9.2f} us")
     save()
-    log("wrote", OUT_PATH[0])
+    log("wrote", REPORT.path)
     return 0
 
 
@@ -213,8 +168,8 @@ def main(argv=None):
                     help="no GPU: the host path against a no-op driver (see the docstring)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    OUT_PATH.append(os.path.join(args.out, "launcher_host_only.json" if args.host_only
-                                 else "launcher.json"))
+    REPORT.path = os.path.join(args.out, "launcher_host_only.json" if args.host_only
+                               else "launcher.json")
     if args.host_only:
         return host_only(args)
 
@@ -242,15 +197,7 @@ def main(argv=None):
     sync = torch.cuda.synchronize
     rng = np.random.default_rng(0)
 
-    def cfg(b, h, *, page_size=1, ctx=1024, splits=None, s_q=1):
-        if page_size == 1:
-            return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 64,
-                                        kv_capacity=b * ctx, max_kv_len=ctx, num_splits=splits,
-                                        sm_scale=SCALE)
-        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q,
-                                    pool_rows=b * ctx + 4 * page_size,
-                                    kv_capacity=b * (ctx // page_size), num_splits=splits,
-                                    sm_scale=SCALE, page_size=page_size)
+    cfg = functools.partial(launch_config, ctx=1024)
 
     shapes = {
         "b1_h16_ps1": cfg(1, 16),
@@ -300,12 +247,6 @@ def main(argv=None):
             out, lse = mla_decode(j(q), j(kv), page_table=PageTable(j(x), j(y), c.page_size),
                                   **common)
         return torch.from_dlpack(out), torch.from_dlpack(lse)
-
-    def same_bits(a, b) -> bool:
-        view = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
-                torch.float32: torch.int32}
-        return a.shape == b.shape and a.dtype == b.dtype and bool(
-            torch.equal(a.view(view[a.dtype]), b.view(view[b.dtype])))
 
     def max_ulp(a, b) -> int:
         view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -618,7 +559,7 @@ def main(argv=None):
 
     driver_floor()
 
-    path = OUT_PATH[0]
+    path = REPORT.path
     save()
     try:
         from .timing import print_table

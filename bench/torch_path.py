@@ -33,6 +33,7 @@ Usage: python -m bench.torch_path [--out docs/results/] [--reps 30] [--calls 200
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -42,55 +43,14 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from funcmla.config import MLADims  # noqa: E402
+from .launch_cases import SCALE, launch_config, same_bits  # noqa: E402
+from .report import Report, log  # noqa: E402
+from .timing import host_us  # noqa: E402
 
 RESULTS: dict = {"info": {}, "checks": {}, "verdicts": {}, "host_us": {}, "grid": [],
                  "errors": {}}
-SCALE = MLADims().sm_scale
-OUT: list = []
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save():
-    if OUT:
-        with open(OUT[0], "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-
-
-def section(name):
-    def deco(fn):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            log(f"\n=== {name}")
-            try:
-                return fn(*args, **kw)
-            except Exception as err:  # noqa: BLE001 - keep the other sections running
-                RESULTS["errors"][name] = f"{type(err).__name__}: {err}"
-                log(traceback.format_exc())
-            finally:
-                log(f"=== {name}: {time.perf_counter() - t0:.1f} s")
-                save()
-        return run
-    return deco
-
-
-def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    pc = time.perf_counter_ns
-    for i in range(calls):
-        t0 = pc()
-        fn()
-        times.append(pc() - t0)
-        if i % 100 == 99:
-            sync()
-    sync()
-    return statistics.median(times) / 1e3
+REPORT = Report(RESULTS)
+save, section = REPORT.save, REPORT.section
 
 
 def plot(path: str) -> str:
@@ -133,7 +93,7 @@ def main(argv=None) -> int:
         log(plot(args.plot))
         return 0
     os.makedirs(args.out, exist_ok=True)
-    OUT.append(os.path.join(args.out, args.name))
+    REPORT.path = os.path.join(args.out, args.name)
 
     import jax
     import jaxlib
@@ -156,15 +116,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
 
-    def cfg(b, h, *, page_size=1, ctx=4096, splits=None, s_q=1):
-        if page_size == 1:
-            return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 64,
-                                        kv_capacity=b * ctx, max_kv_len=ctx, num_splits=splits,
-                                        sm_scale=SCALE)
-        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q,
-                                    pool_rows=b * ctx + 4 * page_size,
-                                    kv_capacity=b * (ctx // page_size), num_splits=splits,
-                                    sm_scale=SCALE, page_size=page_size)
+    cfg = functools.partial(launch_config, ctx=4096)
 
     def batch(c, *, full=False, seed=0):
         """q, kv_pool, x, y on dev: random lengths (full: every sequence at max length) and a
@@ -205,11 +157,6 @@ def main(argv=None) -> int:
         j = jax.dlpack.from_dlpack
         out, lse = jax_fn(c)(j(q), j(kv), j(x), j(y))
         return torch.from_dlpack(out), torch.from_dlpack(lse)
-
-    def same_bits(a, b) -> bool:
-        view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
-        return a.shape == b.shape and a.dtype == b.dtype and bool(
-            torch.equal(a.contiguous().view(view[a.dtype]), b.contiguous().view(view[b.dtype])))
 
     def max_abs(a, b) -> float:
         return float((a.float() - b.float()).abs().nan_to_num(0.0).max())
