@@ -71,9 +71,9 @@ def test_same_sequences_same_stream_across_page_sizes(lens, seed):
     """Page sizes 1, 16, 64: identical index streams up to slot renaming (same (req, pos))."""
     cap = next_pow2(sum(lens) + 1, 1024)
     streams = []
-    for ps in (1, 16, 64):
-        rng = np.random.default_rng(seed + ps)
-        r2t, rpi, lens_p, owner = _padded(lens, rng, ps)
+    for page_size in (1, 16, 64):
+        rng = np.random.default_rng(seed + page_size)
+        r2t, rpi, lens_p, owner = _padded(lens, rng, page_size)
         csr = _gather(r2t, rpi, lens_p, np.zeros_like(lens_p), capacity=cap)
         n = int(csr.indptr[-1])
         idx = np.asarray(csr.indices[:n])
@@ -96,7 +96,8 @@ def test_page_table_roundtrip(lens, page_size, seed):
     cap = next_pow2(sum(lens) + 1, 1024)
     max_pages = MAX_CTX // page_size
     pt, csr = _roundtrip(r2t, rpi, lens_p, page_size=page_size, max_pages=max_pages, capacity=cap)
-    # page table == slot // ps at page starts (create_flashmla_kv_indices semantics), 0 elsewhere
+    # page table == slot // page_size at page starts (create_flashmla_kv_indices semantics), 0
+    # elsewhere
     table = np.asarray(pt.table)
     for i, n in enumerate(lens_p):
         npg = -(-n // page_size)
