@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from funcmla.layout import next_power_of_two
-from funcmla.planners.decode_fill import FillParams, fill_step
+from funcmla.planners.decode_fill import FillParams, fill_step, fragment_kv_span
 from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, on_gpu, padded_slots
 from funcmla.planners.decode_sizes import DecodePlanSizes
 
@@ -183,19 +183,11 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         m_w, f_w = derived_ref[pid, _M, slot], derived_ref[pid, _F, slot]
         j = w - (derived_ref[pid, _WORKS_INCL, slot] - m_w)
         live = w < num_works
-        kb, ke = info(_KV_BEGIN, slot), info(_KV_END, slot)
-        bt, ts = info(_BT, slot), info(_TS, slot)
-        last = j == m_w - 1
-        begin_blk = jnp.where(j == 0, 0, f_w + (j - 1) * bpc)
-        end_tok = kb + (f_w + j * bpc) * gran
-        kv_start = kb + begin_blk * gran
-        if page_size == 1:
-            kv_stop = jnp.where(last, ke - bt, jnp.minimum(end_tok, ke - bt))
-            kv_offset = ke - kv_stop
-        else:
-            kv_stop = jnp.where(last, ke, jnp.minimum(end_tok, ke))
-            kv_offset = jnp.where(kv_stop == ke, 0,
-                                  (ke - kv_stop - 1) * page_size + info(_LPL, slot))
+        ts = info(_TS, slot)
+        lpl = None if page_size == 1 else info(_LPL, slot)
+        kv_start, kv_stop, kv_offset = fragment_kv_span(
+            j, m_w, f_w, info(_KV_BEGIN, slot), info(_KV_END, slot), info(_BT, slot), lpl,
+            bpc=bpc, gran=gran, page_size=page_size)
         partial_qo_loc = jnp.where(m_w > 1, derived_ref[pid, _PARTIAL_EXCL, slot] + j * ts, -1)
         cols = (info(_BATCH, slot), partial_qo_loc, info(_QO_START, slot), info(_QO_END, slot),
                 kv_start, kv_stop, kv_offset, jnp.zeros_like(w))
