@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from funcmla.checks import check_indptr, check_lengths, check_request_table
 from funcmla.guards import check_int32_total, enforce, int_array, should_check
 from funcmla.layout import PageTable, TokenCSR, check_page_size, expect_layout
-from funcmla.segments import cumsum_i32, segment_ids, take_or_fill
+from funcmla.segments import cumsum_i32, segment_ids, segment_positions, take_or_fill
 
 __all__ = [
     "FILL_SLOT",
@@ -128,13 +128,10 @@ def token_csr_from_table(req_to_token, req_pool_indices, kv_lens, kv_start=None,
     if kv_start is None:
         kv_start = jnp.zeros((batch,), jnp.int32)
     indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kv_lens, dtype=jnp.int32)])
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seg = segment_ids(indptr, capacity)
-    live = seg < batch
-    seg_c = jnp.minimum(seg, batch - 1)
+    seg_c, off, live = segment_positions(indptr, capacity)
     # dead positions gather row 0, column 0 (never an out-of-bounds read, so checkify's index
     # checks stay meaningful: they fire only for live positions past the request table)
-    pos = jnp.where(live, kv_start[seg_c] + t - indptr[seg_c], 0)
+    pos = jnp.where(live, kv_start[seg_c] + off, 0)
     rows = jnp.where(live, req_pool_indices[seg_c], 0)
     slots = take_or_fill(req_to_token, rows, pos, fill=FILL_SLOT)
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
@@ -188,18 +185,14 @@ def token_slots_from_page_table(page_table: PageTable, *, capacity: int) -> Toke
     capacity_arg(capacity)
     page_size = page_table.page_size
     lens = int_array(page_table.lengths, "page_table.lengths", ndim=1)
-    batch = lens.shape[0]
     indptr = indptr_from_lens(lens)
     if should_check(lens):
         limit = page_table.max_pages * page_size
         enforce(check_lengths, lens, name="page_table.lengths", max_context_len=limit,
                 limit=f"max_pages * page_size = {limit}")
         enforce(check_indptr, indptr, name="kv_indptr", capacity=capacity)
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seg = segment_ids(indptr, capacity)
-    live = seg < batch
-    seg_c = jnp.minimum(seg, batch - 1)
-    off = jnp.where(live, t - indptr[seg_c], 0)
+    seg_c, off, live = segment_positions(indptr, capacity)
+    off = jnp.where(live, off, 0)
     page = take_or_fill(page_table.table, seg_c, off // page_size, fill=FILL_PAGE)
     slots = page * page_size + off % page_size
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
