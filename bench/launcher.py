@@ -55,7 +55,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from .launch_cases import SCALE, launch_config, same_bits  # noqa: E402
+from .launch_cases import (  # noqa: E402
+    SCALE,
+    graph_replay_checks,
+    launch_config,
+    misuse_checks,
+    same_bits,
+)
 from .report import Report, log  # noqa: E402
 from .timing import host_us  # noqa: E402
 
@@ -346,39 +352,14 @@ def main(argv=None):
         c = timing_cfgs["s1"]
         lau = launchers["timing_s1"]
         q, kv, x, y = batch(c)
-        t, h = c.num_seqs, c.num_heads
-        out = torch.full((t, h, 512), 7.0, dtype=torch.bfloat16, device=dev)
-        lse = torch.full((t, h), 7.0, device=dev)
-        qbig = torch.zeros(q.numel() + 8, dtype=q.dtype, device=dev)
-        cases = {
-            "q_float32": dict(q=q.float()),
-            "q_noncontig": dict(q=q.transpose(0, 1).contiguous().transpose(0, 1)),
-            "q_cpu": dict(q=q.cpu()),
-            "q_shape": dict(q=q[:-1].contiguous()),
-            "q_misaligned": dict(q=qbig[1:1 + q.numel()].view(q.shape)),
-            "kv_pool_rows": dict(kv=kv[:-1]),
+        res = misuse_checks(lau, q, kv, x, y, {
             "indptr_int64": dict(x=x.long()),
             "indptr_shape": dict(x=x[:-1].contiguous()),
             "indices_cpu": dict(y=y.cpu()),
-            "out_dtype": dict(out=out.float()),
-            "lse_shape": dict(lse=lse[:-1]),
             "not_a_tensor": dict(q=np.zeros(3)),
-        }
-        res = {}
-        for case, kw in cases.items():
-            a = dict(q=q, kv=kv, x=x, y=y, out=out, lse=lse)
-            a.update(kw)
-            sync()
-            try:
-                lau(a["q"], a["kv"], a["x"], a["y"], out=a["out"], lse=a["lse"])
-                raised = "no error"
-            except L.LauncherArgumentError as err:
-                raised = str(err)
-            sync()
-            untouched = bool((out == 7).all()) and bool((lse == 7).all())
-            res[case] = {"error": raised, "untouched": untouched,
-                         "ok": raised != "no error" and untouched}
-            log(("PASS " if res[case]["ok"] else "FAIL ") + case, res[case])
+        }, sync=sync)
+        for case, r in res.items():
+            log(("PASS " if r["ok"] else "FAIL ") + case, r)
         RESULTS["checks"]["misuse"] = res
         RESULTS["verdicts"]["misuse"] = all(r["ok"] for r in res.values())
 
@@ -394,40 +375,9 @@ def main(argv=None):
         qs = [torch.randn(t, h, 576, device=dev).to(torch.bfloat16) for _ in range(layers)]
         kvs = [torch.randn(c.pool_rows, 576, device=dev).to(torch.bfloat16)
                for _ in range(layers)]
-        outs = [torch.empty(t, h, 512, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-        lses = [torch.empty(t, h, device=dev) for _ in range(layers)]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(layers):
-                lau(qs[i], kvs[i], x, y, out=outs[i], lse=lses[i])
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(layers):
-                lau(qs[i], kvs[i], x, y, out=outs[i], lse=lses[i])
-        res, prev = [], None
-        for step in range(2):
-            _, _, nx, ny = batch(c, empty_first=step == 0)
-            x.copy_(nx)
-            y.copy_(ny)
-            for i in range(layers):
-                qs[i].copy_(torch.randn(t, h, 576, device=dev).to(torch.bfloat16))
-            g.replay()
-            sync()
-            got = [(o.clone(), ls.clone()) for o, ls in zip(outs, lses)]
-            ref = [lau(qs[i], kvs[i], x, y) for i in range(layers)]
-            jref = jax_path(c, qs[0], kvs[0], x, y)
-            sync()
-            equal = all(same_bits(a[0], b[0]) and same_bits(a[1], b[1])
-                        for a, b in zip(got, ref))
-            changed = prev is None or not all(same_bits(a[0], b[0]) for a, b in zip(got, prev))
-            r = {"replay_equals_uncaptured": equal, "changed_since_last_step": changed,
-                 "layer0_bitwise_jax": same_bits(got[0][0], jref[0])
-                 and same_bits(got[0][1], jref[1])}
-            res.append(r)
-            log(("PASS " if all(r.values()) else "FAIL ") + f"step {step}", r)
-            prev = got
+        res, g = graph_replay_checks(
+            lau, qs, kvs, x, y, lambda step: batch(c, empty_first=step == 0)[2:],
+            functools.partial(jax_path, c), sync=sync, log=log)
         RESULTS["timings_us"]["graph_replay_61"] = host_us(g.replay, 200, sync, warmup=5)
         RESULTS["checks"]["graph61"] = res
         RESULTS["verdicts"]["graph61"] = all(all(r.values()) for r in res)
