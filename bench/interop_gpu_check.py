@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import host_us  # noqa: E402
 from funcmla.config import deepseek_v3_sm_scale  # noqa: E402
 from funcmla.interop.dlpack import data_ptr, to_jax, to_torch  # noqa: E402
 from funcmla.interop.sglang_backend import (  # noqa: E402
@@ -207,18 +208,9 @@ def check_cuda_graph(dev):
     return dict(replays=replays, overflow=overflow), ok
 
 
-def _median_us(fn, n=60):
-    import statistics
-    import time
-
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-        if i % 10 == 9:
-            torch.cuda.synchronize()
-    return statistics.median(times[10:]) / 1e3
+def _median_us(fn):
+    """Median host time of fn() (us) over 50 calls after 10 untimed, synced every 10."""
+    return host_us(fn, 50, torch.cuda.synchronize, warmup=10, sync_every=10)
 
 
 def _jax_path_breakdown(backend, q, layer):
@@ -248,9 +240,6 @@ def _jax_path_breakdown(backend, q, layer):
 def check_launcher_path(dev):
     """Optional: the pallas torch-launcher path (interop.launcher, another engineer's module) vs
     the DLPack + jit path on one decode batch: result, which path ran, host time per layer."""
-    import statistics
-    import time
-
     rng = np.random.default_rng(2)
     prefix = rng.integers(0, 900, 8).tolist()
     out = {}
@@ -267,16 +256,11 @@ def check_launcher_path(dev):
                                        b.req_pool_indices.to(dev), b.seq_lens.to(dev),
                                        sm_scale=SCALE, compute_dtype=torch.float32)
         err = rel_err(res.view(8, H, 512), want)
-        times = []
-        for i in range(60):
-            t0 = time.perf_counter_ns()
-            backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
-            times.append(time.perf_counter_ns() - t0)
-            if i % 10 == 9:
-                torch.cuda.synchronize()
+        per_layer = _median_us(
+            lambda: backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False))
         key = "launcher" if launch else "dlpack_jit"
         out[key] = dict(backend=backend.last_backend, via=backend.last_via, max_rel_err=err,
-                        host_us_per_layer=statistics.median(times[10:]) / 1e3)
+                        host_us_per_layer=per_layer)
         if not launch:  # where the DLPack + jit path spends its host time, per layer
             out["dlpack_jit_breakdown_us"] = _jax_path_breakdown(backend, q, layer)
         ok &= err < 1e-2

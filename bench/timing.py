@@ -86,22 +86,24 @@ def queue_prime(iters: int = 100_000) -> Callable[[], object]:
     return lambda: call(x)
 
 
-def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], object],
-            warmup: int = 50) -> float:
-    """Median host time of one `fn()` call (us), `sync()` every 100 calls outside the timed
-    region (so the device queue never fills up and stalls the host)."""
+def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], object] | None = None,
+            warmup: int = 50, sync_every: int = 100) -> float:
+    """Median host time of one `fn()` call (us), `sync()` (if given) every `sync_every` calls
+    outside the timed region (so the device queue never fills up and stalls the host)."""
     for _ in range(warmup):
         fn()
-    sync()
+    if sync:
+        sync()
     times = []
     pc = time.perf_counter_ns
     for i in range(calls):
         t0 = pc()
         fn()
         times.append(pc() - t0)
-        if i % 100 == 99:
+        if sync and i % sync_every == sync_every - 1:
             sync()
-    sync()
+    if sync:
+        sync()
     return statistics.median(times) / 1e3
 
 
