@@ -46,9 +46,16 @@ __all__ = [
     "target_verify_metadata",
     "draft_extend_metadata",
     "build_metadata",
+    "draft_keys",
 ]
 
 MODES = ("decode", "extend", "target_verify", "draft_extend")
+
+
+def draft_keys(mode: str, num_draft_tokens: int) -> int:
+    """Keys a request reads past its seq_lens: target verify's n draft tokens (SGLang's
+    seq_lens exclude them there; draft extend's include them), 0 in every other mode."""
+    return num_draft_tokens if mode == "target_verify" else 0
 
 
 @jax.tree_util.register_dataclass
@@ -250,7 +257,8 @@ def target_verify_metadata(
     capacity: int,
 ) -> ForwardMetadata:
     """Target verify: n draft queries per request over `seq_lens + n` keys."""
-    return _n_per_request(req_to_token, req_pool_indices, seq_lens, num_draft_tokens,
+    return _n_per_request(req_to_token, req_pool_indices, seq_lens,
+                          draft_keys("target_verify", num_draft_tokens),
                           n=num_draft_tokens, capacity=capacity, mode="target_verify")
 
 
@@ -263,7 +271,8 @@ def draft_extend_metadata(
     capacity: int,
 ) -> ForwardMetadata:
     """Draft extend (EAGLE v2): n queries per request over `seq_lens` keys."""
-    return _n_per_request(req_to_token, req_pool_indices, seq_lens, 0,
+    return _n_per_request(req_to_token, req_pool_indices, seq_lens,
+                          draft_keys("draft_extend", num_draft_tokens),
                           n=num_draft_tokens, capacity=capacity, mode="draft_extend")
 
 

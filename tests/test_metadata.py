@@ -86,6 +86,13 @@ def test_target_verify_and_draft_extend(lens, page_size, n, seed):
     _expect_common(meta, r2t, rpi, seq, np.full(BATCH, n))
 
 
+def test_draft_keys_per_mode():
+    """Only target verify reads keys past seq_lens (its n drafts; SGLang's seq_lens exclude
+    them there and include them in draft extend)."""
+    assert {m: md.draft_keys(m, 3) for m in md.MODES} == {
+        "decode": 0, "extend": 0, "target_verify": 3, "draft_extend": 0}
+
+
 def test_one_capacity_compiles_once():
     traces = []
 

@@ -45,7 +45,7 @@ from funcmla.interop.sglang.workplan import (
     plan_shapes,
 )
 from funcmla.layout import next_power_of_two
-from funcmla.metadata import BufferPlan
+from funcmla.metadata import BufferPlan, draft_keys
 
 __all__ = ["FuncMLAAttnBackend"]
 
@@ -186,7 +186,7 @@ class FuncMLAAttnBackend:
         tensors of integer dtype, lengths in range) is one test; anything else takes the
         field-by-field checks, which raise naming the field."""
         seq = hc.host_lens(seq_lens_cpu, batch, lo=self._MIN_SEQ.get(kind, n))
-        extra = n if kind == "target_verify" else 0
+        extra = draft_keys(kind, n)
         if seq.max + extra > self.max_context_len:
             hc.check_max(seq, field="seq_lens_cpu", hi=self.max_context_len, extra=extra,
                          extra_what="draft tokens")
@@ -391,8 +391,7 @@ class FuncMLAAttnBackend:
             raise CudaGraphBufferOverflow(f"bs = {bs} exceeds the captured max_bs = {plan.max_bs}")
         seq = self._check_step(kind, bs, req_pool_indices, seq_lens, seq_lens_cpu, seq_lens_sum,
                                n)
-        extra = n if kind == "target_verify" else 0
-        need = seq.sum + extra * bs
+        need = seq.sum + draft_keys(kind, n) * bs
         cap = plan.kv_indices_capacity
         if need > cap:
             unit = ("blocks: the legacy block-granular sizing, the seed's overflow bug"

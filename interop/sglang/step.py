@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from funcmla.interop.packed import PackedLayout
 from funcmla.interop.sglang.workplan import PLAN_FIELDS, PlanSettings, plan_arrays, plan_shapes
-from funcmla.metadata import build_metadata
+from funcmla.metadata import build_metadata, draft_keys
 
 __all__ = ["StepSpec", "build_step", "step_layout", "num_parts"]
 
@@ -81,8 +81,9 @@ def _unpack_inputs(inputs, spec: StepSpec):
     mask = jnp.arange(bp, dtype=jnp.int32) < live
     part = lambda i: jax.lax.dynamic_slice(inputs, (i * live,), (bp,))  # noqa: E731
     rpi = jnp.where(mask, part(0), 0)
-    # target verify reads seq_lens + n keys: a padded request gets -n so that it reads none
-    pad_seq = -spec.n if spec.kind == "target_verify" else 0
+    # a request reads seq_lens + draft_keys (target verify: n) keys; a padded one gets
+    # -draft_keys so that it reads none
+    pad_seq = -draft_keys(spec.kind, spec.n)
     seq = jnp.where(mask, part(1), pad_seq)
     ext = jnp.where(mask, part(2), 0) if k == 3 else None
     return rpi, seq, ext, live, mask
