@@ -78,6 +78,7 @@ from funcmla.config import MLADims  # noqa: E402
 from funcmla.layout import PageTable  # noqa: E402
 
 from .decode_targets import case_label, print_verdicts, target_verdicts  # noqa: E402
+from .timing import gpu_events, perfetto_events  # noqa: E402
 
 D, DV = 576, 512
 SM_SCALE = MLADims().sm_scale
@@ -214,23 +215,7 @@ def _marker():
 def trace_device_events(fn) -> list[tuple[float, float, str]]:
     """(start_us, dur_us, name) of the device activity (CUPTI kernel and memcpy records) while
     fn() runs, read from a jax.profiler Perfetto trace, in start order; [] without a GPU."""
-    import gzip
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            fn()
-        paths = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
-                 if f.endswith("perfetto_trace.json.gz")]
-        if not paths:
-            return []
-        with gzip.open(paths[0]) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-            and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-    return sorted((float(e["ts"]), float(e["dur"]), str(e["name"])) for e in events
-                  if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e)
+    return gpu_events(perfetto_events(fn))
 
 
 def device_stats(events, calls: int, runs: int) -> dict | None:

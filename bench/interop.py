@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import jax
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from . import timing
 from .timing import environment, print_table, write_json
 from funcmla.interop.dlpack import data_ptr, to_jax, to_torch
 from funcmla.interop.sglang import backend as backend_mod
@@ -55,20 +55,7 @@ HANDOFF_TARGET_US = 30.0
 
 def host_us(fn, *, reps, sync=None, warmup=3) -> float:
     """Median host time of fn() in microseconds; `sync` (untimed) runs every 50 calls."""
-    for _ in range(warmup):
-        fn()
-    if sync:
-        sync()
-    times = []
-    for i in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-        if sync and i % 50 == 49:
-            sync()
-    if sync:
-        sync()
-    return statistics.median(times) / 1e3
+    return timing.host_us(fn, reps, sync, warmup=warmup, sync_every=50)
 
 
 def conversion_rows(device: str, sizes_mb: list[int], reps: int) -> list[dict]:

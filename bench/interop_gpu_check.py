@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import host_us  # noqa: E402
 from funcmla.config import deepseek_v3_sm_scale  # noqa: E402
 from funcmla.interop.dlpack import data_ptr, to_jax, to_torch  # noqa: E402
 from funcmla.interop.sglang_backend import (  # noqa: E402
@@ -69,13 +70,13 @@ def check_zero_copy(dev):
     return out, all(v["same_pointer"] and v["exact"] for v in out.values())
 
 
-def _setup(rng, prefix, extend, ps, dev, **kw):
-    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=extend, page_size=ps,
+def _setup(rng, prefix, extend, page_size, dev, **kw):
+    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=extend, page_size=page_size,
                            max_context_len=MAX_CTX, pool_size=len(prefix) + 4,
-                           num_pages=16384 // ps - 1)
-    pool = MLATokenToKVPool(b.num_slots - ps, ps, torch.bfloat16, 1, device=dev)
+                           num_pages=16384 // page_size - 1)
+    pool = MLATokenToKVPool(b.num_slots - page_size, page_size, torch.bfloat16, 1, device=dev)
     pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, device=dev))
-    backend = FuncMLAAttnBackend(b.req_to_token.to(dev), pool, page_size=ps, **kw)
+    backend = FuncMLAAttnBackend(b.req_to_token.to(dev), pool, page_size=page_size, **kw)
     return b, pool, backend
 
 
@@ -90,15 +91,16 @@ def check_backend(dev):
     rng = np.random.default_rng(0)
     rows = []
     ok = True
-    for ps in (1, 16, 64):
+    for page_size in (1, 16, 64):
         for kind in ("decode", "extend"):
             bsz = 8
             prefix = rng.integers(0, 900, bsz).tolist()
             extend = [1] * bsz if kind == "decode" else rng.integers(1, 120, bsz).tolist()
             T = sum(extend)
-            row = dict(page_size=ps, kind=kind, batch=bsz, tokens=T)
+            row = dict(page_size=page_size, kind=kind, batch=bsz, tokens=T)
             try:
-                b, pool, backend = _setup(rng, prefix, extend, ps, dev, attention_backend="auto")
+                b, pool, backend = _setup(rng, prefix, extend, page_size, dev,
+                                          attention_backend="auto")
                 fb = _fb(ForwardMode.DECODE if kind == "decode" else ForwardMode.EXTEND, b, dev)
                 q = torch.randn(T, H, 576, device=dev).bfloat16()
                 k = torch.randn(T, 1, 576, device=dev).bfloat16()
@@ -118,7 +120,7 @@ def check_backend(dev):
                 ok &= err < 1e-2
                 row.update(backend_selected=backend.attention_backend,
                            backend_ran=backend.last_backend, max_rel_err=err)
-                print(f"  backend ps={ps:2d} {kind:6s} selected={backend.attention_backend} "
+                print(f"  backend ps={page_size:2d} {kind:6s} selected={backend.attention_backend} "
                       f"ran={backend.last_backend:9s} max rel err {err:.2e}")
             except Exception:  # record and continue with the other cases
                 row["error"] = traceback.format_exc()
@@ -206,18 +208,9 @@ def check_cuda_graph(dev):
     return dict(replays=replays, overflow=overflow), ok
 
 
-def _median_us(fn, n=60):
-    import statistics
-    import time
-
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-        if i % 10 == 9:
-            torch.cuda.synchronize()
-    return statistics.median(times[10:]) / 1e3
+def _median_us(fn):
+    """Median host time of fn() (us) over 50 calls after 10 untimed, synced every 10."""
+    return host_us(fn, 50, torch.cuda.synchronize, warmup=10, sync_every=10)
 
 
 def _jax_path_breakdown(backend, q, layer):
@@ -247,9 +240,6 @@ def _jax_path_breakdown(backend, q, layer):
 def check_launcher_path(dev):
     """Optional: the pallas torch-launcher path (interop.launcher, another engineer's module) vs
     the DLPack + jit path on one decode batch: result, which path ran, host time per layer."""
-    import statistics
-    import time
-
     rng = np.random.default_rng(2)
     prefix = rng.integers(0, 900, 8).tolist()
     out = {}
@@ -266,16 +256,11 @@ def check_launcher_path(dev):
                                        b.req_pool_indices.to(dev), b.seq_lens.to(dev),
                                        sm_scale=SCALE, compute_dtype=torch.float32)
         err = rel_err(res.view(8, H, 512), want)
-        times = []
-        for i in range(60):
-            t0 = time.perf_counter_ns()
-            backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
-            times.append(time.perf_counter_ns() - t0)
-            if i % 10 == 9:
-                torch.cuda.synchronize()
+        per_layer = _median_us(
+            lambda: backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False))
         key = "launcher" if launch else "dlpack_jit"
         out[key] = dict(backend=backend.last_backend, via=backend.last_via, max_rel_err=err,
-                        host_us_per_layer=statistics.median(times[10:]) / 1e3)
+                        host_us_per_layer=per_layer)
         if not launch:  # where the DLPack + jit path spends its host time, per layer
             out["dlpack_jit_breakdown_us"] = _jax_path_breakdown(backend, q, layer)
         ok &= err < 1e-2

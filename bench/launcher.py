@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -55,56 +55,19 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
+from .launch_cases import (  # noqa: E402
+    SCALE,
+    graph_replay_checks,
+    launch_config,
+    misuse_checks,
+    same_bits,
+)
+from .report import Report, log  # noqa: E402
+from .timing import host_us  # noqa: E402
+
 RESULTS: dict = {"checks": {}, "timings_us": {}, "info": {}, "errors": {}, "verdicts": {}}
-SCALE = 0.1352337788608801
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-OUT_PATH: list = []
-
-
-def save() -> None:
-    """Write the results so far (so a run stopped at its time limit still reports)."""
-    if OUT_PATH:
-        with open(OUT_PATH[0], "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-
-
-def section(name):
-    def deco(fn):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            log(f"\n=== {name}")
-            try:
-                return fn(*args, **kw)
-            except Exception as err:  # noqa: BLE001 - keep the other sections running
-                RESULTS["errors"][name] = f"{type(err).__name__}: {err}"
-                log(traceback.format_exc())
-            finally:
-                log(f"=== {name}: {time.perf_counter() - t0:.1f} s")
-                save()
-        return run
-    return deco
-
-
-def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
-    """Median host time of one call (us); sync every 100 calls outside the timed region."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    pc = time.perf_counter_ns
-    for i in range(calls):
-        t0 = pc()
-        fn()
-        times.append(pc() - t0)
-        if i % 100 == 99:
-            sync()
-    sync()
-    return statistics.median(times) / 1e3
+REPORT = Report(RESULTS)
+save, section = REPORT.save, REPORT.section
 
 
 def _nop_launch_address():
@@ -186,7 +149,7 @@ def host_only(args) -> int:
     for k, v in T.items():
         log(f"{k:40s} {v:9.2f} us")
     save()
-    log("wrote", OUT_PATH[0])
+    log("wrote", REPORT.path)
     return 0
 
 
@@ -211,8 +174,8 @@ def main(argv=None):
                     help="no GPU: the host path against a no-op driver (see the docstring)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    OUT_PATH.append(os.path.join(args.out, "launcher_host_only.json" if args.host_only
-                                 else "launcher.json"))
+    REPORT.path = os.path.join(args.out, "launcher_host_only.json" if args.host_only
+                               else "launcher.json")
     if args.host_only:
         return host_only(args)
 
@@ -240,14 +203,7 @@ def main(argv=None):
     sync = torch.cuda.synchronize
     rng = np.random.default_rng(0)
 
-    def cfg(b, h, *, ps=1, ctx=1024, splits=None, s_q=1):
-        if ps == 1:
-            return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 64,
-                                        kv_capacity=b * ctx, max_kv_len=ctx, num_splits=splits,
-                                        sm_scale=SCALE)
-        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 4 * ps,
-                                    kv_capacity=b * (ctx // ps), num_splits=splits,
-                                    sm_scale=SCALE, page_size=ps)
+    cfg = functools.partial(launch_config, ctx=1024)
 
     shapes = {
         "b1_h16_ps1": cfg(1, 16),
@@ -257,9 +213,9 @@ def main(argv=None):
         "b32_h128_ps1_s1": cfg(32, 128, splits=1),
         "b128_h128_ps1": cfg(128, 128),
         "b3_h8_sq3_ps1_pad": cfg(3, 8, s_q=3, ctx=512),
-        "b1_h16_ps64": cfg(1, 16, ps=64),
-        "b32_h128_ps64": cfg(32, 128, ps=64),
-        "b128_h16_ps64_s1": cfg(128, 16, ps=64, splits=1),
+        "b1_h16_ps64": cfg(1, 16, page_size=64),
+        "b32_h128_ps64": cfg(32, 128, page_size=64),
+        "b128_h16_ps64_s1": cfg(128, 16, page_size=64, splits=1),
     }
     if args.quick:
         shapes = {k: shapes[k] for k in ("b1_h16_ps1", "b32_h128_ps1_s1", "b1_h16_ps64")}
@@ -297,12 +253,6 @@ def main(argv=None):
             out, lse = mla_decode(j(q), j(kv), page_table=PageTable(j(x), j(y), c.page_size),
                                   **common)
         return torch.from_dlpack(out), torch.from_dlpack(lse)
-
-    def same_bits(a, b) -> bool:
-        view = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
-                torch.float32: torch.int32}
-        return a.shape == b.shape and a.dtype == b.dtype and bool(
-            torch.equal(a.view(view[a.dtype]), b.view(view[b.dtype])))
 
     def max_ulp(a, b) -> int:
         view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -402,39 +352,14 @@ def main(argv=None):
         c = timing_cfgs["s1"]
         lau = launchers["timing_s1"]
         q, kv, x, y = batch(c)
-        t, h = c.num_seqs, c.num_heads
-        out = torch.full((t, h, 512), 7.0, dtype=torch.bfloat16, device=dev)
-        lse = torch.full((t, h), 7.0, device=dev)
-        qbig = torch.zeros(q.numel() + 8, dtype=q.dtype, device=dev)
-        cases = {
-            "q_float32": dict(q=q.float()),
-            "q_noncontig": dict(q=q.transpose(0, 1).contiguous().transpose(0, 1)),
-            "q_cpu": dict(q=q.cpu()),
-            "q_shape": dict(q=q[:-1].contiguous()),
-            "q_misaligned": dict(q=qbig[1:1 + q.numel()].view(q.shape)),
-            "kv_pool_rows": dict(kv=kv[:-1]),
+        res = misuse_checks(lau, q, kv, x, y, {
             "indptr_int64": dict(x=x.long()),
             "indptr_shape": dict(x=x[:-1].contiguous()),
             "indices_cpu": dict(y=y.cpu()),
-            "out_dtype": dict(out=out.float()),
-            "lse_shape": dict(lse=lse[:-1]),
             "not_a_tensor": dict(q=np.zeros(3)),
-        }
-        res = {}
-        for case, kw in cases.items():
-            a = dict(q=q, kv=kv, x=x, y=y, out=out, lse=lse)
-            a.update(kw)
-            sync()
-            try:
-                lau(a["q"], a["kv"], a["x"], a["y"], out=a["out"], lse=a["lse"])
-                raised = "no error"
-            except L.LauncherArgumentError as err:
-                raised = str(err)
-            sync()
-            untouched = bool((out == 7).all()) and bool((lse == 7).all())
-            res[case] = {"error": raised, "untouched": untouched,
-                         "ok": raised != "no error" and untouched}
-            log(("PASS " if res[case]["ok"] else "FAIL ") + case, res[case])
+        }, sync=sync)
+        for case, r in res.items():
+            log(("PASS " if r["ok"] else "FAIL ") + case, r)
         RESULTS["checks"]["misuse"] = res
         RESULTS["verdicts"]["misuse"] = all(r["ok"] for r in res.values())
 
@@ -450,40 +375,9 @@ def main(argv=None):
         qs = [torch.randn(t, h, 576, device=dev).to(torch.bfloat16) for _ in range(layers)]
         kvs = [torch.randn(c.pool_rows, 576, device=dev).to(torch.bfloat16)
                for _ in range(layers)]
-        outs = [torch.empty(t, h, 512, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-        lses = [torch.empty(t, h, device=dev) for _ in range(layers)]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(layers):
-                lau(qs[i], kvs[i], x, y, out=outs[i], lse=lses[i])
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(layers):
-                lau(qs[i], kvs[i], x, y, out=outs[i], lse=lses[i])
-        res, prev = [], None
-        for step in range(2):
-            _, _, nx, ny = batch(c, empty_first=step == 0)
-            x.copy_(nx)
-            y.copy_(ny)
-            for i in range(layers):
-                qs[i].copy_(torch.randn(t, h, 576, device=dev).to(torch.bfloat16))
-            g.replay()
-            sync()
-            got = [(o.clone(), ls.clone()) for o, ls in zip(outs, lses)]
-            ref = [lau(qs[i], kvs[i], x, y) for i in range(layers)]
-            jref = jax_path(c, qs[0], kvs[0], x, y)
-            sync()
-            equal = all(same_bits(a[0], b[0]) and same_bits(a[1], b[1])
-                        for a, b in zip(got, ref))
-            changed = prev is None or not all(same_bits(a[0], b[0]) for a, b in zip(got, prev))
-            r = {"replay_equals_uncaptured": equal, "changed_since_last_step": changed,
-                 "layer0_bitwise_jax": same_bits(got[0][0], jref[0])
-                 and same_bits(got[0][1], jref[1])}
-            res.append(r)
-            log(("PASS " if all(r.values()) else "FAIL ") + f"step {step}", r)
-            prev = got
+        res, g = graph_replay_checks(
+            lau, qs, kvs, x, y, lambda step: batch(c, empty_first=step == 0)[2:],
+            functools.partial(jax_path, c), sync=sync, log=log)
         RESULTS["timings_us"]["graph_replay_61"] = host_us(g.replay, 200, sync, warmup=5)
         RESULTS["checks"]["graph61"] = res
         RESULTS["verdicts"]["graph61"] = all(all(r.values()) for r in res)
@@ -615,7 +509,7 @@ def main(argv=None):
 
     driver_floor()
 
-    path = OUT_PATH[0]
+    path = REPORT.path
     save()
     try:
         from .timing import print_table

@@ -1,4 +1,5 @@
-"""Small shared helpers for the benchmarks: host timing, JSON output, rich tables."""
+"""Small shared helpers for the benchmarks: host timing, profiler trace reading, JSON output, rich
+tables."""
 
 from __future__ import annotations
 
@@ -85,35 +86,75 @@ def queue_prime(iters: int = 100_000) -> Callable[[], object]:
     return lambda: call(x)
 
 
+def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], object] | None = None,
+            warmup: int = 50, sync_every: int = 100) -> float:
+    """Median host time of one `fn()` call (us), `sync()` (if given) every `sync_every` calls
+    outside the timed region (so the device queue never fills up and stalls the host)."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    times = []
+    pc = time.perf_counter_ns
+    for i in range(calls):
+        t0 = pc()
+        fn()
+        times.append(pc() - t0)
+        if sync and i % sync_every == sync_every - 1:
+            sync()
+    if sync:
+        sync()
+    return statistics.median(times) / 1e3
+
+
+def perfetto_events(fn: Callable[[], object]) -> list[dict]:
+    """The trace events of the Perfetto JSON that `jax.profiler.trace` writes while `fn()` runs;
+    [] when it writes none."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            fn()
+        paths = [os.path.join(root, f) for root, _, files in os.walk(d) for f in files
+                 if f.endswith("perfetto_trace.json.gz")]
+        if not paths:
+            return []
+        with gzip.open(paths[0]) as f:
+            trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def gpu_events(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start_us, dur_us, name) of the complete ("X") events of the processes named
+    "/device:GPU..." (CUPTI kernel and memcpy records), in start order; [] without a GPU."""
+    pids = {e["pid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    return sorted((float(e["ts"]), float(e["dur"]), str(e["name"])) for e in events
+                  if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e)
+
+
 def device_kernel_times(fn: Callable[[], object], *, reps: int = 20,
                         primed: bool = False) -> dict | None:
     """Per-kernel device time of `fn()` (which must block), from a JAX profiler trace.
 
-    Runs `fn` `reps` times under `jax.profiler.trace`, reads the Perfetto JSON it writes and
-    keeps the complete events of the GPU device's streams (CUPTI kernel and memcpy records);
-    see `trace_kernel_stats` for what is returned. primed: each call is queued behind a
+    Runs `fn` `reps` times under `jax.profiler.trace` (`perfetto_events`); see
+    `trace_kernel_stats` for what is returned. primed: each call is queued behind a
     `queue_prime` kernel (left out of the statistics), so that "span_us" is the device's time
     for the call with every kernel already queued. None when the trace holds no device events
     (CPU backend, or no CUPTI)."""
-    import gzip
-    import tempfile
-
     prime = queue_prime() if primed else None
     fn()
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(reps):
-                if prime is not None:
-                    prime()
-                fn()
-        paths = [os.path.join(root, f) for root, _, files in os.walk(d) for f in files
-                 if f.endswith("perfetto_trace.json.gz")]
-        if not paths:
-            return None
-        with gzip.open(paths[0]) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return trace_kernel_stats(events, reps, prime_name=PRIME_KERNEL if primed else None)
+
+    def calls():
+        for _ in range(reps):
+            if prime is not None:
+                prime()
+            fn()
+
+    return trace_kernel_stats(perfetto_events(calls), reps,
+                              prime_name=PRIME_KERNEL if primed else None)
 
 
 def trace_kernel_stats(events: list[dict], reps: int, *,
@@ -130,11 +171,7 @@ def trace_kernel_stats(events: list[dict], reps: int, *,
     left out of every figure)."""
     from collections import defaultdict
 
-    device_pids = {e["pid"] for e in events
-                   if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-    kern = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
-                  if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e)
+    kern = gpu_events(events)
     if prime_name is not None:
         groups, cur = [], None
         for k in kern:

@@ -33,6 +33,7 @@ Usage: python -m bench.torch_path [--out docs/results/] [--reps 30] [--calls 200
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -42,53 +43,20 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from .launch_cases import (  # noqa: E402
+    SCALE,
+    graph_replay_checks,
+    launch_config,
+    misuse_checks,
+    same_bits,
+)
+from .report import Report, log  # noqa: E402
+from .timing import host_us  # noqa: E402
+
 RESULTS: dict = {"info": {}, "checks": {}, "verdicts": {}, "host_us": {}, "grid": [],
                  "errors": {}}
-SCALE = 0.1352337788608801
-OUT: list = []
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save():
-    if OUT:
-        with open(OUT[0], "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-
-
-def section(name):
-    def deco(fn):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            log(f"\n=== {name}")
-            try:
-                return fn(*args, **kw)
-            except Exception as err:  # noqa: BLE001 - keep the other sections running
-                RESULTS["errors"][name] = f"{type(err).__name__}: {err}"
-                log(traceback.format_exc())
-            finally:
-                log(f"=== {name}: {time.perf_counter() - t0:.1f} s")
-                save()
-        return run
-    return deco
-
-
-def host_us(fn, calls: int, sync, warmup: int = 50) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    pc = time.perf_counter_ns
-    for i in range(calls):
-        t0 = pc()
-        fn()
-        times.append(pc() - t0)
-        if i % 100 == 99:
-            sync()
-    sync()
-    return statistics.median(times) / 1e3
+REPORT = Report(RESULTS)
+save, section = REPORT.save, REPORT.section
 
 
 def plot(path: str) -> str:
@@ -131,7 +99,7 @@ def main(argv=None) -> int:
         log(plot(args.plot))
         return 0
     os.makedirs(args.out, exist_ok=True)
-    OUT.append(os.path.join(args.out, args.name))
+    REPORT.path = os.path.join(args.out, args.name)
 
     import jax
     import jaxlib
@@ -154,14 +122,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
 
-    def cfg(b, h, *, ps=1, ctx=4096, splits=None, s_q=1):
-        if ps == 1:
-            return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 64,
-                                        kv_capacity=b * ctx, max_kv_len=ctx, num_splits=splits,
-                                        sm_scale=SCALE)
-        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 4 * ps,
-                                    kv_capacity=b * (ctx // ps), num_splits=splits,
-                                    sm_scale=SCALE, page_size=ps)
+    cfg = functools.partial(launch_config, ctx=4096)
 
     def batch(c, *, full=False, seed=0):
         """q, kv_pool, x, y on dev: random lengths (full: every sequence at max length) and a
@@ -203,11 +164,6 @@ def main(argv=None) -> int:
         out, lse = jax_fn(c)(j(q), j(kv), j(x), j(y))
         return torch.from_dlpack(out), torch.from_dlpack(lse)
 
-    def same_bits(a, b) -> bool:
-        view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
-        return a.shape == b.shape and a.dtype == b.dtype and bool(
-            torch.equal(a.contiguous().view(view[a.dtype]), b.contiguous().view(view[b.dtype])))
-
     def max_abs(a, b) -> float:
         return float((a.float() - b.float()).abs().nan_to_num(0.0).max())
 
@@ -225,11 +181,11 @@ def main(argv=None) -> int:
         return launchers[name]
 
     checks = {
-        "b32_h128_ps64": cfg(32, 128, ps=64),
+        "b32_h128_ps64": cfg(32, 128, page_size=64),
         "b32_h128_ps1": cfg(32, 128),
-        "b128_h128_ps64_s1": cfg(128, 128, ps=64, splits=1),
+        "b128_h128_ps64_s1": cfg(128, 128, page_size=64, splits=1),
         "b64_h64_sq2_ps1": cfg(64, 64, s_q=2, ctx=2048),
-        "b32_h16_ps64": cfg(32, 16, ps=64),
+        "b32_h16_ps64": cfg(32, 16, page_size=64),
         "b1_h128_ps1": cfg(1, 128),
     }
 
@@ -265,40 +221,10 @@ def main(argv=None) -> int:
                        for _ in range(3)]
         t, h = c.num_seqs, c.num_heads
         qs = [torch.randn(t, h, 576, device=dev).to(torch.bfloat16) for _ in range(layers)]
-        outs = [torch.empty(t, h, 512, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-        lses = [torch.empty(t, h, device=dev) for _ in range(layers)]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(layers):
-                lau(qs[i], kvs[i % 4], x, y, out=outs[i], lse=lses[i])
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(layers):
-                lau(qs[i], kvs[i % 4], x, y, out=outs[i], lse=lses[i])
-        res, prev = [], None
-        for step in range(2):
-            _, _, nx, ny = batch(c, seed=step + 1)
-            x.copy_(nx)
-            y.copy_(ny)
-            for i in range(layers):
-                qs[i].copy_(torch.randn(t, h, 576, device=dev).to(torch.bfloat16))
-            g.replay()
-            sync()
-            got = [(o.clone(), ls.clone()) for o, ls in zip(outs, lses)]
-            ref = [lau(qs[i], kvs[i % 4], x, y) for i in range(layers)]
-            jref = jax_path(c, qs[0], kvs[0], x, y)
-            sync()
-            r = {"replay_equals_uncaptured": all(same_bits(a[0], b[0]) and same_bits(a[1], b[1])
-                                                 for a, b in zip(got, ref)),
-                 "changed_since_last_step": prev is None or not all(
-                     same_bits(a[0], b[0]) for a, b in zip(got, prev)),
-                 "layer0_bitwise_jax": same_bits(got[0][0], jref[0])
-                 and same_bits(got[0][1], jref[1])}
-            res.append(r)
-            log(("PASS " if all(r.values()) else "FAIL ") + f"step {step}", r)
-            prev = got
+        res, g = graph_replay_checks(
+            lau, qs, [kvs[i % 4] for i in range(layers)], x, y,
+            lambda step: batch(c, seed=step + 1)[2:], functools.partial(jax_path, c),
+            sync=sync, log=log)
         RESULTS["checks"]["graph61"] = res
         RESULTS["verdicts"]["graph61"] = all(all(r.values()) for r in res)
         RESULTS["host_us"]["graph_replay_61"] = host_us(g.replay, 50, sync, warmup=3)
@@ -438,10 +364,10 @@ def main(argv=None) -> int:
         for h in (16, 128):
             for b in (1, 32, 128):
                 for ctx in (4096, 16384):
-                    for ps in (1, 64):
-                        c = cfg(b, h, ps=ps, ctx=ctx)
-                        name = f"h{h}_b{b}_ctx{ctx // 1024}k_p{ps}"
-                        row = {"name": name, "H": h, "B": b, "ctx": ctx, "page": ps}
+                    for page_size in (1, 64):
+                        c = cfg(b, h, page_size=page_size, ctx=ctx)
+                        name = f"h{h}_b{b}_ctx{ctx // 1024}k_p{page_size}"
+                        row = {"name": name, "H": h, "B": b, "ctx": ctx, "page": page_size}
                         try:
                             lau = L.decode_launcher(c, dev)
                             row.update(kernel=lau.plan.kernel, splits=lau.plan.num_splits,
@@ -493,31 +419,8 @@ def main(argv=None) -> int:
         c = checks["b32_h128_ps64"]
         lau = launcher("b32_h128_ps64", c)
         q, kv, x, y = batch(c)
-        t, h = c.num_seqs, c.num_heads
-        out = torch.full((t, h, 512), 7.0, dtype=torch.bfloat16, device=dev)
-        lse = torch.full((t, h), 7.0, device=dev)
-        qbig = torch.zeros(q.numel() + 8, dtype=q.dtype, device=dev)
-        cases = {"q_float32": dict(q=q.float()),
-                 "q_noncontig": dict(q=q.transpose(0, 1).contiguous().transpose(0, 1)),
-                 "q_cpu": dict(q=q.cpu()), "q_shape": dict(q=q[:-1].contiguous()),
-                 "q_misaligned": dict(q=qbig[1:1 + q.numel()].view(q.shape)),
-                 "kv_pool_rows": dict(kv=kv[:-1]), "table_int64": dict(x=x.long()),
-                 "lengths_cpu": dict(y=y.cpu()), "out_dtype": dict(out=out.float()),
-                 "lse_shape": dict(lse=lse[:-1])}
-        res = {}
-        for case, kw in cases.items():
-            a = dict(q=q, kv=kv, x=x, y=y, out=out, lse=lse)
-            a.update(kw)
-            sync()
-            try:
-                lau(a["q"], a["kv"], a["x"], a["y"], out=a["out"], lse=a["lse"])
-                raised = "no error"
-            except L.LauncherArgumentError as err:
-                raised = str(err)
-            sync()
-            untouched = bool((out == 7).all()) and bool((lse == 7).all())
-            res[case] = {"error": raised, "untouched": untouched,
-                         "ok": raised != "no error" and untouched}
+        res = misuse_checks(lau, q, kv, x, y, {"table_int64": dict(x=x.long()),
+                                               "lengths_cpu": dict(y=y.cpu())}, sync=sync)
         RESULTS["checks"]["misuse"] = res
         RESULTS["verdicts"]["misuse"] = all(r["ok"] for r in res.values())
         log({k: v["ok"] for k, v in res.items()})

@@ -1,9 +1,10 @@
 """Functional paged KV allocator (SGLang `PagedTokenToKVPoolAllocator` + `ReqToTokenPool`).
 
-The allocator hands out whole **pages** but reports **token slots**, `slot = page * ps + offset`,
-and records them in `req_to_token[req, t]` (token `t` of request row `req`). Page 0 (slots
-`[0, ps)`) is reserved for padded tokens and is never handed out. For every live request the
-contiguity invariant holds: `req_to_token[r, t] = page(r, t // ps) * ps + t % ps`.
+The allocator hands out whole **pages** but reports **token slots**,
+`slot = page * page_size + offset`, and records them in `req_to_token[req, t]` (token `t` of
+request row `req`). Page 0 (slots `[0, page_size)`) is reserved for padded tokens and is never
+handed out. For every live request the contiguity invariant holds:
+`req_to_token[r, t] = page(r, t // page_size) * page_size + t % page_size`.
 
 Everything is a pure function over an explicit `AllocatorState` pytree with static shapes:
 
@@ -28,9 +29,9 @@ Semantics, as in SGLang (`sglang/srt/mem_cache/allocator/paged.py`):
   partial last page. New pages are taken in batch order from the top of the free-page stack.
 * `alloc_decode`: one token per request, `last_loc + 1`, or the first slot of a fresh page when
   the new token starts a page.
-* freeing releases whole pages, `unique(slot // ps)`. Pages carry a reference count so a prefix
-  shared by several rows (`share_prefix`) is released once, when its last holder lets go. Freed
-  pages are pushed on the stack in ascending order, smallest on top, which is SGLang's order
+* freeing releases whole pages, `unique(slot // page_size)`. Pages carry a reference count so a
+  prefix shared by several rows (`share_prefix`) is released once, when its last holder lets go.
+  Freed pages are pushed on the stack in ascending order, smallest on top, which is SGLang's order
   without `need_sort` (`free_pages = cat(unique(freed), free_pages)`); with `need_sort` SGLang
   parks freed pages and sorts them in when it runs low, a different but equally valid choice.
 
@@ -327,7 +328,7 @@ def _allocate(state, rows, prefix_lens, seq_lens, valid, tok_row, tok_pos, tok_v
     Per request b (int32 [B]): rows, prefix_lens, seq_lens (tokens), valid. Per output entry n
     (int32 [N]): tok_row (which request), tok_pos (token position in that request), tok_valid.
     """
-    ps = state.page_size
+    page_size = state.page_size
     num_rows, max_len = state.req_to_token.shape
     num_pages = state.num_pages
 
@@ -336,16 +337,16 @@ def _allocate(state, rows, prefix_lens, seq_lens, valid, tok_row, tok_pos, tok_v
     cur_len = state.req_lens[safe_rows]
     last_idx = jnp.clip(prefix_lens - 1, 0, max_len - 1)
     last_loc = jnp.where(prefix_lens > 0, state.req_to_token[safe_rows, last_idx], -1)
-    pages_before = _cdiv(prefix_lens, ps)
+    pages_before = _cdiv(prefix_lens, page_size)
     checked = active & in_range  # out-of-range rows are reported as BAD_REQUEST_INDEX only
     bad_len = (valid & (seq_lens < prefix_lens)) | (
         checked & ((prefix_lens != cur_len) | (seq_lens > max_len) | (prefix_lens < 0))
     )
     # Part 1 writes into the page of last_loc; it must belong to this row alone.
-    part1 = checked & (prefix_lens % ps != 0)
-    shared = part1 & (state.page_refcount[jnp.clip(last_loc // ps, 0, num_pages)] > 1)
+    part1 = checked & (prefix_lens % page_size != 0)
+    shared = part1 & (state.page_refcount[jnp.clip(last_loc // page_size, 0, num_pages)] > 1)
 
-    new_pages = jnp.where(active, _cdiv(seq_lens, ps) - pages_before, 0)
+    new_pages = jnp.where(active, _cdiv(seq_lens, page_size) - pages_before, 0)
     page_start = jnp.cumsum(new_pages) - new_pages  # exclusive prefix sum, in pages
     total_new = jnp.sum(new_pages)
     status = (
@@ -359,10 +360,11 @@ def _allocate(state, rows, prefix_lens, seq_lens, valid, tok_row, tok_pos, tok_v
     # Slot of each output token: part 1 continues last_loc, parts 2 and 3 index new pages.
     b = tok_row
     pos = tok_pos
-    in_old_page = pos < pages_before[b] * ps
-    k = page_start[b] + pos // ps - pages_before[b]  # rank among the batch's new pages
+    in_old_page = pos < pages_before[b] * page_size
+    k = page_start[b] + pos // page_size - pages_before[b]  # rank among the batch's new pages
     page = state.free_pages[jnp.clip(state.num_free - 1 - k, 0, num_pages - 1)]
-    slot = jnp.where(in_old_page, last_loc[b] + 1 + (pos - prefix_lens[b]), page * ps + pos % ps)
+    slot = jnp.where(in_old_page, last_loc[b] + 1 + (pos - prefix_lens[b]),
+                     page * page_size + pos % page_size)
     slot = jnp.where(tok_valid & (status == OK), slot, 0)
 
     free_pages, num_free, page_refcount = _take_pages(state, total_new)
@@ -485,17 +487,17 @@ def truncate_requests(
 ) -> UpdateResult:
     """Drop each row's tokens past `new_len` and release the pages it no longer touches.
 
-    A row releases its pages `[ceil(new_len / ps), ceil(req_len / ps))` (whole pages, as SGLang's
-    `free`: `unique(slot // ps)`); a page returns to the free stack when its reference count
-    reaches 0, so pages still held by another row (a shared prefix) stay allocated. Freed pages
-    are pushed in ascending id order, the smallest on top (handed out first). The dropped
-    req_to_token entries are zeroed. Used for finished requests (`free_requests`) and rejected
-    draft tokens. Status: BAD_REQUEST_INDEX, BAD_LENGTH (`new_len` outside `[0, req_len]`).
+    A row releases its pages `[ceil(new_len / page_size), ceil(req_len / page_size))` (whole
+    pages, as SGLang's `free`: `unique(slot // page_size)`); a page returns to the free stack
+    when its reference count reaches 0, so pages still held by another row (a shared prefix)
+    stay allocated. Freed pages are pushed in ascending id order, the smallest on top (handed
+    out first). The dropped req_to_token entries are zeroed. Used for finished requests
+    (`free_requests`) and rejected draft tokens. Status: BAD_REQUEST_INDEX, BAD_LENGTH (`new_len` outside `[0, req_len]`).
     """
     rows, new_lens, valid = _batch_args(
         "truncate_requests", "req_pool_indices, new_lens", req_pool_indices, new_lens, valid=valid
     )
-    ps = state.page_size
+    page_size = state.page_size
     num_rows, max_len = state.req_to_token.shape
     num_pages = state.num_pages
 
@@ -506,12 +508,12 @@ def truncate_requests(
     active = valid & in_range & (new_lens < cur_len)
 
     row_tokens = state.req_to_token[safe_rows]  # [B, max_len] token slots
-    p = jnp.arange(_cdiv(max_len, ps), dtype=jnp.int32)  # page index within a row
-    page_ids = row_tokens[:, p * ps] // ps  # [B, max_pages] page ids
+    p = jnp.arange(_cdiv(max_len, page_size), dtype=jnp.int32)  # page index within a row
+    page_ids = row_tokens[:, p * page_size] // page_size  # [B, max_pages] page ids
     released = (
         active[:, None]
-        & (p[None, :] >= _cdiv(new_lens, ps)[:, None])
-        & (p[None, :] < _cdiv(cur_len, ps)[:, None])
+        & (p[None, :] >= _cdiv(new_lens, page_size)[:, None])
+        & (p[None, :] < _cdiv(cur_len, page_size)[:, None])
     )
     page_refcount = state.page_refcount.at[jnp.where(released, page_ids, num_pages + 1)].add(
         -1, mode="drop"
@@ -573,7 +575,7 @@ def share_prefix(
         "share_prefix", "src_req, dst_req, prefix_lens", src_req, dst_req, prefix_lens,
         valid=valid
     )
-    ps = state.page_size
+    page_size = state.page_size
     num_rows, max_len = state.req_to_token.shape
     num_pages = state.num_pages
 
@@ -584,7 +586,7 @@ def share_prefix(
     bad_index = jnp.any(active & (~src_in | (src == dst)))
     bad_len = (active & src_in & dst_in) & (
         (prefix_lens < 0)
-        | (prefix_lens % ps != 0)
+        | (prefix_lens % page_size != 0)
         | (prefix_lens > state.req_lens[safe_src])
         | (state.req_lens[safe_dst] != 0)
     )
@@ -597,9 +599,9 @@ def share_prefix(
     src_tokens = state.req_to_token[safe_src]  # [B, max_len] token slots
     cols = jnp.arange(max_len, dtype=jnp.int32)
     copied = jnp.where(cols[None, :] < prefix_lens[:, None], src_tokens, 0)
-    p = jnp.arange(_cdiv(max_len, ps), dtype=jnp.int32)
-    page_ids = src_tokens[:, p * ps] // ps
-    shared = active[:, None] & (p[None, :] < (prefix_lens // ps)[:, None])
+    p = jnp.arange(_cdiv(max_len, page_size), dtype=jnp.int32)
+    page_ids = src_tokens[:, p * page_size] // page_size
+    shared = active[:, None] & (p[None, :] < (prefix_lens // page_size)[:, None])
     page_refcount = state.page_refcount.at[jnp.where(shared, page_ids, num_pages + 1)].add(
         1, mode="drop"
     )

@@ -33,7 +33,7 @@ from jax.experimental import checkify
 
 from funcmla.guards import INT32_MAX, checking, should_check
 from funcmla.layout import PageTable, PoolSpec, TokenCSR, check_page_size, expect_layout
-from funcmla.segments import segment_ids
+from funcmla.segments import segment_positions
 
 __all__ = [
     "CHECK_ERRORS",
@@ -286,14 +286,11 @@ def check_page_table(pt: PageTable, *, pool: PoolSpec, max_context_len: int) -> 
 
 
 def check_page_contiguity(kv: TokenCSR, *, page_size: int, name: str = "kv_indices") -> None:
-    """Within a page, consecutive tokens occupy consecutive slots: slot(t) % ps == t % ps and
-    slot(t) == slot(t - 1) + 1 when t % ps != 0 (the invariant page tables rely on)."""
+    """Within a page, consecutive tokens occupy consecutive slots: slot(t) % page_size ==
+    t % page_size and slot(t) == slot(t - 1) + 1 when t % page_size != 0 (the invariant page
+    tables rely on)."""
     check_page_size(page_size)
-    n = kv.capacity
-    t = jnp.arange(n, dtype=jnp.int32)
-    seg = segment_ids(kv.indptr, n)
-    live = seg < kv.num_seqs
-    off = t - kv.indptr[jnp.minimum(seg, kv.num_seqs - 1)]
+    _, off, live = segment_positions(kv.indptr, kv.capacity)
     prev = jnp.concatenate([kv.indices[:1], kv.indices[:-1]])
     bad = live & (
         (kv.indices % page_size != off % page_size)

@@ -282,8 +282,8 @@ def cmd_demo(args) -> int:
     from funcmla.demo import run_demo
 
     page_sizes = tuple(_int_list(args.page_sizes, "--page-sizes"))
-    for i, ps in enumerate(page_sizes):
-        _page_size(ps, f"--page-sizes[{i}]")
+    for i, page_size in enumerate(page_sizes):
+        _page_size(page_size, f"--page-sizes[{i}]")
     return run_demo(page_sizes=page_sizes, seed=args.seed, as_json=args.json,
                     progress=not args.no_progress)
 

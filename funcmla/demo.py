@@ -186,9 +186,11 @@ def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
     config = simulation if simulation is not None else SimulationConfig(seed=seed, use_plans=True)
     seed = report["seed"] = config.seed
     with Progress(disable=not progress or as_json, console=con, transient=True) as bar:
-        tasks = {ps: bar.add_task(f"trace, page size {ps}", total=config.num_requests) for ps in page_sizes}
-        result = run_simulation(config, page_sizes,
-                                progress=lambda ps, done, total: bar.update(tasks[ps], completed=done))
+        tasks = {page_size: bar.add_task(f"trace, page size {page_size}", total=config.num_requests)
+                 for page_size in page_sizes}
+        result = run_simulation(
+            config, page_sizes,
+            progress=lambda page_size, done, total: bar.update(tasks[page_size], completed=done))
     summary = result.summary()
     for s, run in zip(summary, result.runs.values()):
         s["kv_indices_capacity"] = max((x.kv_indices_capacity for x in run.steps), default=0)
@@ -216,10 +218,10 @@ def run_demo(page_sizes=(1, 16, 64), *, seed: int = 0, as_json: bool = False,
 
     # 2. seed: prefill plan granularity ---------------------------------------------------------
     rows, cases = [], []
-    for ps in page_sizes:
-        fixed = seed_prefill_case(ps, legacy=False, seed=seed, batch=prefill_batch)
+    for page_size in page_sizes:
+        fixed = seed_prefill_case(page_size, legacy=False, seed=seed, batch=prefill_batch)
         cases.append(fixed)
-        verdicts[f"fixed prefill plan valid and exact at page size {ps}"] = (
+        verdicts[f"fixed prefill plan valid and exact at page size {page_size}"] = (
             fixed["refused"] is None and fixed["num_problems"] == 0 and fixed["rel_err"] < 1e-5)
     legacy_ps = max(page_sizes)
     legacy = seed_prefill_case(legacy_ps, legacy=True, seed=seed, batch=prefill_batch)

@@ -6,12 +6,14 @@ All functions are pure, jit-able and have static output shapes. Units are in eve
 * `gather_token_indices`: SGLang's `create_flashinfer_kv_indices_triton`:
   `kv_indices[kv_indptr[i] + j] = req_to_token[req_pool_indices[i], kv_start[i] + j]`.
 * `page_table_from_token_slots`: SGLang's `create_flashmla_kv_indices_triton`:
-  `table[i, p] = req_to_token[r_i, kv_start_i + p * ps] // ps` for `p < ceil(len / ps)`.
-* `token_slots_from_page_table`: `slot = table[i, t // ps] * ps + t % ps`, as a TokenCSR.
-* `kv_last_page_len`: `(len - 1) % ps + 1` (0 for an empty sequence).
+  `table[i, p] = req_to_token[r_i, kv_start_i + p * page_size] // page_size` for
+  `p < ceil(len / page_size)`.
+* `token_slots_from_page_table`: `slot = table[i, t // page_size] * page_size + t % page_size`,
+  as a TokenCSR.
+* `kv_last_page_len`: `(len - 1) % page_size + 1` (0 for an empty sequence).
 
 Entries past the live range (`kv_indices[kv_indptr[-1]:]`, page-table columns past
-`ceil(len / ps)`) hold `FILL_SLOT` / `FILL_PAGE` = 0: the reserved padding page, so a stray
+`ceil(len / page_size)`) hold `FILL_SLOT` / `FILL_PAGE` = 0: the reserved padding page, so a stray
 read stays inside the pool and is recognisable. Kernels must never read them.
 
 Value checks (`funcmla.checks.check_request_table`: rows inside the table, lengths and starts
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 from funcmla.checks import check_indptr, check_lengths, check_request_table
 from funcmla.guards import check_int32_total, enforce, int_array, should_check
 from funcmla.layout import PageTable, TokenCSR, check_page_size, expect_layout
-from funcmla.segments import cumsum_i32, segment_ids, take_or_fill
+from funcmla.segments import cumsum_i32, segment_ids, segment_positions, take_or_fill
 
 __all__ = [
     "FILL_SLOT",
@@ -126,13 +128,10 @@ def token_csr_from_table(req_to_token, req_pool_indices, kv_lens, kv_start=None,
     if kv_start is None:
         kv_start = jnp.zeros((batch,), jnp.int32)
     indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kv_lens, dtype=jnp.int32)])
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seg = segment_ids(indptr, capacity)
-    live = seg < batch
-    seg_c = jnp.minimum(seg, batch - 1)
+    seg_c, off, live = segment_positions(indptr, capacity)
     # dead positions gather row 0, column 0 (never an out-of-bounds read, so checkify's index
     # checks stay meaningful: they fire only for live positions past the request table)
-    pos = jnp.where(live, kv_start[seg_c] + t - indptr[seg_c], 0)
+    pos = jnp.where(live, kv_start[seg_c] + off, 0)
     rows = jnp.where(live, req_pool_indices[seg_c], 0)
     slots = take_or_fill(req_to_token, rows, pos, fill=FILL_SLOT)
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
@@ -147,12 +146,13 @@ def page_table_from_token_slots(
     page_size: int,
     max_pages: int,
 ) -> PageTable:
-    """Page table of a batch: `table[i, p] = req_to_token[r_i, kv_start_i + p * ps] // ps`.
+    """Page table of a batch:
+    `table[i, p] = req_to_token[r_i, kv_start_i + p * page_size] // page_size`.
 
-    Columns `p >= ceil(kv_lens[i] / ps)` hold `FILL_PAGE`. Relies on the allocator's
-    contiguity invariant (`slot(t) = page(t // ps) * ps + t % ps`), checked by
+    Columns `p >= ceil(kv_lens[i] / page_size)` hold `FILL_PAGE`. Relies on the allocator's
+    contiguity invariant (`slot(t) = page(t // page_size) * page_size + t % page_size`), checked by
     `funcmla.checks.check_page_contiguity`. Checked values as `gather_token_indices`, plus
-    `ceil(kv_lens / ps) <= max_pages`.
+    `ceil(kv_lens / page_size) <= max_pages`.
     """
     check_page_size(page_size)
     if not isinstance(max_pages, int) or isinstance(max_pages, bool) or max_pages <= 0:
@@ -176,28 +176,25 @@ def page_table_from_token_slots(
 
 
 def token_slots_from_page_table(page_table: PageTable, *, capacity: int) -> TokenCSR:
-    """Expand a PageTable to a TokenCSR: `indices[indptr[i] + t] = table[i, t//ps]*ps + t%ps`.
+    """Expand a PageTable to a TokenCSR:
+    `indices[indptr[i] + t] = table[i, t // page_size] * page_size + t % page_size`.
 
-    Checked (eager, or under `funcmla.checks.checked`): `0 <= lengths <= max_pages * ps` and
+    Checked (eager, or under `funcmla.checks.checked`): `0 <= lengths <= max_pages * page_size` and
     the total within `capacity` (both would otherwise read or drop fill entries silently)."""
     expect_layout(page_table, PageTable, "page_table")
     capacity_arg(capacity)
-    ps = page_table.page_size
+    page_size = page_table.page_size
     lens = int_array(page_table.lengths, "page_table.lengths", ndim=1)
-    batch = lens.shape[0]
     indptr = indptr_from_lens(lens)
     if should_check(lens):
-        limit = page_table.max_pages * ps
+        limit = page_table.max_pages * page_size
         enforce(check_lengths, lens, name="page_table.lengths", max_context_len=limit,
                 limit=f"max_pages * page_size = {limit}")
         enforce(check_indptr, indptr, name="kv_indptr", capacity=capacity)
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seg = segment_ids(indptr, capacity)
-    live = seg < batch
-    seg_c = jnp.minimum(seg, batch - 1)
-    off = jnp.where(live, t - indptr[seg_c], 0)
-    page = take_or_fill(page_table.table, seg_c, off // ps, fill=FILL_PAGE)
-    slots = page * ps + off % ps
+    seg_c, off, live = segment_positions(indptr, capacity)
+    off = jnp.where(live, off, 0)
+    page = take_or_fill(page_table.table, seg_c, off // page_size, fill=FILL_PAGE)
+    slots = page * page_size + off % page_size
     return TokenCSR(indptr=indptr, indices=jnp.where(live, slots, FILL_SLOT).astype(jnp.int32))
 
 
@@ -219,7 +216,8 @@ def page_table_from_csr(kv: TokenCSR, *, page_size: int, max_pages: int) -> Page
 
 
 def kv_last_page_len(kv_lens: jax.Array, *, page_size: int) -> jax.Array:
-    """int32 [B]: tokens in each sequence's last page, `(len - 1) % ps + 1`; 0 if len == 0."""
+    """int32 [B]: tokens in each sequence's last page, `(len - 1) % page_size + 1`; 0 if
+    len == 0."""
     check_page_size(page_size)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     return jnp.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 0).astype(jnp.int32)

@@ -6,7 +6,8 @@ project grew from (`seed.md`):
 * `TokenCSR`: `indptr` counts **tokens**, `indices[indptr[i] + t]` is the **token slot** (row of
   the KV pool) of token `t` of sequence `i`. Static `capacity = indices.shape[0]`.
 * `PageTable`: `table[i, p]` is the **page id** of page `p` of sequence `i`, `lengths[i]` counts
-  **tokens**, and `page_size` is static. Token `t` lives at slot `table[i, t // ps] * ps + t % ps`.
+  **tokens**, and `page_size` is static. Token `t` lives at slot
+  `table[i, t // page_size] * page_size + t % page_size`.
 
 They are distinct pytrees; functions that take one check it with `expect_layout`, so passing the
 other fails at trace time. Conversions are explicit (`funcmla.indices`).
@@ -24,13 +25,19 @@ import jax.numpy as jnp
 
 __all__ = [
     "TokenCSR", "PageTable", "PoolSpec", "expect_layout", "expect_index_array", "is_power_of_two",
-    "check_page_size",
+    "check_page_size", "next_power_of_two",
 ]
 
 
 def is_power_of_two(n: Any) -> bool:
     """True for a Python int (not bool) that is a positive power of two."""
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and (n & (n - 1)) == 0
+
+
+def next_power_of_two(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= n, and at least `floor` (bucket and tile sizes: Triton
+    vectors and jit cache keys both want power-of-two sizes)."""
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
 def check_page_size(page_size: Any, name: str = "page_size") -> None:
@@ -80,8 +87,8 @@ class TokenCSR:
 class PageTable:
     """Page-granular block table (FlashMLA / FlashInfer style).
 
-    table:   int32 [num_seqs, max_pages]  page ids; columns past ceil(lengths / ps) are padding
-                                          (they point at the reserved page 0).
+    table:   int32 [num_seqs, max_pages]  page ids; columns past ceil(lengths / page_size) are
+                                          padding (they point at the reserved page 0).
     lengths: int32 [num_seqs]             tokens per sequence.
     page_size: static int, power of two.
     """
@@ -110,7 +117,7 @@ class PageTable:
 
     @property
     def kv_last_page_len(self) -> jax.Array:
-        """int32 [num_seqs]: tokens in the last page ((len - 1) % ps + 1; 0 for empty)."""
+        """int32 [num_seqs]: tokens in the last page ((len - 1) % page_size + 1; 0 for empty)."""
         return jnp.where(self.lengths > 0, (self.lengths - 1) % self.page_size + 1, 0)
 
 

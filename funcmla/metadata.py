@@ -46,9 +46,16 @@ __all__ = [
     "target_verify_metadata",
     "draft_extend_metadata",
     "build_metadata",
+    "draft_keys",
 ]
 
 MODES = ("decode", "extend", "target_verify", "draft_extend")
+
+
+def draft_keys(mode: str, num_draft_tokens: int) -> int:
+    """Keys a request reads past its seq_lens: target verify's n draft tokens (SGLang's
+    seq_lens exclude them there; draft extend's include them), 0 in every other mode."""
+    return num_draft_tokens if mode == "target_verify" else 0
 
 
 @jax.tree_util.register_dataclass
@@ -98,11 +105,12 @@ class ForwardMetadata:
 class BufferPlan:
     """Static capacities for CUDA-graph-style reuse of metadata buffers.
 
-    `kv_indices_capacity` is token-granular: `max_bs * (ceil(max_ctx / ps) * ps + n_draft)`
-    (SGLang after #24587, plus draft slack for target-verify's `seq_len + n` rows).
+    `kv_indices_capacity` is token-granular:
+    `max_bs * (ceil(max_ctx / page_size) * page_size + n_draft)` (SGLang after #24587, plus
+    draft slack for target-verify's `seq_len + n` rows).
 
     `legacy_block_granular_kv_indices=True` reproduces the seed's undersized buffer,
-    `max_bs * ceil(max_ctx / ps)` entries (blocks, while the writer writes tokens). It exists
+    `max_bs * ceil(max_ctx / page_size)` entries (blocks, while the writer writes tokens). It exists
     only so the overflow can be reproduced; `funcmla.checks.check_token_csr` then reports
     `kv_indptr[-1] > capacity` instead of the silent out-of-bounds write SGLang had.
     """
@@ -141,7 +149,7 @@ class BufferPlan:
 
     @property
     def page_table_shape(self) -> tuple[int, int]:
-        """[max_bs, ceil(max_ctx / ps)]: a separate page table for page-granular kernels."""
+        """[max_bs, ceil(max_ctx / page_size)]: a separate page table for page-granular kernels."""
         return (self.max_bs, self.max_pages_per_seq)
 
 
@@ -249,7 +257,8 @@ def target_verify_metadata(
     capacity: int,
 ) -> ForwardMetadata:
     """Target verify: n draft queries per request over `seq_lens + n` keys."""
-    return _n_per_request(req_to_token, req_pool_indices, seq_lens, num_draft_tokens,
+    return _n_per_request(req_to_token, req_pool_indices, seq_lens,
+                          draft_keys("target_verify", num_draft_tokens),
                           n=num_draft_tokens, capacity=capacity, mode="target_verify")
 
 
@@ -262,7 +271,8 @@ def draft_extend_metadata(
     capacity: int,
 ) -> ForwardMetadata:
     """Draft extend (EAGLE v2): n queries per request over `seq_lens` keys."""
-    return _n_per_request(req_to_token, req_pool_indices, seq_lens, 0,
+    return _n_per_request(req_to_token, req_pool_indices, seq_lens,
+                          draft_keys("draft_extend", num_draft_tokens),
                           n=num_draft_tokens, capacity=capacity, mode="draft_extend")
 
 

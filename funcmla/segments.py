@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["cumsum_i32", "segment_ids", "take_or_fill"]
+__all__ = ["cumsum_i32", "segment_ids", "segment_positions", "take_or_fill"]
 
 
 def cumsum_i32(x: jax.Array) -> jax.Array:
@@ -33,6 +33,16 @@ def segment_ids(indptr: jax.Array, size: int) -> jax.Array:
     ends = jnp.where((ends >= 0) & (ends <= size), ends, size)
     starts = jnp.zeros((size + 1,), jnp.int32).at[ends].add(1)
     return cumsum_i32(starts[:size])
+
+
+def segment_positions(indptr: jax.Array, size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each position t in [0, size): (row, offset, live), with row the `segment_ids` row
+    clamped to the last one (an in-bounds index for gathers), offset = t - indptr[row], and live
+    = t lies in a row. Dead positions' row and offset are meaningless: mask them with live."""
+    batch = indptr.shape[0] - 1
+    seg = segment_ids(indptr, size)
+    row = jnp.minimum(seg, batch - 1)
+    return row, jnp.arange(size, dtype=jnp.int32) - indptr[row], seg < batch
 
 
 def take_or_fill(x: jax.Array, *idx: jax.Array, fill) -> jax.Array:

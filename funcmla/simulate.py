@@ -66,9 +66,9 @@ class SimulationConfig:
     """A seeded workload and the serving limits. Defaults run in seconds on a 2-core CPU.
 
     Lengths are tokens. `pool_tokens` is the usable KV pool (page 0 comes on top); at page
-    size ps it holds `pool_tokens // ps` pages, so larger pages waste more of it and run out of
-    memory sooner (then prefill candidates are deferred and running requests retracted, as
-    SGLang does, never corrupted).
+    size `page_size` it holds `pool_tokens // page_size` pages, so larger pages waste more of it
+    and run out of memory sooner (then prefill candidates are deferred and running requests
+    retracted, as SGLang does, never corrupted).
     """
 
     seed: int = 0
@@ -812,11 +812,12 @@ def run_simulation(
     page_sizes = tuple(page_sizes)
     if not page_sizes:
         raise ValueError("run_simulation: page_sizes is empty")
-    for ps in page_sizes:
-        config.allocator_spec(ps)  # validate every page size before running any
+    for page_size in page_sizes:
+        config.allocator_spec(page_size)  # validate every page size before running any
     workload = make_workload(config)
-    # (num_pages + 1) * ps <= pool_rows at every page size; the same rows for any page sizes
+    # (num_pages + 1) * page_size <= pool_rows at every page size; the same rows for any page sizes
     # up to 64, so the compiled forwards are shared between calls too.
     pool_rows = config.pool_tokens + max(64, *page_sizes)
-    runs = {ps: _run_one(config, ps, pool_rows, workload, progress) for ps in page_sizes}
+    runs = {page_size: _run_one(config, page_size, pool_rows, workload, progress)
+            for page_size in page_sizes}
     return SimulationResult(config, runs)

@@ -2,8 +2,9 @@
 
 `random_paged_batch` lays requests out the way SGLang's paged allocator does: whole pages drawn
 at random from pages 1..num_pages (page 0 reserved), token t of a request at slot
-`page[t // ps] * ps + t % ps`, and `req_to_token[r, t]` holding that slot. The last
-`extend_seq_lens[i]` tokens of request i are this step's (their slots are `out_cache_loc`).
+`page[t // page_size] * page_size + t % page_size`, and `req_to_token[r, t]` holding that slot.
+The last `extend_seq_lens[i]` tokens of request i are this step's (their slots are
+`out_cache_loc`).
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 from unittest import mock
 
+from funcmla.config import MLADims
 from tests.bad_input import BadInput
 
-SCALE = 0.1352337788608801
+SCALE = MLADims().sm_scale
 _CFG = dict(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32, sm_scale=SCALE)
 
 

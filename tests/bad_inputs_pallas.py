@@ -20,7 +20,7 @@ from funcmla.attention.pallas import (
     validate_decode_inputs,
 )
 from funcmla.config import MLADims
-from funcmla.layout import PageTable
+from funcmla.layout import PageTable, is_power_of_two
 from tests.bad_input import BadInput
 
 SCALE = MLADims().sm_scale
@@ -60,7 +60,7 @@ def _pages(table, lengths, page_size, q=None, pool=None, **kw):
 def _mgpu(page_size=64, heads=64, dtype=jnp.bfloat16, **kw):
     """mla_decode_rows_mgpu on a page table of `page_size`."""
     def call():
-        if page_size == 1 or (page_size & (page_size - 1)) == 0:
+        if is_power_of_two(page_size):
             kv = KVRows(jnp.ones((B * 2,), jnp.int32), None, jnp.full((B,), 4, jnp.int32),
                         page_size, 2 * page_size, entries_per_seq=2)
         else:  # the "lens" form takes any page size; PageTable would refuse it first

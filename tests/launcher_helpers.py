@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from funcmla.config import MLADims
 from funcmla.interop import launcher as L
 
-SCALE = 0.1352337788608801
+SCALE = MLADims().sm_scale
 
 
 def _varint(n: int) -> bytes:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def next_pow2(n: int, floor: int = 1) -> int:
-    n = max(int(n), floor)
-    return 1 << (n - 1).bit_length()
+from funcmla.layout import next_power_of_two as next_pow2  # noqa: F401  (the tests' name)
 
 
 def layout_requests(lens, page_size, *, rng, max_context_len, num_req_slots=None, extra_pages=3):
@@ -35,6 +32,22 @@ def layout_requests(lens, page_size, *, rng, max_context_len, num_req_slots=None
         owner[slots, 0] = i
         owner[slots, 1] = t
     return req_to_token, req_pool_indices, num_pages, owner
+
+
+def scattered_requests(rng, num_requests: int, max_len: int, num_slots: int, *, empty: int):
+    """`num_requests` requests of 1..max_len tokens (request `empty` has none) on distinct random
+    slots of 1..num_slots - 1, request i on req_to_token row i + 1 (row 0 unused).
+
+    Returns (lens int32 [N], req_to_token int32 [N + 1, max_len], req_pool_indices int32 [N])."""
+    lens = rng.integers(1, max_len + 1, num_requests).astype(np.int32)
+    lens[empty] = 0
+    req_to_token = np.zeros((num_requests + 1, max_len), np.int32)
+    perm = rng.permutation(np.arange(1, num_slots))
+    k = 0
+    for i, n in enumerate(lens):
+        req_to_token[i + 1, :n] = perm[k: k + n]
+        k += n
+    return lens, req_to_token, np.arange(1, num_requests + 1, dtype=np.int32)
 
 
 def gather_oracle(req_to_token, req_pool_indices, kv_lens, kv_start=None):

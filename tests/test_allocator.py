@@ -26,20 +26,20 @@ BATCH = 4  # static batch of every op in the state machine (padded rows are mask
 
 class ModelAllocator:
     def __init__(self, spec: AllocatorSpec):
-        self.ps = spec.page_size
+        self.page_size = spec.page_size
         self.max_len = spec.max_context_len
         self.free = list(range(1, spec.num_pages + 1))
         self.ref = [0] * (spec.num_pages + 1)
         self.rows = [[] for _ in range(spec.num_req_slots)]
 
     def cdiv(self, x):
-        return -(-x // self.ps)
+        return -(-x // self.page_size)
 
     def _precheck(self, reqs):
         """reqs: [(row, prefix_len, seq_len)] with seq > prefix == len(row)."""
         status = 0
         for r, p, _ in reqs:
-            if p % self.ps and self.ref[self.rows[r][p - 1] // self.ps] > 1:
+            if p % self.page_size and self.ref[self.rows[r][p - 1] // self.page_size] > 1:
                 status |= A.SHARED_PAGE_WRITE
         if sum(self.cdiv(s) - self.cdiv(p) for _, p, s in reqs) > len(self.free):
             status |= A.OUT_OF_PAGES
@@ -50,19 +50,19 @@ class ModelAllocator:
         status = self._precheck(reqs)
         if status:
             return status, []
-        ps, k, out = self.ps, 0, []
+        page_size, k, out = self.page_size, 0, []
         for r, p, s in reqs:
             row = self.rows[r]
             last_loc = row[p - 1] if p else -1
-            num1 = min(s, self.cdiv(p) * ps) - p
+            num1 = min(s, self.cdiv(p) * page_size) - p
             new = [last_loc + 1 + i for i in range(num1)]
             if p + num1 < s:
-                num2 = (s // ps - self.cdiv(p)) * ps
-                for _ in range(num2 // ps):
-                    new += [self.free[k] * ps + i for i in range(ps)]
+                num2 = (s // page_size - self.cdiv(p)) * page_size
+                for _ in range(num2 // page_size):
+                    new += [self.free[k] * page_size + i for i in range(page_size)]
                     k += 1
                 if p + num1 + num2 < s:
-                    new += [self.free[k] * ps + i for i in range(s % ps)]
+                    new += [self.free[k] * page_size + i for i in range(s % page_size)]
                     k += 1
             row.extend(new)
             out.extend(new)
@@ -82,7 +82,7 @@ class ModelAllocator:
             if self.cdiv(s) == self.cdiv(s - 1):
                 slot = row[s - 2] + 1
             else:
-                slot = self.free[k] * self.ps
+                slot = self.free[k] * self.page_size
                 self.ref[self.free[k]] = 1
                 k += 1
             row.append(slot)
@@ -95,7 +95,7 @@ class ModelAllocator:
         for r, n in reqs:
             row = self.rows[r]
             for p in range(self.cdiv(n), self.cdiv(len(row))):
-                page = row[p * self.ps] // self.ps
+                page = row[p * self.page_size] // self.page_size
                 self.ref[page] -= 1
                 if self.ref[page] == 0:
                     released.add(page)
@@ -105,8 +105,8 @@ class ModelAllocator:
     def share(self, reqs):
         for src, dst, n in reqs:
             self.rows[dst] = list(self.rows[src][:n])
-            for p in range(n // self.ps):
-                self.ref[self.rows[src][p * self.ps] // self.ps] += 1
+            for p in range(n // self.page_size):
+                self.ref[self.rows[src][p * self.page_size] // self.page_size] += 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def host(state):
 
 def check_invariants(st_: A.AllocatorState):
     """Model-independent invariants of an allocator state (numpy arrays)."""
-    ps, n_pages = st_.page_size, st_.free_pages.shape[0]
+    page_size, n_pages = st_.page_size, st_.free_pages.shape[0]
     num_free = int(st_.num_free)
     free = st_.free_pages[:num_free]
     assert 0 <= num_free <= n_pages
@@ -133,9 +133,10 @@ def check_invariants(st_: A.AllocatorState):
         if n == 0:
             continue
         t = np.arange(n)
-        pages = row[t - t % ps] // ps  # page of each token, read from its page's first slot
-        assert np.all(row[:n] == pages * ps + t % ps), f"row {r}: contiguity broken"
-        row_pages = pages[::ps]
+        # page of each token, read from its page's first slot
+        pages = row[t - t % page_size] // page_size
+        assert np.all(row[:n] == pages * page_size + t % page_size), f"row {r}: contiguity broken"
+        row_pages = pages[::page_size]
         assert np.all(row_pages >= 1), f"row {r}: holds the reserved page 0"
         assert len(np.unique(row_pages)) == len(row_pages), f"row {r}: page used twice"
         np.add.at(refs, row_pages, 1)
@@ -393,7 +394,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.state = A.init_allocator(self.spec)
         self.model = ModelAllocator(self.spec)
-        self.ps = self.spec.page_size
+        self.page_size = self.spec.page_size
         self.rows = self.spec.num_req_slots
         self.max_len = self.spec.max_context_len
 
@@ -426,7 +427,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def extend(self, data):
         rows = self._draw_rows(data)
         lens = self._lens()
-        hi = [min(self.max_len, lens[r] + 3 * self.ps + 3) for r in rows]
+        hi = [min(self.max_len, lens[r] + 3 * self.page_size + 3) for r in rows]
         seqs = [data.draw(st.integers(lens[r], h)) for r, h in zip(rows, hi)]
         reqs = [(r, lens[r], s) for r, s in zip(rows, seqs) if s > lens[r]]
         status, out = self.model.alloc_extend(reqs)
@@ -455,7 +456,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def share(self, data):
         lens = self._lens()
-        srcs = [r for r in range(self.rows) if lens[r] >= self.ps]
+        srcs = [r for r in range(self.rows) if lens[r] >= self.page_size]
         dsts = [r for r in range(self.rows) if lens[r] == 0]
         if not srcs or not dsts:
             return
@@ -463,7 +464,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         reqs = []
         for d in dst:
             s = data.draw(st.sampled_from(srcs))
-            reqs.append((s, d, self.ps * data.draw(st.integers(1, lens[s] // self.ps))))
+            n_pages = data.draw(st.integers(1, lens[s] // self.page_size))
+            reqs.append((s, d, self.page_size * n_pages))
         self.model.share(reqs)
         res = A.share_prefix(self.state, *self._pad(*zip(*reqs), n_valid=len(reqs)))
         self._apply(res, 0)
@@ -502,9 +504,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             res = A.truncate_requests(self.state, *self._pad([r], [lens[r] + 1], n_valid=1))
         else:
             busy = [d for d in range(self.rows) if lens[d] > 0 and d != r]
-            if lens[r] < self.ps or not busy:
+            if lens[r] < self.page_size or not busy:
                 return
-            res = A.share_prefix(self.state, *self._pad([r], [busy[0]], [self.ps], n_valid=1))
+            res = A.share_prefix(self.state,
+                                 *self._pad([r], [busy[0]], [self.page_size], n_valid=1))
         type(self).ops += 1
         status = int(res.status)
         assert status != 0 and status & (A.BAD_LENGTH | A.BAD_REQUEST_INDEX), (kind, status)

@@ -1,12 +1,16 @@
 """Every value check fires on bad input, names the field, position and value, and passes good input."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from funcmla import checks
-from funcmla.layout import PageTable, PoolSpec, TokenCSR
+from funcmla.layout import PageTable, PoolSpec, TokenCSR, is_power_of_two, next_power_of_two
 from funcmla.metadata import decode_metadata, extend_metadata
 
 POOL = PoolSpec(num_pages=10, page_size=4)  # usable slots [4, 44)
@@ -113,6 +117,14 @@ def test_page_size_power_of_two(bad):
         checks.check_page_size(bad)
     with pytest.raises(ValueError, match="page_size must be a power of two"):
         PoolSpec(4, bad)
+
+
+@given(n=st.integers(0, 1 << 40), floor=st.sampled_from([1, 8, 16, 1024]))
+def test_next_power_of_two(n, floor):
+    """The smallest power of two >= n, at least floor: against 2 ** ceil(log2 n)."""
+    want = max(floor, 2 ** math.ceil(math.log2(n)) if n > 1 else 1)
+    assert next_power_of_two(n, floor) == want
+    assert is_power_of_two(want) and not (want > floor and want // 2 >= n)
 
 
 def test_static_checks_dtypes_shapes_and_layout():

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from funcmla.attention.executor import PagedKVMetadata, plan_spans, run_work_plan
 from funcmla.attention.reference import mla_attention_reference
-from funcmla.config import MI300X, custom_device
+from funcmla.config import MI300X, MLADims, custom_device
 from funcmla.planners.decode import DecodePlanConfig, plan_mla_decode_jit
 from funcmla.planners.prefill import PrefillPlanConfig, plan_ps_prefill
 
-D, DV, SCALE = 576, 512, 0.135
+D, DV, SCALE = 576, 512, MLADims().sm_scale
 POOL_SLOTS = 2048  # static pool rows for every page size (one compile per executor config)
 B = 4  # static batch (padded with empty requests)
 T_ROWS = 256  # static query rows (prefill)
@@ -136,8 +136,8 @@ def test_seed_legacy_pairing_is_refused_and_wrong_when_forced(capsys):
         run_work_plan(q, pool, meta, legacy_plan, sm_scale=SCALE, max_qo_span=Q_GRAN,
                       max_kv_span=KV_SPAN)
     errs = {}
-    for ps in (1, 16, 64):
-        _, _, got, ref = prefill_case(qo, prefix, ps, causal=True)
+    for page_size in (1, 16, 64):
+        _, _, got, ref = prefill_case(qo, prefix, page_size, causal=True)
         assert_matches(got, ref)  # the fix: token-granular plan, right at every page size
     plan, _, (out, _), (ref_out, _) = prefill_case(qo, prefix, 64, causal=True, legacy=True)
     assert plan.legacy and plan.block_size == 64
@@ -163,13 +163,13 @@ DECODE_CONFIGS = {
 
 
 def decode_case(name, kv_lens, seed=0):
-    cfg, ps = DECODE_CONFIGS[name]
+    cfg, page_size = DECODE_CONFIGS[name]
     rng = np.random.default_rng(seed)
-    tok, pages, last = paged_layout(kv_lens, ps, rng)
+    tok, pages, last = paged_layout(kv_lens, page_size, rng)
     uni = max(cfg.uni_seqlen_qo, 1)
     qo_indptr = jnp.arange(B + 1, dtype=jnp.int32) * uni
     tok_indptr, tok_indices = csr(tok, POOL_SLOTS)
-    if ps == 1:
+    if page_size == 1:
         meta = PagedKVMetadata(qo_indptr, tok_indptr, tok_indices, jnp.ones((B,), jnp.int32))
     else:
         pg_indptr, pg_indices = csr(pages, POOL_SLOTS)
@@ -177,7 +177,7 @@ def decode_case(name, kv_lens, seed=0):
     plan = plan_mla_decode_jit(qo_indptr, meta.kv_indptr, meta.kv_last_page_len, config=cfg)
     q, pool = random_qkv(B * uni, cfg.num_heads, seed)
     out, lse = run_work_plan(q, pool, meta, plan, sm_scale=SCALE, max_qo_span=uni,
-                             max_kv_span=KV_SPAN, page_size=ps, causal=True,
+                             max_kv_span=KV_SPAN, page_size=page_size, causal=True,
                              qk_batch_ratio=cfg.qk_batch_ratio, uni_seqlen_qo=uni)
     ref = mla_attention_reference(q, pool, qo_indptr, tok_indptr, tok_indices, sm_scale=SCALE,
                                   causal=True, max_kv_len=KV_SPAN)
@@ -257,18 +257,18 @@ def test_poisoned_unused_rows_change_nothing(case):
     away, never multiplied by zero)."""
     if case == "prefill_split_ps16":
         plan, meta, got, _ = prefill_case([64, 64, 50, 7], [150, 0, 3, 100], 16, causal=True)
-        ps, kw = 1, dict(max_qo_span=Q_GRAN, max_kv_span=KV_SPAN)
+        page_size, kw = 1, dict(max_qo_span=Q_GRAN, max_kv_span=KV_SPAN)
         q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
     else:
         name = "ps16_h16" if case == "decode_ps16" else "ps1_h32_fold2_mtp2"
         plan, meta, got, _ = decode_case(name, [250, 3, 200, 77])
-        cfg, ps = DECODE_CONFIGS[name]
+        cfg, page_size = DECODE_CONFIGS[name]
         uni = max(cfg.uni_seqlen_qo, 1)
-        kw = dict(max_qo_span=uni, max_kv_span=KV_SPAN, page_size=ps,
+        kw = dict(max_qo_span=uni, max_kv_span=KV_SPAN, page_size=page_size,
                   qk_batch_ratio=cfg.qk_batch_ratio, uni_seqlen_qo=uni)
         q, pool = random_qkv(B * uni, cfg.num_heads, 0)
     used = np.zeros(POOL_SLOTS, bool)
-    used[live_slots(meta, ps)] = True
+    used[live_slots(meta, page_size)] = True
     assert not used[0] and used.sum() < POOL_SLOTS - 100
     poison = jnp.asarray(np.resize([np.nan, np.inf, -np.inf], POOL_SLOTS), jnp.float32)
     bad_pool = jnp.where(jnp.asarray(used)[:, None], pool, poison[:, None])

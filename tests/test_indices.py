@@ -17,6 +17,7 @@ from funcmla.indices import (
     token_slots_from_page_table,
 )
 from funcmla.layout import PageTable, TokenCSR
+from funcmla.segments import segment_positions
 from tests.pools import gather_oracle, layout_requests, next_pow2
 
 MAX_CTX = 16384
@@ -71,9 +72,9 @@ def test_same_sequences_same_stream_across_page_sizes(lens, seed):
     """Page sizes 1, 16, 64: identical index streams up to slot renaming (same (req, pos))."""
     cap = next_pow2(sum(lens) + 1, 1024)
     streams = []
-    for ps in (1, 16, 64):
-        rng = np.random.default_rng(seed + ps)
-        r2t, rpi, lens_p, owner = _padded(lens, rng, ps)
+    for page_size in (1, 16, 64):
+        rng = np.random.default_rng(seed + page_size)
+        r2t, rpi, lens_p, owner = _padded(lens, rng, page_size)
         csr = _gather(r2t, rpi, lens_p, np.zeros_like(lens_p), capacity=cap)
         n = int(csr.indptr[-1])
         idx = np.asarray(csr.indices[:n])
@@ -96,7 +97,8 @@ def test_page_table_roundtrip(lens, page_size, seed):
     cap = next_pow2(sum(lens) + 1, 1024)
     max_pages = MAX_CTX // page_size
     pt, csr = _roundtrip(r2t, rpi, lens_p, page_size=page_size, max_pages=max_pages, capacity=cap)
-    # page table == slot // ps at page starts (create_flashmla_kv_indices semantics), 0 elsewhere
+    # page table == slot // page_size at page starts (create_flashmla_kv_indices semantics), 0
+    # elsewhere
     table = np.asarray(pt.table)
     for i, n in enumerate(lens_p):
         npg = -(-n // page_size)
@@ -153,3 +155,18 @@ def test_page_size_must_be_power_of_two(bad):
         kv_last_page_len(jnp.array([1], jnp.int32), page_size=bad)
     with pytest.raises(ValueError, match="page_size must be a power of two"):
         PageTable(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), bad)
+
+
+_segment_positions = jax.jit(segment_positions, static_argnums=1)
+
+
+@given(lens=st.lists(st.integers(0, 5), min_size=6, max_size=6))
+def test_segment_positions_against_loops(lens):
+    """(row, offset, live) of each of 32 positions against plain loops over the rows (one
+    compilation: 6 rows, 32 positions)."""
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    row, off, live = (np.asarray(x) for x in _segment_positions(jnp.asarray(indptr), 32))
+    want = [(i, t) for i, n in enumerate(lens) for t in range(n)]
+    assert live.tolist() == [True] * len(want) + [False] * (32 - len(want))
+    assert list(zip(row[:len(want)].tolist(), off[:len(want)].tolist())) == want
+    assert np.all((row >= 0) & (row < len(lens)))  # in bounds for gathers, dead ones too

@@ -216,7 +216,7 @@ def _decode_consumer(backend, q, pool, bs):
 def test_cuda_graph_capture_then_replay_new_lengths_into_the_same_buffers():
     rng, b, pool, backend = _graph_backend()
     cap = backend.buffer_plan.kv_indices_capacity
-    assert cap == 4 * 320  # token-granular: max_bs * ceil(max_ctx / ps) * ps
+    assert cap == 4 * 320  # token-granular: max_bs * ceil(max_ctx / page_size) * page_size
     for bs in (4, 2):
         backend.init_forward_metadata_capture_cuda_graph(
             bs, bs, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None)
@@ -271,7 +271,7 @@ def test_replay_overflow_is_detected_before_any_write():
 
 
 def test_seed_block_granular_buffer_overflow_is_reported_not_written():
-    """The seed's second bug: kv_indices sized in blocks (max_bs * ceil(ctx / ps)) while the
+    """The seed's second bug: kv_indices sized in blocks (max_bs * ceil(ctx / page_size)) while the
     writer writes tokens. funcmla's replay refuses the batch with a clear error."""
     rng, b, pool, backend = _graph_backend(page_size=64, legacy=True)
     cap = backend.buffer_plan.kv_indices_capacity

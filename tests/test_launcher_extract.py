@@ -71,25 +71,25 @@ def _expected_splits(b, rows, max_kv, kc: DecodeKernelConfig) -> int:
 
 
 @needs_lowering
-@pytest.mark.parametrize("b,h,s_q,max_kv,splits,ps", [
+@pytest.mark.parametrize("b,h,s_q,max_kv,splits,page_size", [
     (4, 16, 1, 1024, None, 1),   # split-KV with merge
     (300, 16, 1, 256, None, 1),  # many programs
     (3, 8, 3, 256, None, 1),     # rows 24 -> padded to 32
     (2, 128, 1, 512, 1, 1),      # two row blocks, forced single split
     (4, 16, 1, 1024, None, 64),  # page table
 ])
-def test_decode_plan_reads_the_jax_path_kernels(b, h, s_q, max_kv, splits, ps):
-    if ps == 1:
+def test_decode_plan_reads_the_jax_path_kernels(b, h, s_q, max_kv, splits, page_size):
+    if page_size == 1:
         cap, pool = b * max_kv, b * max_kv + 64
         cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=pool,
                                    kv_capacity=cap, max_kv_len=max_kv, num_splits=splits,
                                    sm_scale=SCALE)
         meta = ((b + 1,), "i32")
     else:
-        cap, pool = b * (max_kv // ps), b * max_kv + ps
+        cap, pool = b * (max_kv // page_size), b * max_kv + page_size
         cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=pool,
                                    kv_capacity=cap, num_splits=splits, sm_scale=SCALE,
-                                   page_size=ps)
+                                   page_size=page_size)
         meta = ((b,), "i32")
     plan = L.decode_plan(cfg)
     rows = s_q * h
@@ -97,7 +97,7 @@ def test_decode_plan_reads_the_jax_path_kernels(b, h, s_q, max_kv, splits, ps):
     nrb = -(-rows // block_m)
     s = splits or _expected_splits(b, rows, max_kv, cfg.kernel)
     assert plan.num_splits == s
-    assert plan.decode.name == f"mla_decode_ps{ps}_m{block_m}_kv64"
+    assert plan.decode.name == f"mla_decode_ps{page_size}_m{block_m}_kv64"
     assert plan.decode.grid == (nrb, s, b)
     assert plan.decode.num_warps == (4 if block_m <= 16 else 8)
     assert plan.decode.operands == (meta, ((cap,), "i32"), ((b, nrb * block_m, 576), "bf16"),
@@ -112,7 +112,7 @@ def test_decode_plan_reads_the_jax_path_kernels(b, h, s_q, max_kv, splits, ps):
                                       ((b, nrb * block_m), "f32"))
     assert all(d in (16, 32) for k in plan.calls for d in k.ptr_divisibility)
     fn, avals = plan.source
-    assert [a.shape for a in avals][2:] == ([(b + 1,), (cap,)] if ps == 1
+    assert [a.shape for a in avals][2:] == ([(b + 1,), (cap,)] if page_size == 1
                                             else [(b, cap // b), (b,)])
 
 
@@ -214,28 +214,28 @@ _MGPU = DecodeKernelConfig(kernel="mgpu")
 
 
 @needs_lowering
-@pytest.mark.parametrize("b,h,s_q,ps,splits", [
+@pytest.mark.parametrize("b,h,s_q,page_size,splits", [
     (32, 128, 1, 1, None),   # the split rule splits: Mosaic GPU decode + Triton merge
     (8, 128, 1, 64, 1),      # one split: the Mosaic GPU kernel alone
     (4, 64, 2, 1, 2),        # s_q = 2: q folded to [B, s_q * H, D]
     (4, 64, 1, 16, 3),       # page 16: one TMA copy per page
 ])
-def test_mosaic_decode_is_extracted_with_its_module_and_buffers(b, h, s_q, ps, splits):
+def test_mosaic_decode_is_extracted_with_its_module_and_buffers(b, h, s_q, page_size, splits):
     import hashlib
 
     ctx = 1024
-    cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 4 * ps,
-                               kv_capacity=b * ctx // ps, num_splits=splits, sm_scale=SCALE,
-                               page_size=ps, kernel=_MGPU)
+    cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=b * ctx + 4 * page_size,
+                               kv_capacity=b * ctx // page_size, num_splits=splits, sm_scale=SCALE,
+                               page_size=page_size, kernel=_MGPU)
     plan = L.decode_plan(cfg)
     dec = plan.decode
     assert isinstance(dec, L.MosaicCall) and plan.kernel == "mgpu" and plan.kernel_reason is None
     # the module XLA would compile: MLIR bytecode, keyed by its SHA-256 like the custom call
     assert dec.module.startswith(b"ML\xefR") and dec.kernel_hash == hashlib.sha256(
         dec.module).digest()
-    rows, meta = s_q * h, ((b + 1,) if ps == 1 else (b,))
-    assert dec.operands == ((meta, "i32"), ((b * ctx // ps,), "i32"),
-                            ((b, rows, 576), "bf16"), ((b * ctx + 4 * ps, 576), "bf16"))
+    rows, meta = s_q * h, ((b + 1,) if page_size == 1 else (b,))
+    assert dec.operands == ((meta, "i32"), ((b * ctx // page_size,), "i32"),
+                            ((b, rows, 576), "bf16"), ((b * ctx + 4 * page_size, 576), "bf16"))
     s = plan.num_splits
     assert s == splits if splits else s > 1
     o_dtype = "bf16"  # final output (s == 1) or bf16 partials (the default partial_dtype)

@@ -70,19 +70,19 @@ def _bits(t):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,h,s_q,splits,ps,kernel", [
+@pytest.mark.parametrize("b,h,s_q,splits,page_size,kernel", [
     (8, 16, 1, 1, 1, "triton"), (4, 16, 1, None, 1, "triton"), (3, 8, 3, None, 1, "triton"),
     (4, 128, 1, None, 64, "triton"),  # batch below num_sms / 4 row blocks: Triton
     (40, 128, 1, None, 1, "mgpu"), (40, 128, 1, 1, 64, "mgpu"), (24, 64, 2, None, 1, "mgpu")])
-def test_gpu_bit_identical_to_jax(b, h, s_q, splits, ps, kernel):
-    if ps == 1:
+def test_gpu_bit_identical_to_jax(b, h, s_q, splits, page_size, kernel):
+    if page_size == 1:
         cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=8192,
                                    kv_capacity=b * 512, max_kv_len=512, num_splits=splits,
                                    sm_scale=SCALE)
     else:
         cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, s_q=s_q, pool_rows=8192,
                                    kv_capacity=b * 8, num_splits=splits, sm_scale=SCALE,
-                                   page_size=ps)
+                                   page_size=page_size)
     lau = L.decode_launcher(cfg)
     assert lau.plan.kernel == kernel, lau.plan.kernel_reason  # mla_decode's auto dispatch
     q, kv, x, y = _gpu_batch(cfg, 1)
@@ -98,7 +98,7 @@ def test_gpu_bit_identical_to_jax(b, h, s_q, splits, ps, kernel):
         pytest.xfail(f"launcher on the {lau.decode.route!r} route: not bit-identical by design")
     assert torch.equal(_bits(out), _bits(ref_out))
     assert torch.equal(_bits(lse), _bits(ref_lse))
-    if ps == 1:
+    if page_size == 1:
         out3, _ = L.torch_decode(q, kv, x, y, sm_scale=SCALE, s_q=s_q, max_kv_len=512,
                                  num_splits=splits)
         torch.cuda.synchronize()
@@ -174,14 +174,14 @@ def test_gpu_sglang_backend_decode_runs_the_mosaic_kernel_through_the_launcher()
     from funcmla.interop.testing import random_paged_batch
     from funcmla.interop.torch_native import torch_native_mla_decode
 
-    h, n, ps = 128, 40, 16
+    h, n, page_size = 128, 40, 16
     rng = np.random.default_rng(7)
     prefix = rng.integers(0, 300, size=n).tolist()
-    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=[1] * n, page_size=ps,
-                           max_context_len=320, pool_size=n, num_pages=n * 320 // ps + 8)
-    pool = MLATokenToKVPool(b.num_slots - ps, ps, torch.bfloat16, 1, device="cuda")
+    b = random_paged_batch(rng, prefix_lens=prefix, extend_lens=[1] * n, page_size=page_size,
+                           max_context_len=320, pool_size=n, num_pages=n * 320 // page_size + 8)
+    pool = MLATokenToKVPool(b.num_slots - page_size, page_size, torch.bfloat16, 1, device="cuda")
     pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape))
-    backend = FuncMLAAttnBackend(b.req_to_token.cuda(), pool, page_size=ps,
+    backend = FuncMLAAttnBackend(b.req_to_token.cuda(), pool, page_size=page_size,
                                  attention_backend="pallas", torch_launcher=True)
     seq = b.seq_lens.cuda()
     fb = ForwardBatch(ForwardMode.DECODE, n, b.req_pool_indices.cuda(), seq, b.seq_lens,

@@ -249,15 +249,15 @@ def _cpu_inputs(cfg):
 
 
 @needs_lowering
-@pytest.mark.parametrize("splits,ps,native,c_checks", [
+@pytest.mark.parametrize("splits,page_size,native,c_checks", [
     (1, 1, True, True), (4, 1, True, True), (4, 1, True, False), (4, 1, False, False),
     (1, 16, True, True), (4, 16, True, False)])
-def test_launcher_wires_pointers_in_kernel_order(splits, ps, native, c_checks):
+def test_launcher_wires_pointers_in_kernel_order(splits, page_size, native, c_checks):
     if native and _launch.native_reason() is not None:
         pytest.skip(_launch.native_reason())
-    cap = 32 if ps == 1 else 2 * 4
+    cap = 32 if page_size == 1 else 2 * 4
     cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=cap,
-                               num_splits=splits, sm_scale=SCALE, page_size=ps)
+                               num_splits=splits, sm_scale=SCALE, page_size=page_size)
     lau, rec = _fake_launcher(cfg, native, c_checks)
     q, kv, x, y = _cpu_inputs(cfg)
     out, lse = lau(q, kv, x, y)
@@ -267,7 +267,7 @@ def test_launcher_wires_pointers_in_kernel_order(splits, ps, native, c_checks):
     assert len(rec.launches) == (1 if splits == 1 else 2)
     assert dec[0] == lau.decode.function and dec[1] == lau.plan.decode.grid
     assert dec[3] == lau.decode.shared_mem_bytes and dec[4] == 0x5EED
-    meta, table = (x, y) if ps == 1 else (y, x)  # CSR: kv_indptr first; paged: lengths first
+    meta, table = (x, y) if page_size == 1 else (y, x)  # CSR: kv_indptr first; paged: lengths first
     assert dec[5][:4] == (meta.data_ptr(), table.data_ptr(), q.data_ptr(), kv.data_ptr())
     assert dec[5][6:] == (0, 0)  # Triton's scratch pointers: null
     if splits == 1:
@@ -311,15 +311,16 @@ class _FakeMosaic:
 
 
 @needs_lowering
-@pytest.mark.parametrize("splits,ps,native,c_checks", [
+@pytest.mark.parametrize("splits,page_size,native,c_checks", [
     (1, 1, True, True), (2, 1, True, True), (2, 16, True, False), (2, 1, False, False)])
-def test_mosaic_launcher_wires_the_host_function_then_the_merge(splits, ps, native, c_checks):
+def test_mosaic_launcher_wires_the_host_function_then_the_merge(splits, page_size, native,
+                                                                c_checks):
     if native and _launch.native_reason() is not None:
         pytest.skip(_launch.native_reason())
     b, h, ctx = 2, 64, 256
-    cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=b * ctx + 4 * ps,
-                               kv_capacity=b * ctx // ps, num_splits=splits, sm_scale=SCALE,
-                               page_size=ps, kernel=DecodeKernelConfig(kernel="mgpu"))
+    cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=b * ctx + 4 * page_size,
+                               kv_capacity=b * ctx // page_size, num_splits=splits, sm_scale=SCALE,
+                               page_size=page_size, kernel=DecodeKernelConfig(kernel="mgpu"))
     plan = L.decode_plan(cfg)
     assert plan.kernel == "mgpu"
     rec = _Recorder()
@@ -329,7 +330,7 @@ def test_mosaic_launcher_wires_the_host_function_then_the_merge(splits, ps, nati
             return _FakeMosaic(call, rec.launches)
         return _FakeKernel(call, index, arch, rec.num_params)
 
-    cls = L.DecodeLauncher if ps == 1 else L.PagedDecodeLauncher
+    cls = L.DecodeLauncher if page_size == 1 else L.PagedDecodeLauncher
     lau = cls(plan, "cpu", kernel_factory=factory, stream_fn=lambda i: 0x5EED,
               launch_address=rec.address, native=native)
     if not c_checks:
@@ -339,7 +340,7 @@ def test_mosaic_launcher_wires_the_host_function_then_the_merge(splits, ps, nati
     assert lau.info()["kernel"] == "mgpu" and lau.info()["kernel_reason"] is None
     q, kv, x, y = _cpu_inputs(cfg)
     out, lse = lau(q, kv, x, y)
-    meta, table = (x, y) if ps == 1 else (y, x)
+    meta, table = (x, y) if page_size == 1 else (y, x)
     head = (meta.data_ptr(), table.data_ptr(), q.data_ptr(), kv.data_ptr())
     if splits == 1:
         assert rec.launches == [("host", 0xC0DE, 0x5EED,

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from funcmla.attention.reference import mla_attention_reference
-from funcmla.config import custom_device
+from funcmla.config import MLADims, custom_device
 from funcmla.metadata import BufferPlan, decode_metadata
 from funcmla.parallel import (
     DPLayout,
@@ -31,9 +31,9 @@ from funcmla.parallel import (
 )
 from funcmla.parallel.dp_schedule import shortest_queue_budget
 from funcmla.planners import DecodePlanConfig, plan_mla_decode, plan_problems
-from tests.pools import attention_oracle_f64
+from tests.pools import attention_oracle_f64, scattered_requests
 
-D, DV, SCALE = 576, 512, 0.1352
+D, DV, SCALE = 576, 512, MLADims().sm_scale
 N, CTX, SLOTS = 7, 40, 320
 
 
@@ -92,15 +92,7 @@ plan_jit = jax.jit(plan_mla_decode, static_argnames=("config",))
 def global_problem(heads, seed=0):
     """N requests (one empty) laid out in one slot space; q, pool, and the reference."""
     rng = np.random.default_rng(seed)
-    lens = rng.integers(1, CTX + 1, N).astype(np.int32)
-    lens[2] = 0
-    req_to_token = np.zeros((N + 1, CTX), np.int32)
-    perm = rng.permutation(np.arange(1, SLOTS))
-    k = 0
-    for i, n in enumerate(lens):
-        req_to_token[i + 1, :n] = perm[k: k + n]
-        k += n
-    rpi = np.arange(1, N + 1, dtype=np.int32)
+    lens, req_to_token, rpi = scattered_requests(rng, N, CTX, SLOTS, empty=2)
     q = rng.standard_normal((N, heads, D)).astype(np.float32)
     pool = rng.standard_normal((SLOTS, D)).astype(np.float32)
     md = decode_metadata(req_to_token, rpi, lens, capacity=N * CTX)

@@ -15,24 +15,20 @@ import sys
 
 import numpy as np
 
+from funcmla.config import MLADims
+from tests.pools import scattered_requests
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-D, DV, SCALE = 576, 512, 0.1352
+D, DV, SCALE = 576, 512, MLADims().sm_scale
 N, CTX, SLOTS, HEADS = 6, 24, 192, 16
 
 
 def _problem():
     rng = np.random.default_rng(7)  # the same problem in both processes
-    lens = rng.integers(1, CTX + 1, N).astype(np.int32)
-    lens[3] = 0
-    req_to_token = np.zeros((N + 1, CTX), np.int32)
-    perm = rng.permutation(np.arange(1, SLOTS))
-    k = 0
-    for i, n in enumerate(lens):
-        req_to_token[i + 1, :n] = perm[k: k + n]
-        k += n
+    lens, req_to_token, rpi = scattered_requests(rng, N, CTX, SLOTS, empty=3)
     q = rng.standard_normal((N, HEADS, D)).astype(np.float32)
     pool = rng.standard_normal((SLOTS, D)).astype(np.float32)
-    return lens, req_to_token, np.arange(1, N + 1, dtype=np.int32), q, pool
+    return lens, req_to_token, rpi, q, pool
 
 
 def _check_shards(x, expected, what):

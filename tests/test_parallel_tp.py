@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from funcmla.attention.executor import run_work_plan
 from funcmla.attention.pallas import mla_decode
 from funcmla.attention.reference import mla_attention_reference
-from funcmla.config import custom_device
+from funcmla.config import MLADims, custom_device
 from funcmla.layout import PageTable
 from funcmla.metadata import ForwardMetadata
 from funcmla.parallel import (
@@ -28,7 +28,7 @@ from funcmla.parallel import (
 from funcmla.planners import DecodePlanConfig, plan_mla_decode
 from tests.pools import attention_oracle_f64
 
-D, DV, SCALE = 576, 512, 0.1352
+D, DV, SCALE = 576, 512, MLADims().sm_scale
 B, CTX, SLOTS = 4, 48, 256
 CAP = B * CTX
 

@@ -16,10 +16,10 @@ BATCH, MAX_CTX, CAP, MAX_Q = 4, 512, 4 * 512, 64
 POOL_ROWS = 2560  # >= (pages + 1) * page_size for every case below
 
 
-def _case(kv_lens, q_lens, ps, seed):
+def _case(kv_lens, q_lens, page_size, seed):
     rng = np.random.default_rng(seed)
-    r2t, rpi, num_pages, owner = layout_requests(kv_lens, ps, rng=rng, max_context_len=MAX_CTX,
-                                                 num_req_slots=BATCH + 2)
+    r2t, rpi, num_pages, owner = layout_requests(kv_lens, page_size, rng=rng,
+                                                 max_context_len=MAX_CTX, num_req_slots=BATCH + 2)
     pool = np.zeros((POOL_ROWS, D), np.float32)  # fixed shape: one compilation
     pool[: len(owner)] = latent_rows(owner, D, seed=7)
     pad = BATCH - len(kv_lens)
@@ -41,10 +41,10 @@ case_st = st.lists(
 ).map(lambda xs: (np.array([k for k, _ in xs]), np.array([min(q, k) for k, q in xs])))
 
 
-@given(case=case_st, ps=st.sampled_from([1, 16, 64]), seed=st.integers(0, 99))
-def test_reference_matches_float64(case, ps, seed):
+@given(case=case_st, page_size=st.sampled_from([1, 16, 64]), seed=st.integers(0, 99))
+def test_reference_matches_float64(case, page_size, seed):
     kv_lens, q_lens = case
-    q, pool, meta = _case(kv_lens, q_lens, ps, seed)
+    q, pool, meta = _case(kv_lens, q_lens, page_size, seed)
     out, lse = _run(q, pool, meta)
     n = int(meta.qo_indptr[-1])
     ref_out, ref_lse = attention_oracle_f64(q[:n], pool, np.asarray(meta.qo_indptr),
@@ -62,8 +62,8 @@ def test_reference_matches_float64(case, ps, seed):
 def test_outputs_identical_across_page_sizes(case, seed):
     kv_lens, q_lens = case
     outs = []
-    for ps in (1, 16, 64):
-        q, pool, meta = _case(kv_lens, q_lens, ps, seed)  # same q (same seed), pages differ
+    for page_size in (1, 16, 64):
+        q, pool, meta = _case(kv_lens, q_lens, page_size, seed)  # same q (same seed), pages differ
         outs.append(_run(q, pool, meta))
     for out, lse in outs[1:]:
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0][0]), rtol=1e-6, atol=1e-6)

@@ -13,7 +13,7 @@ from funcmla import simulate as sim
 from funcmla.simulate import SimulationConfig, run_simulation
 
 PAGE_SIZES = (1, 16, 64)
-CONFIG = SimulationConfig()  # the small default: prefix hits and out-of-memory at ps 16 and 64
+CONFIG = SimulationConfig()  # the small default: prefix hits and out-of-memory at page sizes 16, 64
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def test_outputs_match_direct_oracle(result):
 
 def test_trace_statistics(result):
     summaries = {s["page_size"]: s for s in result.summary()}
-    for ps, run in result.runs.items():
-        s = summaries[ps]
+    for page_size, run in result.runs.items():
+        s = summaries[page_size]
         assert s["steps"] == len(run.steps) > 0 and s["extend_steps"] > 0
         assert {x.mode for x in run.steps} == {"extend", "decode"}
         assert s["max_rel_err"] < 1e-5  # float32 pipeline vs float64 oracle, per step
@@ -71,7 +71,7 @@ def test_trace_statistics(result):
             assert x.num_kv_tokens <= x.kv_indices_capacity
             assert 0 < x.batch_size <= CONFIG.max_running
             if x.mode == "extend":
-                assert x.prefix_hit_tokens % ps == 0
+                assert x.prefix_hit_tokens % page_size == 0
     # larger pages waste more of the same pool: the OOM paths (deferral, retraction) ran there
     assert summaries[64]["oom_events"] > 0
     assert summaries[1]["num_pages"] == CONFIG.pool_tokens
@@ -129,7 +129,8 @@ def test_seed_bugs_reproduced_on_purpose():
 def test_progress_callback():
     calls = []
     cfg = dataclasses.replace(CONFIG, num_requests=2)
-    run_simulation(cfg, (16,), progress=lambda ps, done, total: calls.append((ps, done, total)))
+    run_simulation(cfg, (16,),
+                   progress=lambda page_size, done, total: calls.append((page_size, done, total)))
     assert calls and calls[-1] == (16, 2, 2)
     assert all(c[0] == 16 and c[2] == 2 for c in calls)
 

@@ -11,7 +11,8 @@ means (modelled on AITER's `torch_mla_extend_split_kv` + `torch_mla_reduce_v1`).
 One kv_indices entry is `page_size` tokens: a token slot when 1 (token CSR), a page id when
 > 1 (token t of the entry lives at slot `page * page_size + t`). A work of request `b`
 (`batch_idx // qk_batch_ratio`) reads entries `[kv_start, kv_end)`, i.e. batch-local tokens
-`[(kv_start - kv_indptr[b]) * ps, min((kv_end - kv_indptr[b]) * ps, kv_len - kv_offset))`,
+`[(kv_start - kv_indptr[b]) * page_size,
+  min((kv_end - kv_indptr[b]) * page_size, kv_len - kv_offset))`,
 exactly as the kernel does: it reads entries, whatever granularity the planner assumed. That is
 why a plan whose `block_size` differs from `page_size` is refused unless
 `allow_legacy_mismatch=True` (then it runs literally, reproducing the seed's garbage).
@@ -227,7 +228,7 @@ def _check_values(metadata, plan: WorkPlan, *, q_shape: tuple, qk_batch_ratio: i
 def _run_work_plan(q, kv_pool, metadata, plan: WorkPlan, *, sm_scale, max_qo_span, max_kv_span,
                    v_head_dim, causal, page_size, qk_batch_ratio, uni_seqlen_qo,
                    allow_legacy_mismatch, work_chunk):
-    ratio, ps = qk_batch_ratio, page_size
+    ratio = qk_batch_ratio
     num_tokens, num_heads, _ = q.shape
     qo_indptr = metadata.qo_indptr
     kv_indptr, kv_indices = metadata.kv_indptr, metadata.kv_indices
@@ -247,7 +248,7 @@ def _run_work_plan(q, kv_pool, metadata, plan: WorkPlan, *, sm_scale, max_qo_spa
     hi = jax.lax.Precision.HIGHEST
     qf32 = qf.astype(jnp.float32)
     n_entries = kv_indptr[1:] - kv_indptr[:-1]
-    kv_len = jnp.where(n_entries > 0, (n_entries - 1) * ps + last_len, 0)
+    kv_len = jnp.where(n_entries > 0, (n_entries - 1) * page_size + last_len, 0)
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
 
     wi = plan.work_info
@@ -255,8 +256,9 @@ def _run_work_plan(q, kv_pool, metadata, plan: WorkPlan, *, sm_scale, max_qo_spa
     live = w_ids < plan.num_works
     req = jnp.clip(wi[:, BATCH_IDX] // ratio, 0, batch - 1)
     kb = kv_indptr[req]
-    tok_start = (wi[:, KV_START] - kb) * ps
-    tok_end = jnp.minimum(jnp.minimum((wi[:, KV_END] - kb) * ps, kv_len[req] - wi[:, KV_OFFSET]), kv_len[req])
+    tok_start = (wi[:, KV_START] - kb) * page_size
+    tok_end = jnp.minimum(jnp.minimum((wi[:, KV_END] - kb) * page_size,
+                                      kv_len[req] - wi[:, KV_OFFSET]), kv_len[req])
     if ratio > 1:
         q_base = uni_seqlen_qo * wi[:, BATCH_IDX]
         q_len_w = jnp.full_like(q_base, uni_seqlen_qo)
@@ -285,9 +287,9 @@ def _run_work_plan(q, kv_pool, metadata, plan: WorkPlan, *, sm_scale, max_qo_spa
         qs, qe, ts, te, kbase, kvl, qb, ql = args
         u = ts + pos  # batch-local token positions
         kv_ok = (pos < te - ts) & (u >= 0)
-        entry = kbase + u // ps
+        entry = kbase + u // page_size
         ent = kv_indices[jnp.clip(entry, 0, kv_indices.shape[0] - 1)]
-        slot = ent * ps + u % ps if ps > 1 else ent
+        slot = ent * page_size + u % page_size if page_size > 1 else ent
         k = kv_pool[jnp.clip(jnp.where(kv_ok, slot, 0), 0, kv_pool.shape[0] - 1)]
         # select, never multiply: masked keys' rows (slot 0, unused rows: NaN, Inf) are gone
         k = jnp.where(kv_ok[:, None], k.astype(jnp.float32), 0.0)

@@ -51,6 +51,7 @@ from funcmla.planners.decode_fill import (
     fill_inputs,
     fill_step,
     fill_tiles_scan,
+    fragment_kv_span,
 )
 from funcmla.planners.decode_fill_pallas import WALKS, fill_tiles_pallas, on_gpu
 from funcmla.planners.decode_fused_pallas import plan_tail_pallas
@@ -355,18 +356,10 @@ def plan_mla_decode(
     live = w < num_works
     j = w - works_before[slot]
     m_w, f_w = m[slot], f[slot]
-    kb, ke, bt_w = tl["kv_begin"][slot], tl["kv_end"][slot], bt[slot]
-    last = j == m_w - 1
-    begin_blk = jnp.where(j == 0, 0, f_w + (j - 1) * bpc)
-    end_tok = kb + (f_w + j * bpc) * gran
-    kv_start = kb + begin_blk * gran
-    if page1:
-        kv_stop = jnp.where(last, ke - bt_w, jnp.minimum(end_tok, ke - bt_w))
-        kv_offset = ke - kv_stop
-    else:
-        kv_stop = jnp.where(last, ke, jnp.minimum(end_tok, ke))
-        lpl = kv_last_page_lens[tl["req"][slot]]
-        kv_offset = jnp.where(kv_stop == ke, 0, (ke - kv_stop - 1) * cfg.page_size + lpl)
+    lpl = None if page1 else kv_last_page_lens[tl["req"][slot]]
+    kv_start, kv_stop, kv_offset = fragment_kv_span(
+        j, m_w, f_w, tl["kv_begin"][slot], tl["kv_end"][slot], bt[slot], lpl, bpc=bpc,
+        gran=gran, page_size=cfg.page_size)
     partial_qo_loc = jnp.where(split[slot], partial_before[slot] + j * ts[slot], -1)
     cols = [tl["batch"][slot], partial_qo_loc, tl["qo_start"][slot], tl["qo_end"][slot],
             kv_start, kv_stop, kv_offset, jnp.zeros_like(w)]

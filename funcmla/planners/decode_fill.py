@@ -4,7 +4,8 @@ AITER's fill walks the qo tiles in order carrying `(cu, remain)`: the current cl
 payload it has left, in blocks (docs/aiter-planners.md §4.3/4.4). This module states one tile's
 step in two forms, shared by every backend (`lax.scan` here, the Pallas walk in
 `decode_fill_pallas`, the chase in `decode_chase`, the fused emission in `decode_fused_pallas`),
-so that all of them run the same arithmetic:
+so that all of them run the same arithmetic (and `fragment_kv_span` states a work's KV range for
+both emitters, `planners.decode` and `decode_fused_pallas`):
 
 * `fill_advance`: only the carry, with a short dependency chain (what the sequential walk runs);
 * `fill_step`: the carry plus the tile's placement `(c0, f, m, merged)`, applied to all tiles at
@@ -32,6 +33,7 @@ __all__ = [
     "fill_advance",
     "fill_inputs",
     "fill_tiles_scan",
+    "fragment_kv_span",
 ]
 
 NEVER = 2**30  # "no tail-merge point" sentinel, in blocks (larger than any block count)
@@ -183,3 +185,23 @@ def fill_tiles_scan(tiles: jax.Array, payload: jax.Array, bpc: jax.Array, *,
     init = (jnp.int32(0), jnp.asarray(payload, jnp.int32))
     _, out = lax.scan(body, init, tiles, unroll=max(1, min(unroll, tiles.shape[0])))
     return out
+
+
+def fragment_kv_span(j, m, f, kv_begin, kv_end, bt, last_page_len, *, bpc, gran: int,
+                     page_size: int):
+    """(kv_start, kv_stop, kv_offset) of fragment j of a tile placed as (f, m) (`fill_step`):
+    fragment 0 ends at block f, each next one bpc blocks later, the last at the tile's end.
+    page_size 1: the tile's `bt` tail tokens are left to the kernel's causal rule and
+    kv_offset counts the tokens past kv_stop; else kv_offset counts them from kv_stop's page
+    through the request's last page (`last_page_len` tokens; unused, may be None, at 1).
+    Element-wise on int32 arrays, inside or outside a Pallas kernel."""
+    last = j == m - 1
+    begin_blk = jnp.where(j == 0, 0, f + (j - 1) * bpc)
+    end_tok = kv_begin + (f + j * bpc) * gran
+    kv_start = kv_begin + begin_blk * gran
+    if page_size == 1:
+        kv_stop = jnp.where(last, kv_end - bt, jnp.minimum(end_tok, kv_end - bt))
+        return kv_start, kv_stop, kv_end - kv_stop
+    kv_stop = jnp.where(last, kv_end, jnp.minimum(end_tok, kv_end))
+    kv_offset = jnp.where(kv_stop == kv_end, 0, (kv_end - kv_stop - 1) * page_size + last_page_len)
+    return kv_start, kv_stop, kv_offset

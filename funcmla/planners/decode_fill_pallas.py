@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from funcmla.layout import is_power_of_two, next_power_of_two
 from funcmla.planners.decode_chase import chase_pays_off, chase_states
 from funcmla.planners.decode_fill import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
 
@@ -52,7 +53,7 @@ def chase_allowed(params: FillParams, num_slots_padded: int) -> bool:
     """Static part of the choice: the chase can run (no tail rule, power-of-two slot count up to
     CHASE_MAX_SLOTS, as Triton needs power-of-two vectors)."""
     s = num_slots_padded
-    return (not params.tail_rule) and s <= CHASE_MAX_SLOTS and s & (s - 1) == 0
+    return (not params.tail_rule) and s <= CHASE_MAX_SLOTS and is_power_of_two(s)
 
 
 def walk_tiles(payload, bpc, tiles_ref, out_ref, *, params: FillParams, chunk: int,
@@ -126,7 +127,7 @@ def padded_slots(num_slots: int, chunk: int = DEFAULT_CHUNK) -> int:
     """Rows the walk kernel runs over: a power of two up to CHASE_MAX_SLOTS (the chase's
     vectors), a multiple of `chunk` beyond."""
     if num_slots <= CHASE_MAX_SLOTS:
-        return max(chunk, 1 << max(0, (num_slots - 1).bit_length()))
+        return next_power_of_two(num_slots, chunk)
     return -(-num_slots // chunk) * chunk
 
 

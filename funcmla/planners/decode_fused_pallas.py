@@ -37,7 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from funcmla.planners.decode_fill import FillParams, fill_step
+from funcmla.layout import next_power_of_two
+from funcmla.planners.decode_fill import FillParams, fill_step, fragment_kv_span
 from funcmla.planners.decode_fill_pallas import fill_tiles_pallas, on_gpu, padded_slots
 from funcmla.planners.decode_sizes import DecodePlanSizes
 
@@ -63,10 +64,6 @@ EMIT_BLOCK = 128
 EMIT_PROGRAMS = 16
 UNROLL_CHUNKS = 64
 EMIT_WARPS = 4  # warps per derive + emit program
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _search(gather, n: int, v, *, strict: bool):
@@ -147,7 +144,7 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         """Queue body(base, idx, mask, eb) over [0, size) in vector chunks (masked tail); the
         chunks of all phases are dealt to the programs round-robin by `run_phases`."""
         # Interpret mode (CPU tests): big chunks, fewer traced bodies, a faster compile.
-        eb = min(VECTOR_BLOCK if interpret else EMIT_BLOCK, _pow2_at_least(size))
+        eb = min(VECTOR_BLOCK if interpret else EMIT_BLOCK, next_power_of_two(size))
         phases.append((size, eb, -(-size // eb), body))
 
     def run_chunk(bi, size, eb, body):
@@ -186,19 +183,11 @@ def _emit_kernel(scalars_ref, slots_ref, states_ref,
         m_w, f_w = derived_ref[pid, _M, slot], derived_ref[pid, _F, slot]
         j = w - (derived_ref[pid, _WORKS_INCL, slot] - m_w)
         live = w < num_works
-        kb, ke = info(_KV_BEGIN, slot), info(_KV_END, slot)
-        bt, ts = info(_BT, slot), info(_TS, slot)
-        last = j == m_w - 1
-        begin_blk = jnp.where(j == 0, 0, f_w + (j - 1) * bpc)
-        end_tok = kb + (f_w + j * bpc) * gran
-        kv_start = kb + begin_blk * gran
-        if page_size == 1:
-            kv_stop = jnp.where(last, ke - bt, jnp.minimum(end_tok, ke - bt))
-            kv_offset = ke - kv_stop
-        else:
-            kv_stop = jnp.where(last, ke, jnp.minimum(end_tok, ke))
-            kv_offset = jnp.where(kv_stop == ke, 0,
-                                  (ke - kv_stop - 1) * page_size + info(_LPL, slot))
+        ts = info(_TS, slot)
+        lpl = None if page_size == 1 else info(_LPL, slot)
+        kv_start, kv_stop, kv_offset = fragment_kv_span(
+            j, m_w, f_w, info(_KV_BEGIN, slot), info(_KV_END, slot), info(_BT, slot), lpl,
+            bpc=bpc, gran=gran, page_size=page_size)
         partial_qo_loc = jnp.where(m_w > 1, derived_ref[pid, _PARTIAL_EXCL, slot] + j * ts, -1)
         cols = (info(_BATCH, slot), partial_qo_loc, info(_QO_START, slot), info(_QO_END, slot),
                 kv_start, kv_stop, kv_offset, jnp.zeros_like(w))

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 import numpy as np
 from funcmla.config import DeviceProfile
-from funcmla.layout import PageTable, TokenCSR, expect_layout, is_power_of_two
+from funcmla.layout import PageTable, TokenCSR, check_page_size, expect_layout, is_power_of_two
 from funcmla.planners.inputs import (
     EAGER,
     INT32_MAX,
@@ -145,8 +145,7 @@ class PrefillPlanConfig:
         Against token-granular metadata this plans `kv_len / page_size` entries per request
         (the seed's bug); it exists so the bug can be reproduced on purpose.
         """
-        if not is_power_of_two(page_size):
-            raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+        check_page_size(page_size)
         return cls(device=device, block_size=page_size, kvlen_granularity=max(128, page_size),
                    legacy=True, **kwargs)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from funcmla.interop.launcher.errors import LauncherArgumentError
+from funcmla.layout import is_power_of_two
 
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32"}
@@ -21,7 +22,7 @@ class TensorSpec:
     def __init__(self, name: str, dtype, shapes: Sequence[tuple[int, ...]], device_index: int,
                  align: int = 16):
         self.name, self.dtype, self.device_index = name, dtype, device_index
-        if align <= 0 or align & (align - 1):
+        if not is_power_of_two(align):
             raise ValueError(f"TensorSpec.align must be a power of two, got {align}")
         self.align, self._mask = align, align - 1
         self.shapes = frozenset(tuple(s) for s in shapes)

@@ -182,9 +182,10 @@ class _DecodeLauncherBase:
         c, a = self.config, self.align
         t, h, d = c.num_seqs * c.s_q, c.num_heads, c.head_dim
         pool_shapes = [(c.pool_rows, d), (c.pool_rows, 1, d)]
-        ps = c.page_size
-        if ps > 1 and c.pool_rows % ps == 0:
-            pool_shapes += [(c.pool_rows // ps, ps, d), (c.pool_rows // ps, ps, 1, d)]
+        page_size = c.page_size
+        if page_size > 1 and c.pool_rows % page_size == 0:
+            pages = c.pool_rows // page_size
+            pool_shapes += [(pages, page_size, d), (pages, page_size, 1, d)]
         self.q_spec = TensorSpec("q", tdt, [(t, h, d)], di, a)
         self.kv_spec = TensorSpec("kv_pool", tdt, pool_shapes, di, a)
         self.x_spec = TensorSpec(self._x_name, torch.int32, [self._x_shape()], di, a)
@@ -334,8 +335,9 @@ class PagedDecodeLauncher(_DecodeLauncherBase):
     > 1; FlashMLA-style block table).
 
     __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576],
-    [pool_rows / ps, ps, 576], [pool_rows / ps, ps, 1, 576]), page_table int32 [B, max_pages]
-    (page ids), lengths int32 [B] (tokens), out=None, lse=None) -> (out, lse).
+    [pool_rows / page_size, page_size, 576], [pool_rows / page_size, page_size, 1, 576]),
+    page_table int32 [B, max_pages] (page ids), lengths int32 [B] (tokens), out=None, lse=None)
+    -> (out, lse).
     """
 
     _x_name, _y_name, _x_decode_operand = "page_table", "lengths", 1

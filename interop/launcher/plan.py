@@ -16,7 +16,7 @@ from funcmla.interop.launcher.errors import LauncherUnavailable
 from funcmla.interop.launcher.extract import (MosaicCall, TritonCall, extract_kernel_calls,
                                               lower_for_cuda)
 from funcmla.interop.launcher.support import jaxlib_unsupported_reason
-from funcmla.layout import PageTable
+from funcmla.layout import PageTable, check_page_size
 
 
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -62,9 +62,7 @@ class DecodeLaunchConfig:
                                       or value <= 0):
                 raise ValueError(f"DecodeLaunchConfig.{name} must be None or a positive int, "
                                  f"got {value!r}")
-        if self.page_size & (self.page_size - 1):
-            raise ValueError(f"DecodeLaunchConfig.page_size must be a power of two, got "
-                             f"{self.page_size}")
+        check_page_size(self.page_size, "DecodeLaunchConfig.page_size")
         if self.page_size > 1:
             if self.kv_capacity % self.num_seqs:
                 raise ValueError(f"DecodeLaunchConfig.kv_capacity={self.kv_capacity} must be "

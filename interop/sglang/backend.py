@@ -44,13 +44,10 @@ from funcmla.interop.sglang.workplan import (
     device_profile_of,
     plan_shapes,
 )
-from funcmla.metadata import BufferPlan
+from funcmla.layout import next_power_of_two
+from funcmla.metadata import BufferPlan, draft_keys
 
 __all__ = ["FuncMLAAttnBackend"]
-
-
-def _next_pow2(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
 class _PointerStage:
@@ -189,7 +186,7 @@ class FuncMLAAttnBackend:
         tensors of integer dtype, lengths in range) is one test; anything else takes the
         field-by-field checks, which raise naming the field."""
         seq = hc.host_lens(seq_lens_cpu, batch, lo=self._MIN_SEQ.get(kind, n))
-        extra = n if kind == "target_verify" else 0
+        extra = draft_keys(kind, n)
         if seq.max + extra > self.max_context_len:
             hc.check_max(seq, field="seq_lens_cpu", hi=self.max_context_len, extra=extra,
                          extra_what="draft tokens")
@@ -260,7 +257,7 @@ class FuncMLAAttnBackend:
 
     def _kv_bound(self, max_kv_len: int | None, seq: hc.HostLens, n: int) -> int:
         longest = max_kv_len if max_kv_len is not None else seq.max + n
-        return _next_pow2(longest, 16)
+        return next_power_of_two(longest, 16)
 
     def _num_kv_splits(self):
         if self.num_kv_splits is not None or self.plan is None:
@@ -394,8 +391,7 @@ class FuncMLAAttnBackend:
             raise CudaGraphBufferOverflow(f"bs = {bs} exceeds the captured max_bs = {plan.max_bs}")
         seq = self._check_step(kind, bs, req_pool_indices, seq_lens, seq_lens_cpu, seq_lens_sum,
                                n)
-        extra = n if kind == "target_verify" else 0
-        need = seq.sum + extra * bs
+        need = seq.sum + draft_keys(kind, n) * bs
         cap = plan.kv_indices_capacity
         if need > cap:
             unit = ("blocks: the legacy block-granular sizing, the seed's overflow bug"

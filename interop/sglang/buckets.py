@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from funcmla.layout import next_power_of_two
+
 __all__ = ["sglang_cuda_graph_batch_sizes", "Buckets", "BucketOverflow"]
 
 
@@ -63,12 +65,7 @@ class Buckets:
         return self.batch_sizes[i]
 
     def kv_tokens(self, n: int) -> int:
-        return _pow2_at_least(n, self.min_kv_tokens)
+        return next_power_of_two(n, self.min_kv_tokens)
 
     def q_tokens(self, n: int) -> int:
-        return _pow2_at_least(n, self.min_q_tokens)
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    p = 1 << max(0, int(n) - 1).bit_length()
-    return max(floor, p)
+        return next_power_of_two(n, self.min_q_tokens)

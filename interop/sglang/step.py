@@ -20,12 +20,7 @@ import jax.numpy as jnp
 
 from funcmla.interop.packed import PackedLayout
 from funcmla.interop.sglang.workplan import PLAN_FIELDS, PlanSettings, plan_arrays, plan_shapes
-from funcmla.metadata import (
-    decode_metadata,
-    draft_extend_metadata,
-    extend_metadata,
-    target_verify_metadata,
-)
+from funcmla.metadata import build_metadata, draft_keys
 
 __all__ = ["StepSpec", "build_step", "step_layout", "num_parts"]
 
@@ -86,23 +81,18 @@ def _unpack_inputs(inputs, spec: StepSpec):
     mask = jnp.arange(bp, dtype=jnp.int32) < live
     part = lambda i: jax.lax.dynamic_slice(inputs, (i * live,), (bp,))  # noqa: E731
     rpi = jnp.where(mask, part(0), 0)
-    # target verify reads seq_lens + n keys: a padded request gets -n so that it reads none
-    pad_seq = -spec.n if spec.kind == "target_verify" else 0
+    # a request reads seq_lens + draft_keys (target verify: n) keys; a padded one gets
+    # -draft_keys so that it reads none
+    pad_seq = -draft_keys(spec.kind, spec.n)
     seq = jnp.where(mask, part(1), pad_seq)
     ext = jnp.where(mask, part(2), 0) if k == 3 else None
     return rpi, seq, ext, live, mask
 
 
 def _metadata(req_to_token, rpi, seq, ext, mask, spec: StepSpec):
-    cap, n = spec.capacity, spec.n
-    if spec.kind == "decode":
-        meta = decode_metadata(req_to_token, rpi, seq, capacity=cap)
-    elif spec.kind == "extend":
-        meta = extend_metadata(req_to_token, rpi, seq, ext, capacity=cap)
-    elif spec.kind == "target_verify":
-        meta = target_verify_metadata(req_to_token, rpi, seq, num_draft_tokens=n, capacity=cap)
-    else:
-        meta = draft_extend_metadata(req_to_token, rpi, seq, num_draft_tokens=n, capacity=cap)
+    n = spec.n
+    meta = build_metadata(spec.kind, req_to_token, rpi, seq, ext, capacity=spec.capacity,
+                          num_draft_tokens=n)
     if spec.kind in ("target_verify", "draft_extend", "decode"):
         # padded requests get no queries either (qo_indptr flat past the live batch)
         q = 1 if spec.kind == "decode" else n

@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from funcmla.layout import PageTable, is_power_of_two
+from funcmla.layout import PageTable, is_power_of_two, next_power_of_two
 
 __all__ = [
     "DecodeKernelConfig",
@@ -134,7 +134,7 @@ class DecodeKernelConfig:
         """Rows per program for `rows` folded query rows per sequence."""
         if self.block_m is not None:
             return self.block_m
-        return min(64, max(16, 1 << (rows - 1).bit_length()))
+        return min(64, next_power_of_two(rows, 16))
 
     def resolved_num_warps(self, block_m: int) -> int:
         if self.num_warps is not None:
