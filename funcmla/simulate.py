@@ -415,7 +415,7 @@ def _attend_with_plan(f: _Forward, q, kv_pool, meta):
     dims, cfg = f.dims, f.plan_config
     if f.mode == "extend":
         plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, meta.kv_lens, config=cfg)
-        max_qo_span, legacy = cfg.qlen_granularity, cfg.legacy_page_granular
+        max_qo_span, legacy = cfg.qlen_granularity, cfg.legacy
     else:
         plan = plan_mla_decode(meta.qo_indptr, meta.kv_indptr, meta.kv_last_page_len,
                                config=cfg, fill_impl="scan")
