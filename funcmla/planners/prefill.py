@@ -273,7 +273,7 @@ def _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, *, config: PrefillPlanC
     cfg = config
     sizes = ps_prefill_plan_sizes(batch, cfg.max_qlen, config=cfg)
     mq, num_tiles = sizes.max_qo_tiles, sizes.num_tiles
-    g, gran, bs, bpu = cfg.qlen_granularity, cfg.kvlen_granularity, cfg.block_size, cfg.blocks_per_unit
+    g, bs, bpu = cfg.qlen_granularity, cfg.block_size, cfg.blocks_per_unit
     tpc, khpc, nclusters = cfg.tgs_per_cluster, cfg.kheads_per_cluster, cfg.num_clusters
     if num_tiles == 0:  # max_qlen == 0: nothing to plan, all buffers zero
         z = jnp.zeros((), jnp.int32)
