@@ -95,7 +95,7 @@ class SimulationConfig:
     # "auto" = on a GPU backend, "on" = always (Pallas interpret mode off a GPU), "off" = never.
     pallas_decode: str = "auto"
     plan_num_cu: int = 16  # compute units of the (gfx950) device the plans are made for
-    # The seed's two bugs, reproducible on purpose (seed.md): a prefill plan counting pages
+    # The seed's two bugs, reproducible on purpose (README): a prefill plan counting pages
     # (block_size = page_size) against token-granular metadata (needs use_plans), and a
     # kv_indices buffer sized in pages while it is written per token. Garbage at page size > 1.
     legacy_prefill_plan: bool = False

@@ -7,7 +7,7 @@ aiter-planners.md §5), without a host round trip and with static shapes from
 Units: `qo_indptr` and `context_lens` count **tokens**; `kv_indptr` counts **entries of
 `block_size` tokens** (AITER's `pages_kv_indptr`), and so do the works' `kv_start` / `kv_end`.
 
-The granularity rule (seed.md): the prefill kernel reads linear per-token K/V, so the planner must
+The granularity rule (README): the prefill kernel reads linear per-token K/V, so the planner must
 count in tokens. `PrefillPlanConfig` therefore defaults to `block_size=1, kvlen_granularity=128`
 (SGLang after #25556). The pre-fix pairing `block_size=page_size,
 kvlen_granularity=max(128, page_size)` is available only by name,
