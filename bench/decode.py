@@ -32,7 +32,7 @@ sequences, NaN in unused pool rows), --big-pool checks addressing past 2**31 / 5
 tiling variants on the target cases by device time (the default is replaced only by a variant
 >= 3% faster) and the merge kernel's output tiles, and runs the grid with the chosen configs.
 --time-limit / --variants-time-limit bound one call (the grid runs the target cases first).
-Writes decode.json and decode.png under --out, and ends with the issue's targets judged on the
+Writes decode.json and decode.png under --out, and ends with the decode targets judged on the
 grid (`bench.decode_targets`). --kv-dtype fp8 runs the fp8 KV grid instead (`bench.decode_fp8`:
 each case with a bf16 pool and a float8_e4m3fn pool in the same run; error against float32
 over the dequantized cache), saved as decode_fp8.json.
@@ -898,7 +898,7 @@ def main(argv=None):
         print_table(rows, f"paged MLA decode (ceiling {ceiling / 1e9:.0f} GB/s)")
         results["targets"] = target_verdicts(rows)
         dump(results, args.out)
-        log("== targets (issue #5)")
+        log("== targets")
         print_verdicts(results["targets"], log)
     log("OK" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1

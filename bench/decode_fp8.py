@@ -3,10 +3,11 @@ with a float8_e4m3fn pool (the bf16 values / `KV_SCALE`, read with k_scale = v_s
 `KV_SCALE`) in one process, device time per call, and the fp8 error against float32 attention
 over the dequantized cache.
 
-Cases (issue #23's targets, H200): H16 B128 ctx 16k <= 300 us, H16 B32 ctx 4k <= 28 us, H128
-B128 ctx 16k no slower than bf16; pages 1 and 64; error < 1e-2. `--fp8-variants` also times
-the fp8 cases at the Triton tilings of `FP8_VARIANTS` (fp8 tiles take half the shared memory;
-at 128 heads the default 64-row wgmma tiling does not fit beside two stages).
+Cases (the fp8 targets in docs/decode_kernel.md, H200): H16 B128 ctx 16k <= 300 us, H16 B32
+ctx 4k <= 28 us, H128 B128 ctx 16k no slower than bf16; pages 1 and 64; error < 1e-2.
+`--fp8-variants` also times the fp8 cases at the Triton tilings of `FP8_VARIANTS` (fp8 tiles
+take half the shared memory; at 128 heads the default 64-row wgmma tiling does not fit beside
+two stages).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Issue #5's decode targets, judged from the rows of a `bench.decode` grid.
+"""The decode kernel's targets (docs/decode_kernel.md), judged from the rows of a `bench.decode`
+grid.
 
 The five targets (H200, device span per call):
   * 16 heads, batch >= 32, ctx >= 4k: >= 80% of the copy ceiling;

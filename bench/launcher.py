@@ -6,7 +6,7 @@ Host time (rows of the timing table): perf_counter_ns around one call, no sync; 
 --calls calls (10^4); the stream is drained every 100 calls outside the timed region so the
 launch queue never fills and GPU time never leaks into host time.
   timer_floor              an empty lambda (the measurement's own cost)
-  torch_add_128            torch's own elementwise op on 128 elements (the issue's baseline)
+  torch_add_128            torch's own elementwise op on 128 elements (the host-time baseline)
   jax_jit_add_128          a jitted add on 128-element JAX arrays
   jax_jit_decode[c]        jitted `mla_decode` on JAX arrays (same shapes; median of 2000)
   dlpack_jit_decode[c]     torch -> jax.dlpack.from_dlpack -> jitted mla_decode -> torch (1000)

@@ -3,7 +3,7 @@ per-step metadata cost of each DP rank, and a scaling plot.
 
     python -m bench.scale [--out docs/results] [--quick] [--reps N]
 
-With 2 or more GPUs (JAX CUDA) it measures the issue's shapes with the Pallas decode kernel:
+With 2 or more GPUs (JAX CUDA) it measures the target shapes with the Pallas decode kernel:
 TP over heads at H = 128 (batch 64, context 8k), DP attention at H = 16, batch 256, context
 16k (128 requests per rank at DP 2; target >= 1.9x); every request is at the full context,
 laid out over shuffled 64-token pages. A step's time is the wall time of the whole sharded

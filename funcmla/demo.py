@@ -6,7 +6,7 @@ Three parts, each with a pass/fail verdict (the command exits 1 if any fails):
    prefixes), decoding and finishing requests at every page size, driven through the allocator,
    the metadata builders (value-checked every step), the decode and prefill work planners and
    the plan executor; outputs must be identical across page sizes and match float64 attention.
-2. **The seed's prefill bug** (`seed.md`, fix #1): a prefill batch is placed by the allocator,
+2. **The seed's prefill bug** (README): a prefill batch is placed by the allocator,
    described by token-granular metadata, planned by the AITER prefill planner and executed the
    way the kernel reads the plan. With the fixed pairing (`block_size = 1`,
    `kvlen_granularity = 128`) the plan validates and the output equals the reference at every

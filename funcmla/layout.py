@@ -1,7 +1,7 @@
 """Granularity-typed index layouts.
 
 Two different things can describe where a batch's KV lives, and confusing them is the bug this
-project grew from (`seed.md`):
+project grew from (README: sglang#25556):
 
 * `TokenCSR`: `indptr` counts **tokens**, `indices[indptr[i] + t]` is the **token slot** (row of
   the KV pool) of token `t` of sequence `i`. Static `capacity = indices.shape[0]`.

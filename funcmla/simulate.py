@@ -95,7 +95,7 @@ class SimulationConfig:
     # "auto" = on a GPU backend, "on" = always (Pallas interpret mode off a GPU), "off" = never.
     pallas_decode: str = "auto"
     plan_num_cu: int = 16  # compute units of the (gfx950) device the plans are made for
-    # The seed's two bugs, reproducible on purpose (seed.md): a prefill plan counting pages
+    # The seed's two bugs, reproducible on purpose (README): a prefill plan counting pages
     # (block_size = page_size) against token-granular metadata (needs use_plans), and a
     # kv_indices buffer sized in pages while it is written per token. Garbage at page size > 1.
     legacy_prefill_plan: bool = False
@@ -415,7 +415,7 @@ def _attend_with_plan(f: _Forward, q, kv_pool, meta):
     dims, cfg = f.dims, f.plan_config
     if f.mode == "extend":
         plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, meta.kv_lens, config=cfg)
-        max_qo_span, legacy = cfg.qlen_granularity, cfg.legacy_page_granular
+        max_qo_span, legacy = cfg.qlen_granularity, cfg.legacy
     else:
         plan = plan_mla_decode(meta.qo_indptr, meta.kv_indptr, meta.kv_last_page_len,
                                config=cfg, fill_impl="scan")

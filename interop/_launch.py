@@ -10,9 +10,9 @@ A `LaunchProgram` holds, in one ctypes structure (mirrored by `_launch_program.c
 The hot path (`DecodeLauncher.__call__`) is one `struct.pack_into` of the per-call words and one
 foreign call, `funcmla_run(program)`, which loops over the kernels calling `cuLaunchKernel`.
 
-Why a tiny C helper: a ctypes call of `cuLaunchKernel` converts its 11 arguments on every call
-(about 0.8 us on a 2-core Xeon, several times that on slower hosts), once per kernel; the helper
-makes one foreign call with one argument for all kernels of a decode call (about 0.1 us), and the
+Why a tiny C helper: a ctypes call of `cuLaunchKernel` converts its 11 arguments on every call,
+once per kernel; the helper makes one foreign call with one argument for all kernels of a decode
+call (`python -m bench.launcher` compares both; figures in docs/torch_launcher.md), and the
 driver receives the same arguments. It is compiled at first use with the system C compiler (`cc`,
 or $CC) into a per-user cache, needs no CUDA headers and links nothing (the address of the
 driver's `cuLaunchKernel` is stored in the program). Without a compiler (or with

@@ -1,6 +1,6 @@
 """One packed int32 buffer per step: a step's metadata leaves JAX as a single array.
 
-Crossing DLPack costs a fixed host time per array (about 20 us JAX -> torch on an H200), so a
+Crossing DLPack costs a fixed host time per array (`python -m bench.interop`), so a
 step's metadata is concatenated inside the jitted builder into one int32 buffer, exported once,
 and torch reads each field through a view (no copy). Every field starts at a multiple of
 `align` elements (16 int32 = 64 bytes), so every view's data pointer is 64-byte aligned.
@@ -129,7 +129,8 @@ class PackedLayout:
     def torch_views(self, buf, names: tuple[str, ...] | None = None) -> dict:
         """torch views of a packed int32 torch buffer (no copy), one per field (or per `names`).
 
-        Each view costs about 1 us of host time: ask only for the fields you read.
+        Each view costs host time (`python -m bench.interop`, stage `handoff`): ask only for the
+        fields you read.
         """
         import torch
 

@@ -1,7 +1,6 @@
 """An attention backend with SGLang's surface whose MLA metadata and work plan are built by
 funcmla: the public names of `funcmla.interop.sglang` (see docs/sglang_backend.md)."""
 
-from funcmla.interop.dlpack import to_jax, to_torch  # noqa: F401  (tests count the crossings)
 from funcmla.interop.sglang.backend import FuncMLAAttnBackend
 from funcmla.interop.sglang.buckets import BucketOverflow, Buckets, sglang_cuda_graph_batch_sizes
 from funcmla.interop.sglang.modes import ForwardMode, resolve_mode

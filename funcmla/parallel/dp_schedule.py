@@ -87,6 +87,8 @@ def split_batch(num_requests: int, dp: int, *, policy: str = "shortest_queue",
         raise ValueError(f"num_requests must be an int >= 0, got {num_requests!r}")
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not isinstance(counter, (int, np.integer)) or not 0 <= counter < dp:
+        raise ValueError(f"counter must be a round-robin position in [0, {dp}), got {counter!r}")
     loads = [0] * dp if loads is None else [int(x) for x in loads]
     if len(loads) != dp or min(loads) < 0:
         raise ValueError(f"loads must be {dp} counts >= 0 (one per rank), got {loads}")

@@ -7,7 +7,7 @@ aiter-planners.md §5), without a host round trip and with static shapes from
 Units: `qo_indptr` and `context_lens` count **tokens**; `kv_indptr` counts **entries of
 `block_size` tokens** (AITER's `pages_kv_indptr`), and so do the works' `kv_start` / `kv_end`.
 
-The granularity rule (seed.md): the prefill kernel reads linear per-token K/V, so the planner must
+The granularity rule (README): the prefill kernel reads linear per-token K/V, so the planner must
 count in tokens. `PrefillPlanConfig` therefore defaults to `block_size=1, kvlen_granularity=128`
 (SGLang after #25556). The pre-fix pairing `block_size=page_size,
 kvlen_granularity=max(128, page_size)` is available only by name,
@@ -273,7 +273,7 @@ def _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, *, config: PrefillPlanC
     cfg = config
     sizes = ps_prefill_plan_sizes(batch, cfg.max_qlen, config=cfg)
     mq, num_tiles = sizes.max_qo_tiles, sizes.num_tiles
-    g, gran, bs, bpu = cfg.qlen_granularity, cfg.kvlen_granularity, cfg.block_size, cfg.blocks_per_unit
+    g, bs, bpu = cfg.qlen_granularity, cfg.block_size, cfg.blocks_per_unit
     tpc, khpc, nclusters = cfg.tgs_per_cluster, cfg.kheads_per_cluster, cfg.num_clusters
     if num_tiles == 0:  # max_qlen == 0: nothing to plan, all buffers zero
         z = jnp.zeros((), jnp.int32)

@@ -57,7 +57,9 @@ class HostLens:
             unsigned = _UNSIGNED[arr.dtype]
         shifted = arr - lo if lo else arr
         top = int(shifted.view(unsigned[0]).max())
-        if top > unsigned[1]:  # some value is below lo (it wrapped around)
+        # below lo: negative after the shift (top past the signed range), or so far below that
+        # the shift wrapped it round to the top of the signed range (top + lo past it)
+        if top + lo > unsigned[1]:
             i = int(np.argmin(arr))
             raise ValueError(f"{field}[{i}] = {int(arr[i])} is below the minimum {lo}")
         self.max = top + lo
