@@ -135,4 +135,7 @@ CASES: list[BadInput] = [
     BadInput("scale.split_pinned_rank_out_of_range",
              lambda: split_batch(2, 2, pinned=[0, 2]), ValueError,
              (r"pinned", r"\[-1, 2\)")),
+    BadInput("scale.split_counter_out_of_range",
+             lambda: split_batch(3, 2, policy="round_robin", counter=5), ValueError,
+             (r"counter", r"\[0, 2\)", r"5")),
 ]
