@@ -30,8 +30,6 @@ from funcmla.config import MLADims
 from funcmla.layout import PageTable
 from tests.pools import attention_oracle_f64
 
-# JAX deprecates the Pallas Triton lowering these kernels use; that one warning is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
 D, DV = 576, 512
 SCALE = MLADims().sm_scale

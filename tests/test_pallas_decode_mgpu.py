@@ -27,9 +27,6 @@ from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_fro
 from funcmla.layout import PageTable
 from tests.test_pallas_decode import SCALE, check, make_problem, reference
 
-# The merge kernel runs on the Pallas Triton lowering, which JAX deprecates.
-pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
-
 
 def kv_rows(p, page_size):
     """The problem's KV metadata as `KVRows`: its token CSR at page size 1, else its page table."""
