@@ -66,6 +66,11 @@ CPU_CASES = [
 ]
 
 
+# The interpreter runs ~10 s of CPU per case: the first case runs in `./dev test`, the others
+# (and the two tests below) are `slow` (CI runs them after it).
+CPU_CASES = CPU_CASES[:1] + [pytest.param(*c, marks=pytest.mark.slow) for c in CPU_CASES[1:]]
+
+
 @pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits,poison", CPU_CASES)
 def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, splits, poison):
     rng = np.random.default_rng(heads * 7 + page_size)
@@ -75,6 +80,7 @@ def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, spl
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
 
 
+@pytest.mark.slow
 def test_interpret_running_max_moves():
     """Keys that grow 1000x along the sequence make the running max rise tile after tile, so
     every tile rescales the accumulator and the row sums: against the float64 reference, in
@@ -90,6 +96,7 @@ def test_interpret_running_max_moves():
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size,s_q,lens,splits", [(16, 1, [300], 2), (1, 2, [140], 1)])
 def test_interpret_has_no_data_race(page_size, s_q, lens, splits):
     """Mosaic GPU's interpreter, with its happens-before race detector on, finds no unordered

@@ -155,6 +155,7 @@ def check_global(g, out, lse, atol=1e-4):
 
 # ------------------------------------------------------------------------------- DP runs
 
+@pytest.mark.slow  # a 4-rank mesh: each rank's plan compiles its own executor program
 def test_dp4_executor_with_an_idle_rank_equals_single_device():
     """4 ranks (rank 0 IDLE: the shortest-queue split finds it busiest), each with its own
     max_bs, context bound and CU count; each runs its own plan in the executor."""

@@ -165,6 +165,7 @@ def test_page_size_validation():
         run_simulation(CONFIG, ())
 
 
+@pytest.mark.slow  # the trace through the Pallas kernel in interpret mode, twice
 def test_pallas_decode_kernel_in_the_trace():
     """Decode and verify steps through the Pallas kernel (interpret mode here): bf16-accurate
     against the float64 oracle, and still bitwise identical across page sizes."""
