@@ -435,8 +435,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._apply(res, status)
         n = len(out) if status == 0 else 0
         assert int(res.num_tokens) == sum(s - p for _, p, s in reqs)
-        assert np.asarray(res.out_cache_loc[:n]).tolist() == out
-        assert not np.any(np.asarray(res.out_cache_loc[n:]))
+        loc = np.asarray(res.out_cache_loc)  # slice on the host: no compile per n
+        assert loc[:n].tolist() == out
+        assert not np.any(loc[n:])
 
     @rule(data=st.data())
     def decode(self, data):
