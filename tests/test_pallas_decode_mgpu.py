@@ -194,6 +194,7 @@ def test_gpu_profile_names_every_phase(tmp_path):
     assert {"qk", "wait_kv", "softmax", "hand_off", "pv", "wait_p", "finish"} <= names
 
 
+@pytest.mark.slow  # interpreter runs behind the dispatcher
 def test_mla_decode_dispatches_to_mgpu():
     """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (token CSR, split, merge)
     through the Mosaic GPU kernel (the page-1 row gather, -Inf in unused rows); an unsupported
@@ -213,6 +214,7 @@ def test_mla_decode_dispatches_to_mgpu():
         DecodeKernelConfig(kernel="cuda")
 
 
+@pytest.mark.slow  # interpreter runs at two partial dtypes
 def test_partial_dtypes():
     """DecodeKernelConfig.partial_dtype reaches this kernel through `mla_decode`: the kernel's
     partials have that dtype (read off the traced program, nothing runs), and float32 partials
