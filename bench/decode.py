@@ -50,11 +50,8 @@ import re
 import statistics
 import sys
 import time
-import warnings
 
 import numpy as np
-
-warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

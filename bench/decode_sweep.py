@@ -30,14 +30,11 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from .decode import (  # noqa: E402
+from .decode import (
     MARK,
     D,
     DV,
@@ -52,8 +49,8 @@ from .decode import (  # noqa: E402
     torch_copy_ceiling,
     trace_device_events,
 )
-from funcmla.attention.pallas import DecodeKernelConfig, mla_decode  # noqa: E402
-from funcmla.attention.pallas.decode_common import (  # noqa: E402
+from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
+from funcmla.attention.pallas.decode_common import (
     choose_num_splits,
     num_row_blocks,
 )

@@ -36,9 +36,12 @@ def pytest_configure(config):
     in pytest's cache folder (`.pytest_cache/d/jax-compilation-cache`; `--cache-clear` empties
     it). Keys cover the program, the compile options and the jax version, and JAX never caches
     executables with host callbacks (Pallas interpret mode), so results are unchanged.
-    FUNCMLA_TEST_JAX_CACHE=0 turns it off."""
+    FUNCMLA_TEST_JAX_CACHE=0 turns it off, and then also funcmla's own default cache
+    (`~/.cache/funcmla/jax`, which the demo and CLI entry points turn on): a cold run stays cold
+    and the suite never writes into the user's home."""
     cache = getattr(config, "cache", None)  # None under `-p no:cacheprovider`
     if os.environ.get("FUNCMLA_TEST_JAX_CACHE", "1") == "0" or cache is None:
+        os.environ["FUNCMLA_COMPILATION_CACHE"] = "off"  # in-process and for the subprocesses
         return
     settings_ = {
         "jax_compilation_cache_dir": str(cache.mkdir("jax-compilation-cache")),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from funcmla.layout import next_power_of_two as next_pow2  # noqa: F401  (the tests' name)
@@ -62,10 +64,20 @@ def gather_oracle(req_to_token, req_pool_indices, kv_lens, kv_start=None):
     return indptr, out
 
 
-def latent_rows(owner, dim, seed=0):
-    """Deterministic latent row per (request, position); page 0 / free slots get noise too."""
+@functools.lru_cache(maxsize=8)
+def _latent_base(seed: int, dim: int):
+    """The 4096 base rows of `latent_rows` (drawn once per (seed, dim); read-only)."""
     rng = np.random.default_rng(seed)
     base = rng.standard_normal((4096, dim)).astype(np.float32)
+    base.flags.writeable = False
+    return base, rng.bit_generator.state
+
+
+def latent_rows(owner, dim, seed=0):
+    """Deterministic latent row per (request, position); page 0 / free slots get noise too."""
+    base, rng_state = _latent_base(seed, dim)
+    rng = np.random.default_rng(seed)
+    rng.bit_generator.state = rng_state  # continue the stream right after the base rows
     req, pos = owner[:, 0], owner[:, 1]
     key = np.where(req >= 0, (req * 7919 + pos * 31) % 4096, rng.integers(0, 4096, len(req)))
     rows = base[key] * 0.5

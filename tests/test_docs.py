@@ -29,6 +29,7 @@ def python_blocks(markdown: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.S | re.M)
 
 
+@pytest.mark.slow  # the page's chain compiles at two page sizes and under vmap
 def test_quickstart_code_runs_and_its_checks_hold():
     """The page's blocks run in order in one namespace; their asserts compare against the dense
     float32 reference, across a vmap and across page sizes."""

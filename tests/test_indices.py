@@ -18,7 +18,7 @@ from funcmla.indices import (
 )
 from funcmla.layout import PageTable, TokenCSR
 from funcmla.segments import segment_positions
-from tests.pools import gather_oracle, layout_requests, next_pow2
+from tests.pools import gather_oracle, layout_requests
 
 MAX_CTX = 16384
 
@@ -42,13 +42,15 @@ def lengths_strategy(max_batch=256, max_len=MAX_CTX, max_total=1 << 16):
     )
 
 
-def _padded(lens, rng, page_size):
-    """Lay out, then pad the batch to a power of two with zero-length rows on request slot 0."""
-    r2t, rpi, num_pages, owner = layout_requests(lens, page_size, rng=rng, max_context_len=MAX_CTX)
-    bpad = next_pow2(len(lens), 8)
-    lens_p = np.zeros(bpad, np.int32)
+def _padded(lens, rng, page_size, max_batch):
+    """Lay out on max_batch + 2 request slots, then pad the batch to max_batch with zero-length
+    rows on request slot 0: every example of a test has the same shapes (one compilation per
+    static argument set, not one per drawn batch size)."""
+    r2t, rpi, num_pages, owner = layout_requests(lens, page_size, rng=rng, max_context_len=MAX_CTX,
+                                                 num_req_slots=max_batch + 2)
+    lens_p = np.zeros(max_batch, np.int32)
     lens_p[: len(lens)] = lens
-    rpi_p = np.zeros(bpad, np.int32)
+    rpi_p = np.zeros(max_batch, np.int32)
     rpi_p[: len(lens)] = rpi
     return r2t, rpi_p, lens_p, owner
 
@@ -56,8 +58,8 @@ def _padded(lens, rng, page_size):
 @given(lens=lengths_strategy(), page_size=st.sampled_from([1, 16, 64]), seed=st.integers(0, 9))
 def test_gather_matches_loop_oracle(lens, page_size, seed):
     rng = np.random.default_rng(seed)
-    r2t, rpi, lens_p, _ = _padded(lens, rng, page_size)
-    cap = next_pow2(sum(lens) + 1, 1024)
+    r2t, rpi, lens_p, _ = _padded(lens, rng, page_size, 256)
+    cap = 1 << 17  # > max_total = 1 << 16 live tokens
     start = np.zeros_like(lens_p)
     csr = _gather(r2t, rpi, lens_p, start, capacity=cap)
     indptr, ref = gather_oracle(r2t, rpi, lens_p)
@@ -70,15 +72,15 @@ def test_gather_matches_loop_oracle(lens, page_size, seed):
 @given(lens=lengths_strategy(max_batch=32, max_total=1 << 14), seed=st.integers(0, 9))
 def test_same_sequences_same_stream_across_page_sizes(lens, seed):
     """Page sizes 1, 16, 64: identical index streams up to slot renaming (same (req, pos))."""
-    cap = next_pow2(sum(lens) + 1, 1024)
+    cap = 1 << 15  # > max_total
     streams = []
     for page_size in (1, 16, 64):
         rng = np.random.default_rng(seed + page_size)
-        r2t, rpi, lens_p, owner = _padded(lens, rng, page_size)
+        r2t, rpi, lens_p, owner = _padded(lens, rng, page_size, 32)
         csr = _gather(r2t, rpi, lens_p, np.zeros_like(lens_p), capacity=cap)
-        n = int(csr.indptr[-1])
-        idx = np.asarray(csr.indices[:n])
-        streams.append((np.asarray(csr.indptr), owner[idx]))
+        indptr = np.asarray(csr.indptr)
+        idx = np.asarray(csr.indices)[: indptr[-1]]
+        streams.append((indptr, owner[idx]))
     for indptr, logical in streams[1:]:
         np.testing.assert_array_equal(indptr, streams[0][0])
         np.testing.assert_array_equal(logical, streams[0][1])
@@ -89,12 +91,17 @@ def test_same_sequences_same_stream_across_page_sizes(lens, seed):
     np.testing.assert_array_equal(streams[0][1], expect)
 
 
+@functools.partial(jax.jit, static_argnames=("page_size", "max_pages"))
+def _page_table_from_csr(csr, *, page_size, max_pages):
+    return page_table_from_csr(csr, page_size=page_size, max_pages=max_pages)
+
+
 @given(lens=lengths_strategy(max_batch=64, max_total=1 << 14), page_size=st.sampled_from([1, 16, 64]),
        seed=st.integers(0, 9))
 def test_page_table_roundtrip(lens, page_size, seed):
     rng = np.random.default_rng(seed)
-    r2t, rpi, lens_p, _ = _padded(lens, rng, page_size)
-    cap = next_pow2(sum(lens) + 1, 1024)
+    r2t, rpi, lens_p, _ = _padded(lens, rng, page_size, 64)
+    cap = 1 << 15  # > max_total
     max_pages = MAX_CTX // page_size
     pt, csr = _roundtrip(r2t, rpi, lens_p, page_size=page_size, max_pages=max_pages, capacity=cap)
     # page table == slot // page_size at page starts (create_flashmla_kv_indices semantics), 0
@@ -105,9 +112,9 @@ def test_page_table_roundtrip(lens, page_size, seed):
         np.testing.assert_array_equal(table[i, :npg], r2t[rpi[i], : npg * page_size : page_size] // page_size)
         assert np.all(table[i, npg:] == 0)
     indptr, ref = gather_oracle(r2t, rpi, lens_p)
-    np.testing.assert_array_equal(np.asarray(csr.indices[: indptr[-1]]), ref)
+    np.testing.assert_array_equal(np.asarray(csr.indices)[: indptr[-1]], ref)
     # csr -> page table gives the same table
-    pt2 = page_table_from_csr(csr, page_size=page_size, max_pages=max_pages)
+    pt2 = _page_table_from_csr(csr, page_size=page_size, max_pages=max_pages)
     np.testing.assert_array_equal(np.asarray(pt2.table), table)
 
 

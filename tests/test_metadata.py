@@ -41,7 +41,7 @@ def _batch(lens, page_size, seed):
 def _expect_common(meta, r2t, rpi, kv_lens, qo_lens):
     indptr, idx = gather_oracle(r2t, rpi, kv_lens)
     np.testing.assert_array_equal(np.asarray(meta.kv_indptr), indptr)
-    np.testing.assert_array_equal(np.asarray(meta.kv_indices[: indptr[-1]]), idx)
+    np.testing.assert_array_equal(np.asarray(meta.kv_indices)[: indptr[-1]], idx)  # host slice
     np.testing.assert_array_equal(np.asarray(meta.qo_indptr), np.concatenate([[0], np.cumsum(qo_lens)]))
     np.testing.assert_array_equal(np.asarray(meta.kv_last_page_len), np.ones(len(kv_lens)))
     assert int(meta.max_q_len) == max(qo_lens)

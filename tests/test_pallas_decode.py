@@ -30,8 +30,6 @@ from funcmla.config import MLADims
 from funcmla.layout import PageTable
 from tests.pools import attention_oracle_f64
 
-# JAX deprecates the Pallas Triton lowering these kernels use; that one warning is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
 D, DV = 576, 512
 SCALE = MLADims().sm_scale
@@ -163,6 +161,7 @@ def test_split_count_does_not_change_result():
                                atol=2e-2)
 
 
+@pytest.mark.slow  # five interpret-mode kernel runs
 def test_partial_dtypes():
     """The split partials are stored in `partial_dtype` (bf16 by default, float32 on request;
     the merge kernel widens them), both within the reference tolerance;
@@ -263,6 +262,7 @@ def test_split_rule():
     assert choose_num_splits(128, 2, 4096, cfg, block_m=64) == 1
 
 
+@pytest.mark.slow  # interpret-mode runs of three kernel forms at two split counts
 def test_kv_rows_forms_agree_bitwise():
     """The launcher's "lens" form (table_start + kv_lens) and mla_decode's in-kernel forms."""
     rng = np.random.default_rng(11)

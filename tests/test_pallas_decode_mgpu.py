@@ -27,9 +27,6 @@ from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_fro
 from funcmla.layout import PageTable
 from tests.test_pallas_decode import SCALE, check, make_problem, reference
 
-# The merge kernel runs on the Pallas Triton lowering, which JAX deprecates.
-pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
-
 
 def kv_rows(p, page_size):
     """The problem's KV metadata as `KVRows`: its token CSR at page size 1, else its page table."""
@@ -69,6 +66,11 @@ CPU_CASES = [
 ]
 
 
+# The interpreter runs ~10 s of CPU per case: the first case runs in `./dev test`, the others
+# (and the two tests below) are `slow` (CI runs them after it).
+CPU_CASES = CPU_CASES[:1] + [pytest.param(*c, marks=pytest.mark.slow) for c in CPU_CASES[1:]]
+
+
 @pytest.mark.parametrize("heads,s_q,page_size,lens,max_pages,splits,poison", CPU_CASES)
 def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, splits, poison):
     rng = np.random.default_rng(heads * 7 + page_size)
@@ -78,6 +80,7 @@ def test_interpret_matches_reference(heads, s_q, page_size, lens, max_pages, spl
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], s_q, SCALE))
 
 
+@pytest.mark.slow
 def test_interpret_running_max_moves():
     """Keys that grow 1000x along the sequence make the running max rise tile after tile, so
     every tile rescales the accumulator and the row sums: against the float64 reference, in
@@ -93,6 +96,7 @@ def test_interpret_running_max_moves():
     check(out, lse, *reference(p["q"], p["pool"], p["slot_lists"], 1, SCALE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size,s_q,lens,splits", [(16, 1, [300], 2), (1, 2, [140], 1)])
 def test_interpret_has_no_data_race(page_size, s_q, lens, splits):
     """Mosaic GPU's interpreter, with its happens-before race detector on, finds no unordered
@@ -190,6 +194,7 @@ def test_gpu_profile_names_every_phase(tmp_path):
     assert {"qk", "wait_kv", "softmax", "hand_off", "pv", "wait_p", "finish"} <= names
 
 
+@pytest.mark.slow  # interpreter runs behind the dispatcher
 def test_mla_decode_dispatches_to_mgpu():
     """`DecodeKernelConfig(kernel="mgpu")` routes `mla_decode` (token CSR, split, merge)
     through the Mosaic GPU kernel (the page-1 row gather, -Inf in unused rows); an unsupported
@@ -209,6 +214,7 @@ def test_mla_decode_dispatches_to_mgpu():
         DecodeKernelConfig(kernel="cuda")
 
 
+@pytest.mark.slow  # interpreter runs at two partial dtypes
 def test_partial_dtypes():
     """DecodeKernelConfig.partial_dtype reaches this kernel through `mla_decode`: the kernel's
     partials have that dtype (read off the traced program, nothing runs), and float32 partials

@@ -17,9 +17,6 @@ from hypothesis.extra import numpy as hnp
 from funcmla.attention.pallas import merge_splits, merge_splits_pallas
 from funcmla.attention.pallas.merge import merge_block_d
 
-# JAX deprecates the Pallas Triton lowering the merge kernel uses; that one warning is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
-
 
 def oracle(o, lse):
     """float64: softmax weights over splits; all-empty rows -> out 0, lse +inf."""

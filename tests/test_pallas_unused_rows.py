@@ -21,8 +21,6 @@ from funcmla.attention.reference import mla_attention_reference
 from funcmla.config import MLADims
 from funcmla.layout import PageTable
 
-# JAX deprecates the Pallas Triton lowering; that one warning is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
 D, DV = 576, 512
 SCALE = MLADims().sm_scale

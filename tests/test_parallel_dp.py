@@ -147,6 +147,7 @@ def check_global(g, out, lse, atol=1e-4):
 
 # ------------------------------------------------------------------------------- DP runs
 
+@pytest.mark.slow  # a 4-rank mesh: each rank's plan compiles its own executor program
 def test_dp4_executor_with_an_idle_rank_equals_single_device():
     """4 ranks (rank 0 IDLE: the shortest-queue split finds it busiest), each with its own
     max_bs, context bound and CU count; each runs its own plan in the executor."""
@@ -164,6 +165,7 @@ def test_dp4_executor_with_an_idle_rank_equals_single_device():
     assert out.sharding.is_fully_replicated
 
 
+@pytest.mark.slow  # the dp4 mesh again: four rank configs, four planner compiles
 def test_rank_steps_are_the_single_device_builders_and_stay_valid_padded():
     """A rank's metadata is `decode_metadata` over its requests (padded with empty ones to its
     max_bs; rank 0 is IDLE: all padding); its plan is `plan_mla_decode`

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from funcmla.config import MLADims
 from tests.pools import scattered_requests
@@ -97,6 +98,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two fresh JAX processes, each compiling the TP and DP programs
 def test_two_processes_over_localhost():
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")

@@ -178,6 +178,7 @@ def batches(draw, cfg, batch_sizes=BATCHES):
     return make_inputs(kv_lens, qo_lens, last)
 
 
+@pytest.mark.slow  # every example is a new config: a new compile (fixed configs below run fast)
 @settings(max_examples=8)
 @given(data=st.data())
 def test_matches_oracle_random_configs(data):

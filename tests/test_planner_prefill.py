@@ -4,6 +4,8 @@ legacy pairing and the granularity check."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,10 +212,15 @@ def test_plan_shape_errors():
         ps_prefill_plan_sizes(0, 10, config=cfg)
 
 
+@functools.lru_cache(maxsize=None)
+def _input_checker(cfg):
+    """The checkified input check for one config, jitted once (not re-traced per call)."""
+    return jax.jit(checked(functools.partial(check_prefill_plan_inputs, config=cfg)))
+
+
 def _input_error(qo_indptr, kv_indptr, ctx, cfg):
-    err, _ = checked(lambda a, b, c: check_prefill_plan_inputs(a, b, c, config=cfg))(
-        jnp.asarray(qo_indptr, jnp.int32), jnp.asarray(kv_indptr, jnp.int32),
-        jnp.asarray(ctx, jnp.int32))
+    err, _ = _input_checker(cfg)(jnp.asarray(qo_indptr, jnp.int32),
+                                 jnp.asarray(kv_indptr, jnp.int32), jnp.asarray(ctx, jnp.int32))
     return err.get()
 
 

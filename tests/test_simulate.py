@@ -40,12 +40,14 @@ def direct_outputs(config: SimulationConfig, req: sim.RequestSpec) -> np.ndarray
     return out
 
 
+@pytest.mark.slow  # the module's trace: ~20 s of compiles at three page sizes
 def test_outputs_identical_across_page_sizes(result):
     assert set(result.runs) == set(PAGE_SIZES)
     assert result.outputs_identical(), result.max_output_diff()
     assert result.max_output_diff() == 0.0
 
 
+@pytest.mark.slow  # the module's trace: ~20 s of compiles at three page sizes
 def test_outputs_match_direct_oracle(result):
     outputs = result.runs[1].outputs
     workload = sim.make_workload(CONFIG)
@@ -57,6 +59,7 @@ def test_outputs_match_direct_oracle(result):
                                    err_msg=f"request {req.rid}")
 
 
+@pytest.mark.slow  # the module's trace: ~20 s of compiles at three page sizes
 def test_trace_statistics(result):
     summaries = {s["page_size"]: s for s in result.summary()}
     for page_size, run in result.runs.items():
@@ -79,6 +82,7 @@ def test_trace_statistics(result):
     assert summaries[1]["prefix_hit_tokens"] > summaries[64]["prefix_hit_tokens"]
 
 
+@pytest.mark.slow  # the module's trace: ~20 s of compiles at three page sizes
 def test_to_dict_is_json(result):
     d = json.loads(json.dumps(result.to_dict()))
     assert d["outputs_identical"] is True and d["config"]["pool_tokens"] == CONFIG.pool_tokens
@@ -86,6 +90,7 @@ def test_to_dict_is_json(result):
     assert len(d["runs"][2]["steps"]) == len(result.runs[64].steps)
 
 
+@pytest.mark.slow  # the module's trace: ~20 s of compiles at three page sizes
 def test_verify_keeps_only_true_tokens(result):
     """Target-verify steps (3 drafts, seeded acceptance) produce the decode outputs exactly
     where they keep tokens, at every page size."""
@@ -99,6 +104,7 @@ def test_verify_keeps_only_true_tokens(result):
         np.testing.assert_allclose(out, base[rid], rtol=0, atol=2e-6, err_msg=f"request {rid}")
 
 
+@pytest.mark.slow  # the module's trace: ~20 s of compiles at three page sizes
 def test_work_plans_and_executor(result):
     """With use_plans the planners + plan executor give the reference outputs."""
     cfg = dataclasses.replace(CONFIG, use_plans=True, check=False, num_requests=6)
@@ -166,6 +172,7 @@ def test_page_size_validation():
         run_simulation(CONFIG, ())
 
 
+@pytest.mark.slow  # the trace through the Pallas kernel in interpret mode, twice
 def test_pallas_decode_kernel_in_the_trace():
     """Decode and verify steps through the Pallas kernel (interpret mode here): bf16-accurate
     against the float64 oracle, and still bitwise identical across page sizes."""
