@@ -52,6 +52,7 @@ def test_plan_prefill_from_a_json_batch_file(tmp_path):
     assert out["legacy"] is True and out["block_size"] == 64
 
 
+@pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 def test_bench_metadata_quick_writes_json(tmp_path):
     r = funcmla("bench", "metadata", "--quick", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]

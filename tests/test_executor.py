@@ -101,6 +101,7 @@ def assert_matches(got, ref):
     assert rel_err(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < 1e-5
 
 
+@pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 @settings(max_examples=8)
 @given(data=st.data())
 def test_prefill_plans_match_reference(data):

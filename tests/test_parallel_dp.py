@@ -201,6 +201,7 @@ def test_rank_steps_are_the_single_device_builders_and_stay_valid_padded():
         assert int(padded.plan.num_works) == int(own.plan.num_works)
 
 
+@pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 @pytest.mark.parametrize("impl", ["reference", "executor"])
 def test_dp2_tp2_equals_single_device(impl):
     """--tp 4 --dp 2 --enable-dp-attention: 2 ranks, 32 heads split 16 + 16 inside each (the

@@ -79,6 +79,7 @@ def test_reference_tp4_equals_single_device(lens):
     assert np.array_equal(np.isinf(np.asarray(lse)), np.isinf(l64))
 
 
+@pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 def test_executor_tp2_equals_single_device():
     """Each TP rank runs a plan for its own 16 heads; the result equals the single-device
     executor over 32 heads (a head-folded plan) and the float64 oracle."""

@@ -116,6 +116,7 @@ def test_work_plans_and_executor(result):
         np.testing.assert_allclose(out, result.runs[1].outputs[rid], rtol=0, atol=2e-6)
 
 
+@pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 def test_seed_bugs_reproduced_on_purpose():
     """The seed's two bugs, at page size 64: a page-counting prefill plan corrupts exactly the
     prefill outputs (the KV it wrote is fine, so decode steps stay exact), and a page-sized
@@ -132,6 +133,7 @@ def test_seed_bugs_reproduced_on_purpose():
         run_simulation(cfg, (64,))
 
 
+@pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 def test_progress_callback():
     calls = []
     cfg = dataclasses.replace(CONFIG, num_requests=2)

@@ -198,6 +198,7 @@ def test_corrupted_decode_plans_are_named():
 # ---- checkify (under jit) ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 def test_checkify_checks_under_jit():
     plan, meta = prefill_plan([64, 48, 64, 33], [150, 0, 64, 17])
     legacy, _ = prefill_plan([64, 48, 64, 33], [150, 0, 64, 17], LEGACY64)
