@@ -251,9 +251,9 @@ def compile_plan(plan: "DecodePlan", arch_name: str, route: str | None = None
             warnings.warn(f"funcmla launcher: taking the kernels from XLA failed ({reason}); "
                           "compiling them with the triton package instead (not bit-identical "
                           "to the JAX path)", RuntimeWarning, stacklevel=2)
-            return {c.name: dataclasses.replace(
-                _compile_cached(c, arch_name), how=f"{_compile_cached(c, arch_name).how} "
-                f"(XLA route failed: {reason})") for c in plan.triton_calls}
+            images = {c.name: _compile_cached(c, arch_name) for c in plan.triton_calls}
+            return {name: dataclasses.replace(image, how=f"{image.how} (XLA route failed: "
+                                              f"{reason})") for name, image in images.items()}
     return {c.name: _compile_cached(c, arch_name) for c in plan.triton_calls}
 
 
