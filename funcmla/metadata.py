@@ -14,7 +14,7 @@ is a static int, so one compiled builder serves every batch that fits (see `Buff
 The KV of every request already includes the tokens of this step (SGLang writes the cache
 before attention).
 
-Modes (`sglang-backend.md` §7, §14):
+Modes (SGLang's `ForwardMode`s, as its aiter backend builds their metadata):
 * decode:        kv_lens = seq_lens;             qo_indptr = arange(B + 1)
 * extend:        kv_lens = seq_lens (prefix + new); qo_indptr = [0, cumsum(extend_seq_lens)]
 * target_verify: kv_lens = seq_lens + n;         qo_indptr = arange(B + 1) * n

@@ -8,10 +8,10 @@ calls. Verify on an MI300X / MI355X before relying on them.
 
 Pinned AITER: ROCm/aiter @ e4048607a535ace3a2b51ded31b1c8c2d45c0879 (2026-08-22; for every MLA
 metadata, reduce and `mla.py` file byte-identical to tag v0.1.20.post1). The PyPI wheel
-`amd-aiter==0.1.7.post2.dev18` has different signatures (aiter-planners.md §4.10) and is not
-supported.
+`amd-aiter==0.1.7.post2.dev18` has different signatures and is not supported.
 
-The call conventions (aiter-planners.md §11, sglang-backend.md §6.4, §7.4, §7.5):
+The call conventions (`aiter/mla.py`, `aiter/ops/attention.py` at the pinned commit; SGLang's
+`aiter_backend.py`):
 
 * every index tensor is int32, contiguous, on the kernel's device;
 * the KV pool is presented as the page-1 view `[slots, 1, 1, 576]` (`page_size=1`,

@@ -4,7 +4,7 @@ No metadata is built: for every request r the KV is gathered straight from the r
 `cache[req_to_token[req_pool_indices[r], :seq_lens[r]]]`, and attended with
 `scaled_dot_product_attention(..., scale=sm_scale, enable_gqa=True)` (H query heads, one latent
 KV head; K = the 576-wide latent row, V = its first `v_head_dim` columns). This is what a user
-compares funcmla against (`sglang-backend.md` §12).
+compares funcmla against (SGLang's `torch_native_backend.py`).
 
 * decode: one query per request, `is_causal=False` over all `seq_lens[r]` keys.
 * extend: the `extend_seq_lens[r]` queries are placed at rows `[prefix, seq_len)` of a

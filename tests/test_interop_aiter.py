@@ -1,12 +1,12 @@
 """AITER dispatch: the argument contract, checked against the documented signatures.
 
-No ROCm machine is available, so a fake `aiter` module is injected. Its functions are written
-out from the signatures documented for the pinned AITER commit (aiter-planners.md §6,
-sglang-backend.md §6.4 / §7.4 / §7.5); calling one with a wrong keyword fails, and each call is
-recorded so the test can check names, order, shapes, dtypes, strides and devices. The fake
-decode / prefill kernels also compute attention from the metadata they receive, the way the
-documented contract says the kernel reads it (page-1 view, token slots), so a mis-wired argument
-shows up as a wrong result too.
+No ROCm machine is available, so a fake `aiter` module is injected. Its functions are written out
+from the signatures documented for the pinned AITER commit (`aiter/mla.py`,
+`aiter/ops/attention.py`, SGLang's `aiter_backend.py` calls); calling one with a wrong keyword
+fails, and each call is recorded so the test can check names, order, shapes, dtypes, strides and
+devices. The fake decode / prefill kernels also compute attention from the metadata they receive,
+the way the documented contract says the kernel reads it (page-1 view, token slots), so a mis-wired
+argument shows up as a wrong result too.
 """
 
 import sys

@@ -1,4 +1,5 @@
-"""Forward-mode metadata vs SGLang's documented semantics (sglang-backend.md §7, §14)."""
+"""Forward-mode metadata vs SGLang's semantics (its `ForwardMode`s, as its aiter backend builds
+their metadata)."""
 
 import functools
 import math

@@ -1,5 +1,5 @@
-"""AITER prefill PS planner (get_ps_metadata_v1): jit planner vs the serial NumPy oracle, the
-worked example of aiter-planners.md §5.2, buffer sizes, config and input validation, the named
+"""AITER prefill PS planner (get_ps_metadata_v1): jit planner vs the serial NumPy oracle, a
+hand-worked example, buffer sizes, config and input validation, the named
 legacy pairing and the granularity check."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def assert_same(plan, ref):
                               f"{a[tuple(bad[:4].T)]} vs {b[tuple(bad[:4].T)]}"
 
 
-# ---- the worked example (aiter-planners.md §5.2) ---------------------------------------------
+# ---- a hand-worked example (8 TGs, lens [600, 300], causal) --------------------------------
 
 EXAMPLE = PrefillPlanConfig(device=custom_device(8), num_heads_k=1, gqa_ratio=1, max_qlen=600)
 

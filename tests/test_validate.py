@@ -222,7 +222,7 @@ def test_checkify_checks_under_jit():
 
 
 def test_parallel_decode_planner_zero_kv_rows_are_flagged():
-    """aiter-planners.md §4.8: AITER's parallel decode planner emits no work for a zero-length KV
+    """AITER's parallel decode planner emits no work for a zero-length KV
     request that lands on a full cluster, so its output row is never written; the serial planner
     emits an empty work. The row-coverage check tells them apart."""
     lens = [100, 100, 0, 0]

@@ -28,7 +28,7 @@ with at least two partials (`mla_reduce_v1` skips smaller ones), rows `[qo_start
 Prefill plans restrict each work to q heads `[q_head_range & 0xFFFF, q_head_range >> 16)`;
 decode plans cover all heads. Decode plans with head folding (`qk_batch_ratio > 1`) index folded
 rows: q is viewed as `(bs, ratio, seqlen, H / ratio)` rows as AITER's `mla_decode_fwd` does
-(aiter-planners.md §4.1.4), and the output is unfolded back.
+(`aiter/mla.py`), and the output is unfolded back.
 
 Cost: works run in chunks of `work_chunk` and chunks past `num_works` are skipped, so time
 follows the live works. Memory does not: the fp32 partial buffer has AITER's static size

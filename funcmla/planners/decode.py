@@ -2,7 +2,7 @@
 
 `plan_mla_decode` turns `(qo_indptr, kv_indptr, kv_last_page_lens)` into a `WorkPlan` with static
 shapes and no host round trip, bit-exact with AITER's device planner at ROCm/aiter e4048607
-(`csrc/kernels/mla/metadata/v1_2_device.cuh`; docs/aiter-planners.md §4).
+(`csrc/kernels/mla/metadata/v1_2_device.cuh`).
 
 Units. `kv_indptr` counts entries of `kv_indices`: tokens when `page_size == 1`, pages otherwise;
 it must start at 0. `kv_granularity` is in the same entries; a KV "block" is `kv_granularity`

@@ -1,7 +1,7 @@
 """Static configuration of AITER's decode planner (`get_mla_metadata_v1`, fast mode / v1.2).
 
 `DecodePlanConfig` holds every host-side decision AITER's planner makes before it looks at the
-batch (`v1_2_device.cuh:784-945`, docs/aiter-planners.md §4): head folding, qo splitting,
+batch (`v1_2_device.cuh:784-945`): head folding, qo splitting,
 overhead per work, cluster count, which planner (parallel or serial) runs. It is frozen and
 hashable, so it is a `jax.jit` static argument; it refuses every combination AITER refuses or
 would run out of bounds with.

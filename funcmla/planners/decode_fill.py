@@ -1,7 +1,7 @@
 """The decode planner's greedy fill as per-tile integer algebra (no branch, no division).
 
 AITER's fill walks the qo tiles in order carrying `(cu, remain)`: the current cluster and the
-payload it has left, in blocks (docs/aiter-planners.md §4.3/4.4). This module states one tile's
+payload it has left, in blocks (`v1_2_device.cuh`). This module states one tile's
 step in two forms, shared by every backend (`lax.scan` here, the Pallas walk in
 `decode_fill_pallas`, the chase in `decode_chase`, the fused emission in `decode_fused_pallas`),
 so that all of them run the same arithmetic (and `fragment_kv_span` states a work's KV range for
@@ -79,7 +79,7 @@ def fill_step(params: FillParams, payload, bpc, cu, remain, tile):
     `cu`, `remain`: current cluster and its payload left (blocks). `tile`: the first six
     TILE_FIELDS. Scalars or arrays (elementwise); no division, no branch.
 
-    Cases (docs/aiter-planners.md §4.3/4.4): the tile fits (one fragment on `cu`); it is cut now
+    Cases (`v1_2_device.cuh`): the tile fits (one fragment on `cu`); it is cut now
     (`remain > overhead`: first fragment of `remain - overhead` blocks on `cu`, then `bpc`
     blocks per fresh cluster); or the cluster is abandoned and the tile starts on `cu + 1`.
     Tail rule: the first cut point `e` with `kv_len - e * gran < max_seqlen_qo` (precomputed as

@@ -3,7 +3,7 @@
 AITER sizes the planner's output buffers on the host from static quantities only (batch size,
 heads, `max_seqlen_qo`, dtypes, CU count); the planner then fills a prefix of each buffer. This is
 the fast-mode (v1.2), non-sparse, non-intra-batch branch of `aiter/ops/attention.py:1136-1278`
-at ROCm/aiter e4048607 (see docs/aiter-planners.md §3.1).
+at ROCm/aiter e4048607.
 """
 
 from __future__ import annotations

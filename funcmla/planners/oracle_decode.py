@@ -1,9 +1,9 @@
 """Test oracle: AITER's v1.2 decode planner restated as a plain serial NumPy loop.
 
-This follows the serial planner's pseudocode (docs/aiter-planners.md §4.3, `kn_get_mla_metadata
-_v1_2` in v1_2_device.cuh): walk clusters in order, fill each with tiles until its payload is
-spent, cut tiles that do not fit. With `planner == "parallel"` it also reproduces the one way the
-parallel planner differs: a zero-length KV tile met on an abandoned cluster yields no work.
+This follows the serial planner (`kn_get_mla_metadata_v1_2` in v1_2_device.cuh): walk clusters in
+order, fill each with tiles until its payload is spent, cut tiles that do not fit. With `planner ==
+"parallel"` it also reproduces the one way the parallel planner differs: a zero-length KV tile met
+on an abandoned cluster yields no work.
 It shares only the static host-side decisions (DecodePlanConfig properties) with the JAX planner,
 not its closed-form algebra. Unused buffer tails are zero.
 """

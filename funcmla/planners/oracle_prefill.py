@@ -1,13 +1,13 @@
 """Plain serial NumPy restatement of AITER's prefill planner `get_ps_metadata_v1` (the test oracle).
 
-It follows `kn_generate_ps_metadata` / `generate_reduce_info` (`v1_2_host.cuh`, aiter-planners.md
-§5.2) loop for loop: no vectorisation, no cleverness, so that the jitted planner in
+It follows `kn_generate_ps_metadata` / `generate_reduce_info` (`v1_2_host.cuh`)
+loop for loop: no vectorisation, no cleverness, so that the jitted planner in
 `funcmla.planners.prefill` can be checked against it field by field.
 
 Units: `qo_indptr` and `context_lens` count tokens; `kv_indptr` ("pages_kv_indptr") counts
 entries of `block_size` tokens; `kv_start` / `kv_end` of a work are such entries.
 
-Worked example of aiter-planners.md §5.2 (8 TGs, lens [600, 300], causal): it is reproduced by
+A hand-worked example (8 TGs, lens [600, 300], causal): it is reproduced by
 `num_cu=8, num_heads_k=1, gqa_ratio=1, qhead_granularity=1, qlen_granularity=256,
 kvlen_granularity=128, block_size=1, max_qlen=600`, with `qo_indptr = kv_indptr = [0, 600, 900]`
 and `context_lens = [600, 300]`. Batch 0's tiles are visited [0,256), [512,600), [256,512) and cost

@@ -1,7 +1,7 @@
 """AITER's prefill persistent-scheduling planner (`get_ps_metadata_v1`) as a jit-able JAX function.
 
-`plan_ps_prefill` computes the same `WorkPlan` as the host C++ planner (`v1_2_host.cuh`,
-aiter-planners.md §5), without a host round trip and with static shapes from
+`plan_ps_prefill` computes the same `WorkPlan` as the host C++ planner (`v1_2_host.cuh`),
+without a host round trip and with static shapes from
 `ps_prefill_plan_sizes` (`get_ps_metadata_info_v1`).
 
 Units: `qo_indptr` and `context_lens` count **tokens**; `kv_indptr` counts **entries of

@@ -1,7 +1,7 @@
 """The persistent-kernel work plan SGLang's aiter backend puts in `ForwardMetadata`, built by
 funcmla's planners inside the step's jitted metadata program.
 
-What SGLang does (sglang-backend.md §3, §5, §6, §8), and what is reproduced here:
+What SGLang's `aiter_backend.py` does, and what is reproduced here:
 
 * decode-like modes (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2): `get_mla_metadata_v1` over
   (qo_indptr, kv_indptr, ones) with `num_heads = num_head_padded` (16 below 16 heads),
