@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from funcmla.guards import INT32_MAX, checking, should_check
+from funcmla.guards import INT32_MAX, TRACED, Checker, checking, should_check
 from funcmla.layout import PageTable, PoolSpec, TokenCSR, check_page_size, expect_layout
 from funcmla.segments import segment_positions
 
@@ -133,23 +133,26 @@ def _first(bad: jax.Array) -> jax.Array:
     return jnp.argmax(bad).astype(jnp.int32)
 
 
-def check_indptr(indptr: jax.Array, name: str, *, capacity: int | None = None) -> None:
+def check_indptr(indptr: jax.Array, name: str, *, capacity: int | None = None,
+                 checker: Checker = TRACED) -> None:
     """indptr[0] == 0, non-decreasing, and indptr[-1] <= capacity (when given).
 
     A decrease is also what an int32 cumulative sum that passed `INT32_MAX` looks like (it wraps
-    negative), so the message names both causes."""
-    checkify.check(indptr[0] == 0, f"{name}[0] must be 0, got {{v}}", v=indptr[0])
+    negative), so the message names both causes. `checker` (`funcmla.guards.Checker`): a
+    checkify check (default) or an eager NumPy one (the planners' eager calls)."""
+    xp, check = checker.xp, checker.check
+    check(indptr[0] == 0, f"{name}[0] must be 0, got {{v}}", v=indptr[0])
     if indptr.shape[0] > 1:
         bad = indptr[1:] < indptr[:-1]
-        i = _first(bad)
-        checkify.check(
-            ~jnp.any(bad),
+        i = xp.argmax(bad).astype(xp.int32)
+        check(
+            ~xp.any(bad),
             f"{name} must be non-decreasing: {name}[{{i}}] = {{a}} < {name}[{{j}}] = {{b}} "
             f"(a negative length, or a cumulative sum past the int32 limit {INT32_MAX})",
             i=i + 1, a=indptr[i + 1], j=i, b=indptr[i],
         )
     if capacity is not None:
-        checkify.check(
+        check(
             indptr[-1] <= capacity,
             f"{name}[-1] = {{v}} live entries exceed the buffer capacity {capacity} "
             "(the buffer is too small for this batch)",

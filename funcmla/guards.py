@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -23,11 +24,33 @@ import numpy as np
 from jax.experimental import checkify
 
 __all__ = [
-    "INT32_MAX", "checking", "is_concrete", "should_check", "enforce", "int_array",
-    "check_int32_total",
+    "INT32_MAX", "Checker", "EAGER", "TRACED", "checking", "is_concrete", "should_check",
+    "enforce", "int_array", "check_int32_total",
 ]
 
 INT32_MAX = 2**31 - 1  # every index, length and offset in the metadata is int32
+
+
+
+def _raise_now(ok, message: str, **fields) -> None:
+    if not bool(np.all(ok)):
+        raise ValueError(message.format(**{k: np.asarray(v).item() for k, v in fields.items()}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Checker:
+    """How a value rule runs: `xp` is the array module, `check(ok, message, **fields)` the check
+    (`message` is a `str.format` template over the scalar fields, as in `checkify.check`).
+    `TRACED` emits a checkify check (under `jit`, through `funcmla.checks.checked`); `EAGER`
+    evaluates it in NumPy on concrete values and raises `ValueError` at the first failure, with
+    the same message and no compilation. Each rule is written once, over a `Checker`."""
+
+    xp: Any
+    check: Callable[..., None]
+
+
+EAGER = Checker(np, _raise_now)
+TRACED = Checker(jnp, checkify.check)
 
 _CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("funcmla_checking", default=False)
 

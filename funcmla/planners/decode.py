@@ -44,6 +44,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from funcmla.checks import check_indptr
 from funcmla.planners.decode_config import DecodePlanConfig
 from funcmla.planners.decode_fill import (
     NEVER,
@@ -61,7 +62,6 @@ from funcmla.planners.inputs import (
     INT32_MAX,
     TRACED,
     Checker,
-    check_indptr,
     check_no_wrap,
     check_prefix_sums_fit,
     is_concrete,
@@ -149,10 +149,10 @@ def _decode_input_checks(c: Checker, qo_indptr, kv_indptr, kv_last_page_lens, *,
     cfg = config
     xp = c.xp
     check_no_wrap(c, kv_indptr, "kv_indptr")
-    check_indptr(c, kv_indptr, "kv_indptr")
+    check_indptr(kv_indptr, "kv_indptr", checker=c)
     if not cfg.uniform_qo:
         check_no_wrap(c, qo_indptr, "qo_indptr")
-        check_indptr(c, qo_indptr, "qo_indptr")
+        check_indptr(qo_indptr, "qo_indptr", checker=c)
         if cfg.qo_splits:
             qo_len = qo_indptr[1:] - qo_indptr[:-1]
             bad = (qo_len < 1) | (qo_len > cfg.max_seqlen_qo)

@@ -14,44 +14,17 @@ negative value, and a plan built from it is silently wrong; the planners therefo
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
+
+from funcmla.guards import EAGER, INT32_MAX, TRACED, Checker, is_concrete
 
 __all__ = ["INT32_MAX", "Checker", "EAGER", "TRACED", "is_concrete", "to_int32",
-           "check_indptr", "check_no_wrap", "check_prefix_sums_fit"]
-
-INT32_MAX = int(np.iinfo(np.int32).max)  # 2147483647: the int32 fields of work_info
+           "check_no_wrap", "check_prefix_sums_fit"]
 
 # What a value past the limit is, per input name, for the error message.
 _TOTALS = {"kv_indptr": "total kv length", "qo_indptr": "total qo length"}
-
-
-def _raise_now(ok, message: str, **fields) -> None:
-    if not bool(np.all(ok)):
-        raise ValueError(message.format(**{k: np.asarray(v).item() for k, v in fields.items()}))
-
-
-@dataclasses.dataclass(frozen=True)
-class Checker:
-    """How a check runs: `xp` is the array module, `check(ok, message, **fields)` the check
-    (`message` is a `str.format` template over the scalar fields, as in `checkify.check`)."""
-
-    xp: Any
-    check: Callable[..., None]
-
-
-EAGER = Checker(np, _raise_now)
-TRACED = Checker(jnp, checkify.check)
-
-
-def is_concrete(*xs) -> bool:
-    """True when no input is a tracer (an eager call: the values can be checked)."""
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def to_int32(x, name: str) -> jax.Array:
@@ -84,17 +57,6 @@ def to_int32(x, name: str) -> jax.Array:
 
 def _first(xp, bad):
     return xp.argmax(bad).astype(xp.int32)
-
-
-def check_indptr(c: Checker, indptr, name: str) -> None:
-    """indptr[0] == 0 and non-decreasing (the wording of `funcmla.checks.check_indptr`)."""
-    c.check(indptr[0] == 0, f"{name}[0] must be 0, got {{v}}", v=indptr[0])
-    if indptr.shape[0] > 1:
-        bad = indptr[1:] < indptr[:-1]
-        i = _first(c.xp, bad)
-        c.check(~c.xp.any(bad),
-                f"{name} must be non-decreasing: {name}[{{i}}] = {{a}} < {name}[{{j}}] = {{b}}",
-                i=i + 1, a=indptr[i + 1], j=i, b=indptr[i])
 
 
 def check_no_wrap(c: Checker, indptr, name: str) -> None:

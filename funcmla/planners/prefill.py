@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import numpy as np
+from funcmla.checks import check_indptr
 from funcmla.config import DeviceProfile
 from funcmla.layout import PageTable, TokenCSR, check_page_size, expect_layout, is_power_of_two
 from funcmla.planners.inputs import (
@@ -43,7 +44,6 @@ from funcmla.planners.inputs import (
     INT32_MAX,
     TRACED,
     Checker,
-    check_indptr,
     check_no_wrap,
     check_prefix_sums_fit,
     is_concrete,
@@ -436,9 +436,9 @@ def _prefill_input_checks(c: Checker, qo_indptr, kv_indptr, context_lens, *,
                           config: PrefillPlanConfig, entries: bool = True) -> None:
     xp = c.xp
     check_no_wrap(c, qo_indptr, "qo_indptr")
-    check_indptr(c, qo_indptr, "qo_indptr")
+    check_indptr(qo_indptr, "qo_indptr", checker=c)
     check_no_wrap(c, kv_indptr, "kv_indptr")
-    check_indptr(c, kv_indptr, "kv_indptr")
+    check_indptr(kv_indptr, "kv_indptr", checker=c)
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
     n_entries = kv_indptr[1:] - kv_indptr[:-1]
 
