@@ -345,14 +345,20 @@ def test_compile_plan_falls_back_to_triton_when_the_xla_route_fails(monkeypatch)
     monkeypatch.delenv("FUNCMLA_LAUNCHER_COMPILER", raising=False)
     fake = L.CompiledImage(b"x", "k", 9, 0, "triton 3.6", "", "triton")
     monkeypatch.setattr(L.compile, "_compile_cached", lambda call, arch: fake)
-    L.compile_plan.cache_clear()
+    L.compile._compile_plan.cache_clear()
     with pytest.warns(RuntimeWarning, match="not bit-identical"):
         images = L.compile_plan(plan, "9.0")
     assert all("XLA route failed: RuntimeError: no dump" in im.how for im in images.values())
     assert {im.route for im in images.values()} == {"triton"}
-    L.compile_plan.cache_clear()
+    L.compile._compile_plan.cache_clear()
     with pytest.raises(L.LauncherUnavailable, match="XLA route failed"):
         L.compile_plan(plan, "9.0", "xla")
-    L.compile_plan.cache_clear()
+    # the environment is read per call, not frozen into the cache by the first one
+    with pytest.warns(RuntimeWarning, match="not bit-identical"):
+        L.compile_plan(plan, "9.0")
+    monkeypatch.setenv("FUNCMLA_LAUNCHER_COMPILER", "xla")
+    with pytest.raises(L.LauncherUnavailable, match="XLA route failed"):
+        L.compile_plan(plan, "9.0")
+    L.compile._compile_plan.cache_clear()
 
 

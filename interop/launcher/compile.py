@@ -231,20 +231,25 @@ def _xla_images(plan: "DecodePlan") -> dict[str, CompiledImage]:
     return out
 
 
-@functools.lru_cache(maxsize=64)
 def compile_plan(plan: "DecodePlan", arch_name: str, route: str | None = None
                  ) -> dict[str, CompiledImage]:
     """{kernel name: image} for every Triton kernel of `plan` (see `kernel_route`; a Mosaic GPU
     kernel is compiled by jaxlib at load, `mosaic.py`). With route None
     ("auto") a failure of the XLA route falls back to the triton route with a warning, and
-    each image's `how` says why."""
-    requested = route
-    route = kernel_route(route)
+    each image's `how` says why. The route is resolved on every call (the environment may
+    change), the images are cached per resolved route."""
+    strict = route == "xla" or os.environ.get("FUNCMLA_LAUNCHER_COMPILER") == "xla"
+    return _compile_plan(plan, arch_name, kernel_route(route), strict)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_plan(plan: "DecodePlan", arch_name: str, route: str, strict: bool
+                  ) -> dict[str, CompiledImage]:
     if route == "xla":
         try:
             return _xla_images(plan)
         except Exception as err:  # noqa: BLE001 - fall back, saying why
-            if requested == "xla" or os.environ.get("FUNCMLA_LAUNCHER_COMPILER") == "xla":
+            if strict:
                 raise LauncherUnavailable(f"XLA route failed: {type(err).__name__}: {err}") \
                     from err
             reason = f"{type(err).__name__}: {str(err)[:300]}"
@@ -255,5 +260,3 @@ def compile_plan(plan: "DecodePlan", arch_name: str, route: str | None = None
             return {name: dataclasses.replace(image, how=f"{image.how} (XLA route failed: "
                                               f"{reason})") for name, image in images.items()}
     return {c.name: _compile_cached(c, arch_name) for c in plan.triton_calls}
-
-
