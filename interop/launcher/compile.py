@@ -21,6 +21,7 @@ import jax
 
 from funcmla.interop.launcher.errors import LauncherUnavailable
 from funcmla.interop.launcher.extract import TritonCall, ttir_text
+from funcmla.interop.launcher.plan import DecodePlan
 
 
 _ENTRY = re.compile(r"\.entry\s+([\w$.]+)\s*\((.*?)\)", re.S)
@@ -212,7 +213,7 @@ def kernel_route(route: str | None = None) -> str:
     return route
 
 
-def _xla_images(plan: "DecodePlan") -> dict[str, CompiledImage]:
+def _xla_images(plan: DecodePlan) -> dict[str, CompiledImage]:
     from funcmla.interop import _xla_kernels
 
     fn, avals = plan.source
@@ -231,7 +232,7 @@ def _xla_images(plan: "DecodePlan") -> dict[str, CompiledImage]:
     return out
 
 
-def compile_plan(plan: "DecodePlan", arch_name: str, route: str | None = None
+def compile_plan(plan: DecodePlan, arch_name: str, route: str | None = None
                  ) -> dict[str, CompiledImage]:
     """{kernel name: image} for every Triton kernel of `plan` (see `kernel_route`; a Mosaic GPU
     kernel is compiled by jaxlib at load, `mosaic.py`). With route None
@@ -243,7 +244,7 @@ def compile_plan(plan: "DecodePlan", arch_name: str, route: str | None = None
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_plan(plan: "DecodePlan", arch_name: str, route: str, strict: bool
+def _compile_plan(plan: DecodePlan, arch_name: str, route: str, strict: bool
                   ) -> dict[str, CompiledImage]:
     if route == "xla":
         try:

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from funcmla.interop.dlpack import FP8_DTYPES
+from funcmla.interop.sglang.modes import ForwardMode
 
 __all__ = ["SpecInfo", "ForwardBatch", "ForwardMetadata", "RadixAttention", "MLATokenToKVPool",
            "CudaGraphBufferOverflow"]
@@ -32,7 +33,7 @@ class ForwardBatch:
     for TARGET_VERIFY it counts the tokens before the drafts.
     """
 
-    forward_mode: "ForwardMode"  # SGLang's enum (any release) or the stand-in
+    forward_mode: ForwardMode  # SGLang's enum (any release) or the stand-in
     batch_size: int
     req_pool_indices: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B]
