@@ -234,30 +234,41 @@ def _verify_step(device, bs, ctx, rng, n, **kw):
     return backend, fb, seq
 
 
-def launch_rows(device: str, batches: list[int], ctx: int, reps: int) -> list[dict]:
-    """Part 4: metadata host time, launched vs the JAX path, eager and CUDA-graph replay."""
+def launch_rows(device: str, batches: list[int], ctx: int, reps: int, *,
+                compare_jax: bool = True, out: str | None = None) -> list[dict]:
+    """Part 4: metadata host time, launched (and the JAX path, with compare_jax), eager and
+    CUDA-graph replay; one backend per (mode, route) for every batch (one program per bucket).
+    out: a JSON file rewritten after each row (partial results survive a time limit)."""
     sync = torch.cuda.synchronize
     rows = []
     for mode, n in (("decode", 0), ("target_verify", 4)):
-        for bs in batches:
-            row = dict(mode=mode, batch=bs, ctx=ctx)
-            for launch in (True, False):
+        for launch in (True, False) if compare_jax else (True,):
+            tag = "" if launch else "_jax"
+            kw = dict(num_heads=16, metadata_launcher=launch)
+            backend = None
+            for bs in batches:
                 rng = np.random.default_rng(bs)
-                kw = dict(num_heads=16, metadata_launcher=launch)
-                backend, fb, seq = (_decode_step(device, bs, ctx, rng, **kw) if n == 0
-                                    else _verify_step(device, bs, ctx, rng, n, **kw))
-                fb.req_pool_indices = fb.req_pool_indices.long()  # SGLang's int64 tensors
-                fb.seq_lens = fb.seq_lens.long()
+                fresh, fb, seq = (_decode_step(device, bs, ctx, rng, **kw) if n == 0
+                                  else _verify_step(device, bs, ctx, rng, n, **kw))
+                if backend is None:  # one backend for all batches; each step's own tensors
+                    backend = fresh
+                    backend.init_cuda_graph_state(max_bs=max(batches),
+                                                  max_num_tokens=max(batches) * max(1, n))
+                pool_rows = backend.req_to_token.shape[0]
+                rpi = torch.from_numpy(rng.integers(0, pool_rows, bs)).to(device)  # int64
+                fb.req_pool_indices, fb.seq_lens = rpi, fb.seq_lens.long()
                 if mode == "decode":
                     fb.out_cache_loc = torch.zeros(bs, dtype=torch.int64, device=device)
                 backend.init_forward_metadata(fb)
                 sync()
-                tag = "" if launch else "_jax"
+                row = next((r for r in rows if (r["mode"], r["batch"]) == (mode, bs)), None)
+                if row is None:
+                    row = dict(mode=mode, batch=bs, ctx=ctx)
+                    rows.append(row)
                 if launch:
                     row["launcher_reason"] = backend.metadata_launcher_reason
                 row[f"eager{tag}_us"] = host_us(lambda: backend.init_forward_metadata(fb),
                                                 reps=reps, sync=sync)
-                backend.init_cuda_graph_state(max_bs=256, max_num_tokens=256 * max(1, n))
                 backend.init_forward_metadata_capture_cuda_graph(
                     bs, bs * max(1, n), fb.req_pool_indices, fb.seq_lens, None, fb.forward_mode,
                     fb.spec_info)
@@ -278,10 +289,12 @@ def launch_rows(device: str, batches: list[int], ctx: int, reps: int) -> list[di
                         row["sync_free"] = f"no: {err}"
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
-                del backend
-            row["eager_target_met"] = row["eager_us"] <= LAUNCH_TARGET_US
-            row["replay_target_met"] = row["replay_us"] <= LAUNCH_TARGET_US
-            rows.append(row)
+                    row["eager_target_met"] = row["eager_us"] <= LAUNCH_TARGET_US
+                    row["replay_target_met"] = row["replay_us"] <= LAUNCH_TARGET_US
+                print(row, flush=True)
+                if out:
+                    write_json(out, {"benchmark": "interop_launch", "launch": rows})
+            del backend
     return rows
 
 
@@ -356,6 +369,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="1-64 MB, batches 1 and 32")
     ap.add_argument("--launch-only", action="store_true", help="Part 4 alone (CUDA)")
+    ap.add_argument("--no-jax", action="store_true",
+                    help="Part 4 without the JAX-path rows and the 61-layer step (shorter)")
     args = ap.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -363,15 +378,16 @@ def main(argv=None):
                             jax.devices()[0].platform == "gpu") else "cpu"
     launch = full = []
     if device == "cuda":
-        launch = launch_rows(device, [1, 64, 256], 4096, args.reps)
+        launch = launch_rows(device, [1, 64, 256], 4096, args.reps, compare_jax=not args.no_jax,
+                             out=os.path.join(args.out, "interop_launch.json"))
         print_table(
             f"metadata on torch's stream vs the JAX path, host us per step (median; target <= "
             f"{LAUNCH_TARGET_US:.0f} us)",
             ["mode", "batch", "eager", "eager JAX", "replay", "replay JAX", "sync-free"],
-            [[r["mode"], r["batch"], r["eager_us"], r["eager_jax_us"], r["replay_us"],
-              r["replay_jax_us"], r["sync_free"]] for r in launch])
+            [[r["mode"], r["batch"], r["eager_us"], r.get("eager_jax_us"), r["replay_us"],
+              r.get("replay_jax_us"), r["sync_free"]] for r in launch])
         try:
-            full = full_step_rows(device, [1, 64, 256], 4096, args.reps)
+            full = [] if args.no_jax else full_step_rows(device, [1, 64, 256], 4096, args.reps)
         except Exception as err:  # noqa: BLE001 - recorded: the attention could not run here
             full = [dict(error=f"{type(err).__name__}: {err}"[:400])]
         print_table("decode step: metadata + 61 layers (host) vs the 61 layers' device time",

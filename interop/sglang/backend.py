@@ -186,7 +186,9 @@ class FuncMLAAttnBackend:
                                    else "metadata_launcher=False")
         self.metadata_launcher_reason: str | None = self._launch_env_reason
         self._step_launchers: dict = {}  # spec (or graph key) -> StepLauncher | None
-        self._launch_views: dict = {}    # (spec, batch, max_q) -> cached views of the output
+        self._launch_fast: dict = {}     # (kind, bucket, capacity, n, q) -> (spec, launcher)
+        self._launch_views: dict = {}    # (that key, batch, max_q) -> views of the output
+        self._graph_launch: dict = {}    # (kind, n) -> (spec, launcher) of the static buffer
 
     @classmethod
     def from_model_runner(cls, model_runner, **overrides) -> "FuncMLAAttnBackend":
@@ -346,14 +348,18 @@ class FuncMLAAttnBackend:
         hc.check_out_cache_loc(fb.out_cache_loc, tokens)
         capacity = self.buckets.kv_tokens(total)
         plan_q = self.buckets.q_tokens(max_q) if kind == "extend" else max_q
-        spec = self._spec(kind, bp, capacity, n, plan_q)
-        launcher = self._launcher(spec) if self._launch_env_reason is None else None
+        fast_key = (kind, bp, capacity, n, plan_q)  # a plain tuple: cheaper than the spec's hash
+        spec, launcher = self._launch_fast.get(fast_key, (None, None))
+        if spec is None:
+            spec = self._spec(kind, bp, capacity, n, plan_q)
+            launcher = self._launcher(spec) if self._launch_env_reason is None else None
+            self._launch_fast[fast_key] = (spec, launcher)
         if launcher is not None:
             parts = (fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens) \
                 if kind == "extend" else (fb.req_pool_indices, fb.seq_lens)
             launcher(batch, parts)
-            self.forward_metadata = self._launched_metadata(launcher, spec, kind, batch, total,
-                                                            max_q, max_kv)
+            self.forward_metadata = self._launched_metadata(launcher, spec, fast_key, batch,
+                                                            total, max_q, max_kv)
             self._jax_meta, self._mode = _LazyJaxMeta(launcher, kind, n), kind
             self._max_kv_bound = self._kv_bound(max_kv, seq, n)
             return
@@ -386,12 +392,14 @@ class FuncMLAAttnBackend:
             view("qo_indptr", batch + 1), view("kv_last_page_len", batch), max_q, max_kv,
             run_graph=False, num_kv_splits=self._num_kv_splits(), **plan)
 
-    def _launched_metadata(self, launcher: StepLauncher, spec: StepSpec, kind: str, batch: int,
-                           total: int, max_q: int, max_kv: int | None) -> ForwardMetadata:
+    def _launched_metadata(self, launcher: StepLauncher, spec: StepSpec, fast_key: tuple,
+                           batch: int, total: int, max_q: int,
+                           max_kv: int | None) -> ForwardMetadata:
         """ForwardMetadata over a launcher's static output: the views of a (spec, batch) are
         made once (work_metadata too: the plan's addresses never move); per step only
         kv_indices (and the extend's fp8_prefill_kv_indices) is cut to the step's total."""
-        key = (spec, batch, max_q)
+        kind = spec.kind
+        key = (fast_key, batch, max_q)
         cached = self._launch_views.get(key)
         buf = launcher.packed
         off = step_layout(spec).offsets
@@ -456,6 +464,7 @@ class FuncMLAAttnBackend:
                                         0, 1, graph=True))
         self._step_launchers = {k: v for k, v in self._step_launchers.items()
                                 if not isinstance(k, tuple)}  # the old static buffer's
+        self._graph_launch = {}
         self._graph_buffer = layout.empty_torch(self.device)
         self._graph_views = layout.torch_views(self._graph_buffer)
         self._graph_views["kv_last_page_len"].fill_(1)
@@ -496,10 +505,13 @@ class FuncMLAAttnBackend:
 
     def _fill_graph_buffers(self, kind: str, bs: int, req_pool_indices, seq_lens, n: int):
         plan = self.buffer_plan
-        max_q = 1 if kind == "decode" else n
-        spec = self._spec(kind, plan.max_bs, plan.kv_indices_capacity, n, max_q, graph=True)
-        launcher = (self._launcher(spec, self._graph_buffer)
-                    if self._launch_env_reason is None else None)
+        spec, launcher = self._graph_launch.get((kind, n), (None, None))
+        if spec is None:
+            max_q = 1 if kind == "decode" else n
+            spec = self._spec(kind, plan.max_bs, plan.kv_indices_capacity, n, max_q, graph=True)
+            launcher = (self._launcher(spec, self._graph_buffer)
+                        if self._launch_env_reason is None else None)
+            self._graph_launch[(kind, n)] = (spec, launcher)
         if launcher is not None:  # written in place: the static buffer is the program's output
             launcher(bs, (req_pool_indices, seq_lens))
             return _LazyJaxMeta(launcher, kind, n)
