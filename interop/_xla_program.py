@@ -32,9 +32,10 @@ import dataclasses
 from funcmla.interop._containers import try_proto_fields
 from funcmla.interop._xla_kernels import _dim3, cubin_entries, elf_images, executable_records
 
-__all__ = ["Allocation", "KernelLaunch", "XlaProgram", "UnsupportedProgram", "parse_program",
+__all__ = ["Allocation", "KernelLaunch", "CopyLaunch", "XlaProgram", "UnsupportedProgram",
+           "parse_program",
            "parse_gpu_executable",
-           "arena_layout", "kernel_pointers", "pointer_slots", "THUNK_KINDS"]
+           "arena_layout", "kernel_pointers", "copy_pointers", "pointer_slots", "THUNK_KINDS"]
 
 # ThunkProto oneof field numbers, for messages naming what is refused.
 THUNK_KINDS = {2: "sequential", 3: "copy", 4: "device-to-host copy", 5: "host-to-device copy",
@@ -43,6 +44,7 @@ THUNK_KINDS = {2: "sequential", 3: "copy", 4: "device-to-host copy", 5: "host-to
                22: "cublasLt matmul", 28: "memset32", 30: "custom call", 36: "custom kernel",
                48: "dynamic memcpy"}
 _CUSTOM_KERNEL = 36
+_COPIES = (3, 13)  # copy, device-to-device copy
 _ALIGN = 256  # each allocation's offset in the arena (XLA aligns buffers to at least 64 B)
 
 
@@ -84,13 +86,36 @@ class KernelLaunch:
 
 
 @dataclasses.dataclass(frozen=True)
+class CopyLaunch:
+    """One device-to-device copy thunk: `nbytes` from src to dst, each (allocation, byte
+    offset, byte size)."""
+
+    name: str
+    src: tuple[int, int, int]
+    dst: tuple[int, int, int]
+    nbytes: int
+
+    @property
+    def args(self) -> tuple[tuple[int, int, int], ...]:
+        return (self.src, self.dst)
+
+    @property
+    def written(self) -> tuple[bool, ...]:
+        return (False, True)
+
+
+@dataclasses.dataclass(frozen=True)
 class XlaProgram:
     """allocations by index; outputs: flat output index -> allocation index (the tuple's
-    leaves; `()` is the tuple itself); kernels in launch order."""
+    leaves; -1 is the tuple itself); steps (kernel launches and copies) in order."""
 
     allocations: tuple[Allocation, ...]
     outputs: dict[int, int]
-    kernels: tuple[KernelLaunch, ...]
+    steps: tuple[KernelLaunch | CopyLaunch, ...]
+
+    @property
+    def kernels(self) -> tuple[KernelLaunch, ...]:
+        return tuple(s for s in self.steps if isinstance(s, KernelLaunch))
 
     def parameter_allocation(self, number: int) -> Allocation:
         for a in self.allocations:
@@ -187,6 +212,30 @@ def _kernel(name: str, buf: bytes) -> KernelLaunch:
     return KernelLaunch(name, entry, images[0], grid, block, _int(k, 6), tuple(args), written)
 
 
+def _slice(buf: bytes, what: str) -> tuple[int, int, int]:
+    """(allocation, offset, size) of a BufferAllocationSliceProto, or of the slice inside a
+    ShapedSliceProto (its field 1 is then a message, not the offset)."""
+    f = _fields(buf, what)
+    if f.get(1) and isinstance(f[1][0], bytes):
+        f = _fields(f[1][0], what)
+    return _int(f, 3), _int(f, 1), _int(f, 2)
+
+
+def _copy(name: str, kind: int, buf: bytes) -> CopyLaunch:
+    c = _fields(buf, f"copy thunk {name}")
+    if kind == 13 and set(c) == {1}:  # DeviceToDeviceCopyThunkProto {1 CopyThunkProto}
+        c = _fields(c[1][0], f"copy thunk {name}")
+    if set(c) - {1, 2, 3} or not c.get(1) or not c.get(2):
+        raise UnsupportedProgram(f"copy thunk {name}: fields {sorted(c)} are not understood")
+    src = _slice(c[1][0], f"copy thunk {name} source")
+    dst = _slice(c[2][0], f"copy thunk {name} destination")
+    nbytes = _int(c, 3, src[2])
+    if not 0 < nbytes <= min(src[2], dst[2]):
+        raise UnsupportedProgram(f"copy thunk {name}: {nbytes} bytes from a {src[2]}-byte to a "
+                                 f"{dst[2]}-byte slice")
+    return CopyLaunch(name, src, dst, nbytes)
+
+
 def _cubins(buf: bytes, depth: int = 0) -> list[bytes]:
     if buf.startswith(b"\x7fELF"):
         return elf_images(buf)[:1]
@@ -226,18 +275,21 @@ def parse_gpu_executable(record: bytes) -> XlaProgram:
         if len(index) > 1:
             raise UnsupportedProgram(f"nested output tuple index {index}")
         outputs[index[0] if index else -1] = alloc
-    kernels = []
+    steps = []
     for thunk in gpu.get(13, []):
         t = _fields(thunk, "a ThunkProto")
         info = _fields(t.get(1, [b""])[0], "a thunk info")
         name = info.get(1, [b"?"])[0].decode("ascii", errors="replace")
         kinds = [k for k in t if k != 1]
-        if kinds != [_CUSTOM_KERNEL]:
+        if kinds == [_CUSTOM_KERNEL]:
+            steps.append(_kernel(name, t[_CUSTOM_KERNEL][0]))
+        elif len(kinds) == 1 and kinds[0] in _COPIES:
+            steps.append(_copy(name, kinds[0], t[kinds[0]][0]))
+        else:
             what = ", ".join(THUNK_KINDS.get(k, f"kind {k}") for k in kinds) or "empty"
-            raise UnsupportedProgram(f"thunk {name} is a {what} thunk; only custom kernel thunks "
-                                     "are replayed")
-        kernels.append(_kernel(name, t[_CUSTOM_KERNEL][0]))
-    for k in kernels:
+            raise UnsupportedProgram(f"thunk {name} is a {what} thunk; only custom kernel and "
+                                     "device-to-device copy thunks are replayed")
+    for k in steps:
         for alloc, offset, size in k.args:
             if not 0 <= alloc < len(allocs):
                 raise UnsupportedProgram(f"thunk {k.name}: allocation {alloc} does not exist")
@@ -248,14 +300,14 @@ def parse_gpu_executable(record: bytes) -> XlaProgram:
             if offset < 0 or size < 0 or offset + size > a.size:
                 raise UnsupportedProgram(f"thunk {k.name}: slice [{offset}, {offset + size}) "
                                          f"outside allocation #{alloc} of {a.size} bytes")
-    return XlaProgram(allocs, outputs, tuple(kernels))
+    return XlaProgram(allocs, outputs, tuple(steps))
 
 
 def arena_layout(program: XlaProgram, exclude=()) -> tuple[dict[int, int], int]:
     """({allocation index: byte offset in one arena}, arena bytes) for every allocation the
     program's kernels use that is not an entry parameter (outputs and temps), each aligned to
     256 bytes; allocations in `exclude` live elsewhere (a caller-owned output buffer)."""
-    used = {a for k in program.kernels for a, _, _ in k.args} | set(program.outputs.values())
+    used = {a for k in program.steps for a, _, _ in k.args} | set(program.outputs.values())
     offsets, at = {}, 0
     for a in program.allocations:
         if a.index in used and a.kind in ("output", "temp") and a.index not in exclude:
@@ -287,3 +339,15 @@ def pointer_slots(pointers: list[tuple[int, ...]]) -> tuple[dict[int, int], list
     index: dict[int, int] = {}
     rows = [[index.setdefault(p, len(index)) for p in row] for row in pointers]
     return {slot: p for p, slot in index.items()}, rows
+
+
+def copy_pointers(program: XlaProgram, bases: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(source address, destination address, bytes) of each copy step, in order."""
+    out = []
+    for c in program.steps:
+        if isinstance(c, CopyLaunch):
+            (sa, so, _), (da, do, _) = c.src, c.dst
+            if sa not in bases or da not in bases:
+                raise UnsupportedProgram(f"copy {c.name}: allocation without an address")
+            out.append((bases[sa] + so, bases[da] + do, c.nbytes))
+    return out

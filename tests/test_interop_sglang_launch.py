@@ -1,8 +1,9 @@
 """The step program on torch's stream (funcmla.interop._xla_program, interop/sglang/step_launch).
 
 CPU: the parser and the program builder against the step programs' serialized executables
-XLA built on the H200 with jaxlib 0.11.2 (tests/data/xla_step_*.bin, written by
-`python -m bench.step_dump`), and edited copies of them for each refusal.
+XLA built on the H200 with jaxlib 0.11.2 (tests/data/xla_step_*.bin: `python -m bench.step_dump`'s
+step_decode_b64_p1.bin, step_verify_b64_n4.bin and step_decode_b64_noplan.bin, renamed), and
+edited copies of them for each refusal and for the device-to-device copy steps.
 GPU (`gpu` marker): the launched program's outputs equal `build_step`'s bit for bit for random
 batches in every mode, eager and through CUDA-graph capture / replay, via the backend.
 """
@@ -21,8 +22,10 @@ from funcmla.config import H200
 from funcmla.interop._containers import try_proto_fields
 from funcmla.interop._xla_kernels import cubin_entries, executable_records
 from funcmla.interop._xla_program import (
+    CopyLaunch,
     UnsupportedProgram,
     arena_layout,
+    copy_pointers,
     kernel_pointers,
     parse_gpu_executable,
     parse_program,
@@ -151,6 +154,49 @@ def test_a_while_thunk_is_refused_naming_it():
     rec = _edit_first_thunk(lambda t: [t[0], (7, 2, b"")])
     with pytest.raises(UnsupportedProgram, match=r"is a while thunk; only custom kernel"):
         parse_gpu_executable(rec)
+
+
+def _slice_msg(alloc, offset, size, shaped):
+    sl = _encode([(1, 0, offset), (2, 0, size), (3, 0, alloc)])
+    return _encode([(1, 2, sl)]) if shaped else sl
+
+
+@pytest.mark.parametrize("kind,shaped", [(13, False), (13, True), (3, False)])
+def test_a_device_to_device_copy_becomes_a_copy_step(kind, shaped):
+    prog0 = parse_gpu_executable(_record())
+    temp = next(a for a in prog0.allocations if a.kind == "temp")
+    out = prog0.outputs[0]
+    copy = _encode([(1, 2, _slice_msg(temp.index, 64, 256, shaped)),
+                    (2, 2, _slice_msg(out, 0, 256, shaped)), (3, 0, 200)])
+    body = _encode([(1, 2, copy)]) if kind == 13 else copy
+    prog = parse_gpu_executable(_edit_first_thunk(lambda t: [t[0], (kind, 2, body)]))
+    step = prog.steps[0]
+    assert isinstance(step, CopyLaunch)
+    assert (step.src, step.dst, step.nbytes) == ((temp.index, 64, 256), (out, 0, 256), 200)
+    assert len(prog.kernels) == len(prog0.kernels) - 1
+    offsets, _ = arena_layout(prog)
+    bases = {a: 1 << 40 | off for a, off in offsets.items()}
+    assert copy_pointers(prog, bases) == [(bases[temp.index] + 64, bases[out], 200)]
+    # launch segments: the copy first, then one mask over every kernel
+    segs = StepLauncher._plan_segments(prog, copy_pointers(prog, bases))
+    assert segs == [("copy", bases[temp.index] + 64, bases[out], 200),
+                    ("kernels", (1 << len(prog.kernels)) - 1)]
+    # a copy between kernels splits the kernels' mask around it
+    steps = prog.steps[1:3] + prog.steps[:1] + prog.steps[3:]
+    mid = type(prog)(prog.allocations, prog.outputs, steps)
+    segs = StepLauncher._plan_segments(mid, copy_pointers(mid, bases))
+    assert [s[0] for s in segs] == ["kernels", "copy", "kernels"]
+    assert segs[0][1] == 0b11 and segs[2][1] == ((1 << len(prog.kernels)) - 1) & ~0b11
+
+
+def test_a_copy_larger_than_its_slices_is_refused():
+    copy = _encode([(1, 2, _slice_msg(1, 0, 16, False)), (2, 2, _slice_msg(2, 0, 8, False)),
+                    (3, 0, 16)])
+    with pytest.raises(UnsupportedProgram, match=r"16 bytes from a 16-byte to a 8-byte slice"):
+        parse_gpu_executable(_edit_first_thunk(lambda t: [t[0], (13, 2, _encode([(1, 2, copy)]))]))
+    odd = copy + _encode([(7, 0, 1)])
+    with pytest.raises(UnsupportedProgram, match=r"fields \[1, 2, 3, 7\] are not understood"):
+        parse_gpu_executable(_edit_first_thunk(lambda t: [t[0], (3, 2, odd)]))
 
 
 def test_constants_are_refused():

@@ -30,12 +30,7 @@ from funcmla.interop.sglang import host_checks as hc
 from funcmla.interop.sglang.buckets import Buckets
 from funcmla.interop.sglang.modes import resolve_mode
 from funcmla.interop.sglang.step import StepSpec, build_step, num_parts, step_layout
-from funcmla.interop.sglang.step_launch import (
-    StepLauncher,
-    StepLauncherUnavailable,
-    step_launch_unavailable,
-)
-from funcmla.interop._xla_program import UnsupportedProgram
+from funcmla.interop.sglang.step_launch import StepLauncher, step_launch_unavailable
 from funcmla.interop.sglang.types import (
     CudaGraphBufferOverflow,
     ForwardBatch,
@@ -308,7 +303,8 @@ class FuncMLAAttnBackend:
             if self._launch_env_reason is None:
                 try:
                     launcher = StepLauncher(spec, self.req_to_token, packed_out)
-                except (StepLauncherUnavailable, UnsupportedProgram, RuntimeError) as err:
+                except Exception as err:  # noqa: BLE001 - the JAX path always serves the spec
+                    # (StepLauncherUnavailable, UnsupportedProgram, a driver error: recorded)
                     self.metadata_launcher_reason = (
                         f"{spec.kind} program at batch {spec.batch}: {type(err).__name__}: {err}")
             self._step_launchers[key] = launcher

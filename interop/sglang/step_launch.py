@@ -11,7 +11,9 @@ buffers allocated once per spec:
                               the packed output may instead be a caller's buffer (the CUDA-graph
                               static buffer), which the program then writes in place.
 
-The kernels are captured once into a CUDA graph. A step is one foreign call
+The steps (kernel launches, device copies) are captured once into a CUDA graph, after one run
+checked against XLA's own run of the executable (a wrongly read program is refused, not run).
+A step is one foreign call
 (`_launch.StageProgram`): the step's index tensors copied into the input buffer (int64 tensors
 through their low words), the live batch size written with a memset, then the graph launched,
 all on torch's current stream, nothing waiting on the host. The outputs equal `build_step`'s
@@ -31,10 +33,14 @@ import threading
 
 import torch
 
+import numpy as np
+
 from funcmla.interop._xla_program import (
+    CopyLaunch,
     UnsupportedProgram,
     XlaProgram,
     arena_layout,
+    copy_pointers,
     kernel_pointers,
     parse_program,
     pointer_slots,
@@ -79,8 +85,9 @@ def step_launch_unavailable(device) -> str | None:
 
 
 def step_program(spec: StepSpec, req_to_token_shape: tuple[int, int]):
-    """(XlaProgram, output leaves as jax.ShapeDtypeStruct, meta treedef) of `build_step` for
-    `spec` at req_to_token [pool, max_context_len], compiled by XLA on the default backend."""
+    """(XlaProgram, output leaves as jax.ShapeDtypeStruct, meta treedef, the compiled
+    executable) of `build_step` for `spec` at req_to_token [pool, max_context_len], compiled
+    by XLA on the default backend."""
     import jax
     import jax.numpy as jnp
 
@@ -94,7 +101,7 @@ def step_program(spec: StepSpec, req_to_token_shape: tuple[int, int]):
         raise UnsupportedProgram("this backend does not serialize its executables")
     meta, packed = jax.eval_shape(lambda a, b: build_step(a, b, spec=spec), r2t, inputs)
     leaves, treedef = jax.tree_util.tree_flatten(meta)
-    return parse_program(blob), leaves + [packed], treedef
+    return parse_program(blob), leaves + [packed], treedef, compiled
 
 
 def _check_outputs(program: XlaProgram, leaves) -> None:
@@ -129,7 +136,8 @@ class StepLauncher:
             raise StepLauncherUnavailable("req_to_token must be a contiguous int32 2-D tensor")
         self.spec, self.device = spec, req_to_token.device
         self.layout = step_layout(spec)
-        program, leaves, self._meta_tree = step_program(spec, tuple(req_to_token.shape))
+        program, leaves, self._meta_tree, compiled = step_program(spec,
+                                                                  tuple(req_to_token.shape))
         _check_outputs(program, leaves)
         self.program = program
         packed_alloc = program.outputs[len(leaves) - 1]
@@ -180,6 +188,11 @@ class StepLauncher:
                                                 native=True)
         except ValueError as err:
             raise UnsupportedProgram(f"the step program does not fit a launch program: {err}")
+        self._memcpy = drv.lib.cuMemcpyDtoDAsync_v2
+        self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+                                 ctypes.c_void_p]
+        self._memcpy.restype = ctypes.c_int
+        self._segments = self._plan_segments(program, copy_pointers(program, bases))
         self.graph = self._capture()
         try:  # the instantiated graph, launched from C; else torch's replay() after the copies
             graph_exec = int(self.graph.raw_cuda_graph_exec())
@@ -192,12 +205,78 @@ class StepLauncher:
         self.stage = StageProgram(live_dst, graph_exec, addrs)
         # under a caller's stream capture: the copies, then the kernels themselves (captured)
         self._stage_kernels = StageProgram(live_dst, 0, addrs)
-        self._mask = (1 << len(kernels)) - 1
         self._inputs_ptr = self.inputs.data_ptr()
         self._stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
             lambda i: torch.cuda.current_stream(i).cuda_stream)
         self._index = index
         self._lock = threading.Lock()
+        self._check_against_xla(compiled, req_to_token)
+
+    @staticmethod
+    def _plan_segments(program: XlaProgram, copies) -> list[tuple]:
+        """The steps as ("kernels", mask of launch-program kernels) and ("copy", src, dst,
+        bytes) segments, in order."""
+        segments, mask, k, c = [], 0, 0, 0
+        for step in program.steps:
+            if isinstance(step, CopyLaunch):
+                if mask:
+                    segments.append(("kernels", mask))
+                    mask = 0
+                segments.append(("copy", *copies[c]))
+                c += 1
+            else:
+                mask |= 1 << k
+                k += 1
+        if mask:
+            segments.append(("kernels", mask))
+        return segments
+
+    def _enqueue(self, stream: int) -> None:
+        """Every step of the program on `stream`, one by one (capture time, or under a
+        caller's capture)."""
+        prog = self.launch_program
+        for seg in self._segments:
+            if seg[0] == "kernels":
+                rc = prog.launch(stream, seg[1])
+                if rc:
+                    failed = prog.failed_kernel
+                    raise StepLauncherUnavailable(
+                        f"launching {failed.name if failed else '?'} failed: CUresult {rc}")
+            else:
+                _, src, dst, nbytes = seg
+                rc = self._memcpy(dst, src, nbytes, stream)
+                if rc:
+                    raise StepLauncherUnavailable(f"cuMemcpyDtoDAsync failed: CUresult {rc}")
+
+    def _check_against_xla(self, compiled, req_to_token) -> None:
+        """Run the launched program once on a random full batch and compare its packed output
+        with XLA's own run of the same executable (a sync, once per launcher): a program read
+        wrongly is refused here instead of feeding wrong metadata to a step."""
+        import jax.numpy as jnp
+
+        from funcmla.interop.dlpack import to_jax
+        from funcmla.metadata import draft_keys
+
+        spec, (pool, ctx) = self.spec, req_to_token.shape
+        rng = np.random.default_rng(0)
+        bp, extra = spec.batch, draft_keys(spec.kind, spec.n)
+        lo = {"decode": 1, "extend": 1, "target_verify": 0}.get(spec.kind, spec.n)
+        hi = max(lo, min(ctx - extra, spec.capacity // bp - extra))
+        seq = rng.integers(lo, hi + 1, bp)
+        parts = [rng.integers(0, pool, bp), seq]
+        if spec.kind == "extend":
+            parts.append(rng.integers(0, np.minimum(seq, spec.max_q_len) + 1))
+        flat = np.concatenate(parts + [np.array([bp])]).astype(np.int32)
+        self(bp, [torch.tensor(p, dtype=torch.int32, device=self.device) for p in parts])
+        got = self.packed.cpu().numpy()  # syncs torch's stream
+        _, want = compiled(to_jax(req_to_token), jnp.asarray(flat))
+        want = np.asarray(want)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            bad = int(np.flatnonzero(got.reshape(-1) != want.reshape(-1))[0]) \
+                if got.shape == want.shape else -1
+            raise UnsupportedProgram(
+                f"the launched {spec.kind} program differs from XLA's run of it (first at "
+                f"packed word {bad}): the executable was read wrongly; keeping the JAX path")
 
     def _view(self, address: int, leaf):
         """The int32 tensor of `leaf`'s shape at `address` inside a tensor this launcher holds."""
@@ -210,19 +289,12 @@ class StepLauncher:
         raise UnsupportedProgram(f"address {address:#x} is in none of the launcher's buffers")
 
     def _capture(self):
-        """The program's kernels captured once into a CUDA graph (on a side stream)."""
+        """The program's steps captured once into a CUDA graph (on a side stream)."""
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        prog = self.launch_program
-        mask = (1 << len(prog.kernels)) - 1
         with torch.cuda.graph(graph, stream=side):
-            rc = prog.launch(side.cuda_stream, mask)
-        if rc:
-            failed = prog.failed_kernel
-            raise StepLauncherUnavailable(
-                f"capturing the step program failed at {failed.name if failed else '?'}: "
-                f"CUresult {rc}")
+            self._enqueue(side.cuda_stream)
         torch.cuda.current_stream(self.device).wait_stream(side)
         return graph
 
@@ -258,11 +330,7 @@ class StepLauncher:
                                    f"{stage.failed} (0-3 copies, 4 memset, 5 graph): "
                                    f"CUresult {rc}")
             if capturing:
-                rc = self.launch_program.launch(stream, self._mask)
-                if rc:
-                    failed = self.launch_program.failed_kernel
-                    raise RuntimeError(f"launching {failed.name if failed else '?'} failed: "
-                                       f"CUresult {rc}")
+                self._enqueue(stream)
             elif self._replay is not None:
                 self._replay()
 
