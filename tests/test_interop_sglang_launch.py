@@ -378,3 +378,92 @@ def test_backend_launched_metadata_equals_the_jax_path(mode, n):
         assert fast.forward_metadata.kv_indices.data_ptr() == captured
         _same_metadata(fast.forward_metadata, ref.forward_metadata)
         assert fast.forward_metadata.run_graph
+
+
+class _StandInLauncher:
+    """StepLauncher's surface on the CPU: `build_step` through JAX, written into a static
+    buffer (its own, or the CUDA-graph buffer), as the launched program writes its output."""
+
+    def __init__(self, spec, req_to_token, packed_out=None):
+        from funcmla.interop.dlpack import to_jax
+
+        self.spec, self.r2t = spec, to_jax(req_to_token)
+        self.packed = packed_out if packed_out is not None else torch.full(
+            (step_layout(spec).size,), -7, dtype=torch.int32)
+        self.calls = 0
+
+    def __call__(self, batch, parts):
+        k, bp = num_parts(self.spec.kind), self.spec.batch
+        flat = np.concatenate([np.asarray(p[:batch], np.int32) for p in parts]
+                              + [np.full(k * (bp - batch), 3, np.int32), [batch]])
+        self.meta, packed = build_step(self.r2t, jnp.asarray(flat.astype(np.int32)),
+                                       spec=self.spec)
+        self.packed.copy_(torch.from_numpy(np.array(packed)))
+        self.calls += 1
+
+    def jax_meta(self):
+        return self.meta
+
+
+@pytest.mark.parametrize("mode,n", [("DECODE", 0), ("TARGET_VERIFY", 2)])
+def test_backend_launch_path_with_a_stand_in_launcher(mode, n, monkeypatch):
+    """The backend's launched path (static buffers, cached views, in-place CUDA-graph fill)
+    against its JAX path, on the CPU with a stand-in for the launcher."""
+    from funcmla.interop.sglang import backend as backend_mod
+    from funcmla.interop.sglang_backend import (
+        ForwardBatch,
+        ForwardMode,
+        FuncMLAAttnBackend,
+        MLATokenToKVPool,
+        SpecInfo,
+    )
+
+    rng = np.random.default_rng(11)
+    pool, ctx = 12, 64
+    r2t = torch.tensor(rng.integers(0, 1 << 12, (pool, ctx)), dtype=torch.int32)
+    kv = MLATokenToKVPool(64, 16, torch.bfloat16, 1)
+
+    def make():
+        return FuncMLAAttnBackend(r2t, kv, page_size=16, num_heads=16, num_draft_tokens=n,
+                                  attention_backend="reference")
+
+    ref, fast = make(), make()
+    monkeypatch.setattr(backend_mod, "StepLauncher", _StandInLauncher)
+    fast._launch_env_reason = fast.metadata_launcher_reason = None
+    fm, spec = getattr(ForwardMode, mode), (SpecInfo(draft_token_num=n) if n else None)
+    for b in (ref, fast):
+        b.init_cuda_graph_state(max_bs=6, max_num_tokens=6 * max(1, n))
+    for step in range(4):
+        bs = int(rng.integers(1, 7))
+        seq = torch.tensor(rng.integers(1, ctx - n, bs), dtype=torch.int32)
+        rpi = torch.tensor(rng.permutation(pool)[:bs], dtype=torch.int32)
+        fb = ForwardBatch(fm, bs, rpi, seq, seq, int(seq.sum()),
+                          torch.zeros(bs * max(1, n), dtype=torch.int64), spec_info=spec)
+        ref.init_forward_metadata(fb)
+        fast.init_forward_metadata(fb)
+        a, b = fast.forward_metadata, ref.forward_metadata
+        for name in _FIELDS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert (a.max_q_len, a.max_kv_len) == (b.max_q_len, b.max_kv_len)
+        assert a.work_metadata.view(torch.int64).tolist() == [a.work_indptr.data_ptr(),
+                                                              a.work_info_set.data_ptr()]
+        bufs = [launcher.packed for _, launcher in fast._launch_fast.values()]
+        assert any(t.data_ptr() <= a.kv_indices.data_ptr() < t.data_ptr() + 4 * t.numel()
+                   for t in bufs)  # views of a launcher's static output
+        assert fast._jax_meta.mode == ref._jax_meta.mode  # static: no import needed
+        if step == 0:
+            cap = bs
+            for be in (ref, fast):
+                be.init_forward_metadata_capture_cuda_graph(bs, bs * max(1, n), rpi, seq, None,
+                                                            fm, spec)
+        seq2 = torch.tensor(rng.integers(1, ctx - n, cap), dtype=torch.int32)
+        rpi2 = torch.tensor(rng.permutation(pool)[:cap], dtype=torch.int32)
+        for be in (ref, fast):
+            be.init_forward_metadata_replay_cuda_graph(cap, rpi2, seq2, int(seq2.sum()), None,
+                                                       fm, spec, seq2)
+        a, b = fast.forward_metadata, ref.forward_metadata
+        for name in _FIELDS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        graph = fast._graph_launch[(fast._graph_kind(fm), n)][1]
+        assert graph.packed is fast._graph_buffer  # filled in place: no copy
+    assert fast.metadata_launcher_reason is None
