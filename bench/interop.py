@@ -23,6 +23,17 @@ Part 2, the decode step of `FuncMLAAttnBackend` (host time, medians), batch 1 ..
                    against the bare host lengths the step read before the checks
 Part 3, compiles: the first step at each of a few batch buckets (compile included, persistent
 cache off) against the steady-state step of that bucket.
+Part 4 (CUDA), the metadata on torch's stream (`metadata_launcher`, interop/sglang/step_launch)
+against the JAX path in the same run, decode and target verify (n=4), batch 1 / 64 / 256,
+16 heads, page 16, work plan on, int64 index tensors (SGLang's):
+  eager_us / eager_jax_us    `init_forward_metadata` (checks + staging + program + views)
+  replay_us / replay_jax_us  `init_forward_metadata_replay_cuda_graph` (max_bs 256)
+  attn61_device_us           device time of 61 decode layers (pallas launcher, captured in one
+                             CUDA graph, CUDA events around its replay), the step the metadata
+                             feeds; step61_host_us: host time of a whole eager step (metadata +
+                             61 layers' launches); sync_free: no host sync during the step
+                             (checked with torch.cuda.set_sync_debug_mode("error")).
+  `--launch-only` runs Part 4 alone. Target: eager and replay <= 60 us at batch 64, flat to 256.
 The hand-off target is at most 30 us whatever the batch. Writes out/interop.json.
 """
 
@@ -208,6 +219,148 @@ def compile_rows(device: str, batches: list[int], ctx: int, reps: int,
     return rows
 
 
+LAUNCH_TARGET_US = 60.0
+
+
+def _verify_step(device, bs, ctx, rng, n, **kw):
+    """A target-verify step (n draft tokens per request) on its own backend."""
+    from funcmla.interop.sglang_backend import SpecInfo
+
+    backend, fb, seq = _decode_step(device, bs, ctx, rng, num_draft_tokens=n, **kw)
+    seq = seq - n  # the drafts' keys come on top: seq + n <= ctx
+    fb = ForwardBatch(ForwardMode.TARGET_VERIFY, bs, fb.req_pool_indices, seq.to(device), seq,
+                      int(seq.sum()), torch.zeros(bs * n, dtype=torch.int64, device=device),
+                      spec_info=SpecInfo(draft_token_num=n))
+    return backend, fb, seq
+
+
+def launch_rows(device: str, batches: list[int], ctx: int, reps: int, *,
+                compare_jax: bool = True, out: str | None = None) -> list[dict]:
+    """Part 4: metadata host time, launched (and the JAX path, with compare_jax), eager and
+    CUDA-graph replay; one backend per (mode, route) for every batch (one program per bucket).
+    out: a JSON file rewritten after each row (partial results survive a time limit)."""
+    sync = torch.cuda.synchronize
+    rows = []
+    for mode, n in (("decode", 0), ("target_verify", 4)):
+        for launch in (True, False) if compare_jax else (True,):
+            tag = "" if launch else "_jax"
+            kw = dict(num_heads=16, metadata_launcher=launch)
+            backend = None
+            for bs in batches:
+                rng = np.random.default_rng(bs)
+                fresh, fb, seq = (_decode_step(device, bs, ctx, rng, **kw) if n == 0
+                                  else _verify_step(device, bs, ctx, rng, n, **kw))
+                if backend is None:  # one backend for all batches; each step's own tensors
+                    backend = fresh
+                    backend.init_cuda_graph_state(max_bs=max(batches),
+                                                  max_num_tokens=max(batches) * max(1, n))
+                pool_rows = backend.req_to_token.shape[0]
+                rpi = torch.from_numpy(rng.integers(0, pool_rows, bs)).to(device)  # int64
+                fb.req_pool_indices, fb.seq_lens = rpi, fb.seq_lens.long()
+                if mode == "decode":
+                    fb.out_cache_loc = torch.zeros(bs, dtype=torch.int64, device=device)
+                backend.init_forward_metadata(fb)
+                sync()
+                row = next((r for r in rows if (r["mode"], r["batch"]) == (mode, bs)), None)
+                if row is None:
+                    row = dict(mode=mode, batch=bs, ctx=ctx)
+                    rows.append(row)
+                if launch:
+                    row["launcher_reason"] = backend.metadata_launcher_reason
+                row[f"eager{tag}_us"] = host_us(lambda: backend.init_forward_metadata(fb),
+                                                reps=reps, sync=sync)
+                backend.init_forward_metadata_capture_cuda_graph(
+                    bs, bs * max(1, n), fb.req_pool_indices, fb.seq_lens, None, fb.forward_mode,
+                    fb.spec_info)
+
+                def replay():
+                    backend.init_forward_metadata_replay_cuda_graph(
+                        bs, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_sum, None,
+                        fb.forward_mode, fb.spec_info, fb.seq_lens_cpu)
+
+                row[f"replay{tag}_us"] = host_us(replay, reps=reps, sync=sync)
+                if launch:
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        backend.init_forward_metadata(fb)
+                        replay()
+                        row["sync_free"] = True
+                    except RuntimeError as err:
+                        row["sync_free"] = f"no: {err}"
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                    row["eager_target_met"] = row["eager_us"] <= LAUNCH_TARGET_US
+                    row["replay_target_met"] = row["replay_us"] <= LAUNCH_TARGET_US
+                print(row, flush=True)
+                if out:
+                    write_json(out, {"benchmark": "interop_launch", "launch": rows})
+            del backend
+    return rows
+
+
+def full_step_rows(device: str, batches: list[int], ctx: int, reps: int,
+                   layers: int = 61) -> list[dict]:
+    """Part 4: a whole decode step (metadata + 61 layers, pallas launcher) against the
+    attention's device time."""
+    from funcmla.config import deepseek_v3_sm_scale
+    from funcmla.interop.sglang_backend import RadixAttention
+
+    rows = []
+    for bs in batches:
+        rng = np.random.default_rng(bs)
+        pool_rows = bs + 1
+        req_to_token = torch.tensor(rng.integers(16, 1 << 16, (pool_rows, ctx), dtype=np.int32),
+                                    device=device)
+        kv = MLATokenToKVPool(1 << 16, 16, torch.bfloat16, 1, device=device)
+        backend = FuncMLAAttnBackend(req_to_token, kv, page_size=16, num_heads=16,
+                                     attention_backend="pallas")
+        seq = torch.from_numpy(rng.integers(ctx // 2, ctx + 1, bs).astype(np.int64))
+        rpi = torch.from_numpy(rng.permutation(pool_rows)[:bs].astype(np.int64))
+        fb = ForwardBatch(ForwardMode.DECODE, bs, rpi.to(device), seq.to(device), seq,
+                          int(seq.sum()), torch.zeros(bs, dtype=torch.int64, device=device))
+        layer = RadixAttention(16, deepseek_v3_sm_scale(), layer_id=0)
+        q = torch.randn(bs, 16 * 576, device=device).to(torch.bfloat16)
+
+        def step():
+            backend.init_forward_metadata(fb)
+            for _ in range(layers):
+                backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
+
+        step()
+        torch.cuda.synchronize()
+        row = dict(batch=bs, ctx=ctx, layers=layers, via=backend.last_via,
+                   launcher_reason=backend.metadata_launcher_reason)
+        row["step61_host_us"] = host_us(step, reps=max(5, reps // 10),
+                                        sync=torch.cuda.synchronize)
+        backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+        backend.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices,
+                                                         fb.seq_lens, None, ForwardMode.DECODE,
+                                                         None)
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(layers):  # warm (the launcher's first call builds it)
+                backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=side):
+            for _ in range(layers):
+                backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
+        times = []
+        for _ in range(max(5, reps // 20)):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        row["attn61_device_us"] = float(np.median(times))
+        row["step61_host_over_device"] = row["step61_host_us"] / row["attn61_device_us"]
+        rows.append(row)
+        del graph, backend
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out")
@@ -215,11 +368,42 @@ def main(argv=None):
     ap.add_argument("--max-mb", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="1-64 MB, batches 1 and 32")
+    ap.add_argument("--launch-only", action="store_true", help="Part 4 alone (CUDA)")
+    ap.add_argument("--no-jax", action="store_true",
+                    help="Part 4 without the JAX-path rows and the 61-layer step (shorter)")
     args = ap.parse_args(argv)
     device = args.device
     if device == "auto":
         device = "cuda" if (torch.cuda.is_available() and
                             jax.devices()[0].platform == "gpu") else "cpu"
+    launch = full = []
+    if device == "cuda":
+        launch = launch_rows(device, [1, 64, 256], 4096, args.reps, compare_jax=not args.no_jax,
+                             out=os.path.join(args.out, "interop_launch.json"))
+        print_table(
+            f"metadata on torch's stream vs the JAX path, host us per step (median; target <= "
+            f"{LAUNCH_TARGET_US:.0f} us)",
+            ["mode", "batch", "eager", "eager JAX", "replay", "replay JAX", "sync-free"],
+            [[r["mode"], r["batch"], r["eager_us"], r.get("eager_jax_us"), r["replay_us"],
+              r.get("replay_jax_us"), r["sync_free"]] for r in launch])
+        try:
+            full = [] if args.no_jax else full_step_rows(device, [1, 64, 256], 4096, args.reps)
+        except Exception as err:  # noqa: BLE001 - recorded: the attention could not run here
+            full = [dict(error=f"{type(err).__name__}: {err}"[:400])]
+        print_table("decode step: metadata + 61 layers (host) vs the 61 layers' device time",
+                    ["batch", "via", "step host us", "attn device us", "host/device"],
+                    [[r.get("batch"), r.get("via"), r.get("step61_host_us"),
+                      r.get("attn61_device_us"), r.get("step61_host_over_device")]
+                     for r in full])
+    if args.launch_only:
+        env = environment()
+        env["torch"] = torch.__version__
+        path = write_json(os.path.join(args.out, "interop_launch.json"),
+                          {"benchmark": "interop_launch", "env": env, "device": device,
+                           "launch": launch, "full_step": full,
+                           "launch_target_us": LAUNCH_TARGET_US})
+        print(f"wrote {path}")
+        return launch, full
     max_mb = 64 if args.quick else args.max_mb
     sizes = [mb for mb in (1, 16, 256, 1024, 4096) if mb <= max_mb]
     batches = [1, 64] if args.quick else [1, 32, 64, 256]
@@ -251,7 +435,9 @@ def main(argv=None):
     path = write_json(os.path.join(args.out, "interop.json"),
                       {"benchmark": "interop", "env": env, "device": device,
                        "conversion": conv, "handoff": hand, "compile": comp,
-                       "handoff_target_us": HANDOFF_TARGET_US})
+                       "launch": launch, "full_step": full,
+                       "handoff_target_us": HANDOFF_TARGET_US,
+                       "launch_target_us": LAUNCH_TARGET_US})
     print(f"wrote {path}")
     return conv, hand, comp
 

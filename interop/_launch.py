@@ -43,9 +43,12 @@ __all__ = [
     "native_library",
     "native_reason",
     "launch_function_type",
+    "StageProgram",
+    "MAX_COPIES",
 ]
 
-MAX_KERNELS, MAX_PARAMS, MAX_SLOTS = 8, 16, 32
+MAX_KERNELS, MAX_PARAMS, MAX_SLOTS = 64, 32, 128
+MAX_COPIES = 4
 MAX_ARGS, MAX_SHAPES, MAX_DIMS = 8, 4, 4
 BAD_ARGUMENT = -1  # funcmla_run_checked: a tensor check failed, nothing was launched
 _AOTI = ("data_ptr", "sizes", "strides", "dim", "dtype", "device_type", "device_index")
@@ -90,6 +93,27 @@ class _Program(ctypes.Structure):
                 ("kernels", _Kernel * MAX_KERNELS), ("torch", _TorchApi),
                 ("num_args", ctypes.c_uint32), ("bad_argument", ctypes.c_int32),
                 ("args", _ArgSpec * MAX_ARGS)]
+
+
+class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D (only its size is checked here)
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
+                ("srcMemoryType", ctypes.c_int32), ("srcHost", ctypes.c_void_p),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t),
+                ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int32),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+class _Stage(ctypes.Structure):
+    _fields_ = [("stream", ctypes.c_uint64), ("num_copies", ctypes.c_uint64),
+                ("live_value", ctypes.c_uint64), ("src", ctypes.c_uint64 * MAX_COPIES),
+                ("src_pitch", ctypes.c_uint64 * MAX_COPIES),
+                ("count", ctypes.c_uint64 * MAX_COPIES), ("dst", ctypes.c_uint64 * MAX_COPIES),
+                ("live_dst", ctypes.c_uint64), ("graph_exec", ctypes.c_void_p),
+                ("memcpy2d", ctypes.c_void_p), ("memset32", ctypes.c_void_p),
+                ("graph_launch", ctypes.c_void_p), ("failed", ctypes.c_int32)]
 
 
 def _cache_dir() -> str:
@@ -142,11 +166,11 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(path)
     except OSError as err:
         return None, f"could not load {path}: {err}"
-    layout = (ctypes.c_uint64 * 7)()
+    layout = (ctypes.c_uint64 * 9)()
     lib.funcmla_layout(layout)
     want = (ctypes.sizeof(_Program), _Program.kernels.offset, ctypes.sizeof(_Kernel),
             _Program.launch.offset, _Program.torch.offset, _Program.args.offset,
-            ctypes.sizeof(_ArgSpec))
+            ctypes.sizeof(_ArgSpec), ctypes.sizeof(_Stage), ctypes.sizeof(_Memcpy2D))
     if tuple(layout) != want:
         return None, f"struct layout of {path} {tuple(layout)} != ctypes {want}"
     return lib, how
@@ -397,3 +421,34 @@ class LaunchProgram:
         """Write the per-call words and run (convenience; the launchers inline this)."""
         self.pack(self.buffer, 0, stream, mask, *values)
         return self.run(self.ref)
+
+
+class StageProgram:
+    """One step of a metadata program on a stream, in one foreign call (`funcmla_stage_run`,
+    native helper only): up to MAX_COPIES device copies of 32-bit words into fixed places
+    (a source pitch of 8 reads an int64 tensor's low words), a 32-bit memset of one word, then
+    `cuGraphLaunch` of an instantiated graph.
+
+    Per call, `pack(buffer, 0, stream, num_copies, live_value, *src, *src_pitch, *count,
+    *dst)` (4 each) then `run(ref)`; returns a CUresult, `failed` says which step failed.
+    addresses: (cuMemcpy2DAsync_v2, cuMemsetD32Async, cuGraphLaunch) in the driver.
+    """
+
+    def __init__(self, live_dst: int, graph_exec: int, addresses: tuple[int, int, int]):
+        lib, how = native_library()
+        if lib is None:
+            raise RuntimeError(f"the native launch helper is unavailable: {how}")
+        st = _Stage()
+        st.live_dst, st.graph_exec = int(live_dst), int(graph_exec)
+        st.memcpy2d, st.memset32, st.graph_launch = (int(a) for a in addresses)
+        st.failed = -1
+        self.struct = self.buffer = st
+        self.ref = ctypes.byref(st)
+        self.pack = struct.Struct(f"<3Q{4 * MAX_COPIES}Q").pack_into
+        run = lib["funcmla_stage_run"]
+        run.restype = ctypes.c_int
+        self.run = run
+
+    @property
+    def failed(self) -> int:
+        return int(self.struct.failed)

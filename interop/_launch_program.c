@@ -26,9 +26,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FUNCMLA_MAX_KERNELS 8
-#define FUNCMLA_MAX_PARAMS 16
-#define FUNCMLA_MAX_SLOTS 32
+#define FUNCMLA_MAX_KERNELS 64
+#define FUNCMLA_MAX_PARAMS 32
+#define FUNCMLA_MAX_SLOTS 128
 #define FUNCMLA_MAX_ARGS 8
 #define FUNCMLA_MAX_SHAPES 4
 #define FUNCMLA_MAX_DIMS 4
@@ -213,9 +213,97 @@ int funcmla_nop_launch(void *function, unsigned grid_x, unsigned grid_y, unsigne
   return 0;
 }
 
+/* ---- step staging: a metadata program's inputs, then its graph ----------------------------
+ * One call per SGLang step (interop/sglang/step_launch.py): up to FUNCMLA_MAX_COPIES device
+ * copies of the step's index tensors into the program's static input buffer (a tensor of
+ * int64 is read through its low 32-bit words, as a 2-D copy with an 8-byte source pitch), one
+ * 32-bit memset writing the live batch size, then cuGraphLaunch of the program's instantiated
+ * graph. All on one stream, nothing waits on the host. CUDA_MEMCPY2D is mirrored below. */
+#define FUNCMLA_MAX_COPIES 4
+
+typedef struct { /* CUDA_MEMCPY2D of cuda.h */
+  size_t srcXInBytes, srcY;
+  int32_t srcMemoryType;
+  const void *srcHost;
+  uint64_t srcDevice;
+  void *srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes, dstY;
+  int32_t dstMemoryType;
+  void *dstHost;
+  uint64_t dstDevice;
+  void *dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes, Height;
+} funcmla_memcpy2d;
+
+typedef int (*funcmla_memcpy2d_fn)(const funcmla_memcpy2d *copy, void *stream);
+typedef int (*funcmla_memset32_fn)(uint64_t dst, uint32_t value, size_t count, void *stream);
+typedef int (*funcmla_graph_launch_fn)(void *graph_exec, void *stream);
+
+typedef struct {
+  uint64_t stream;                        /* per call */
+  uint64_t num_copies;                    /* per call */
+  uint64_t live_value;                    /* per call: the word written at live_dst */
+  uint64_t src[FUNCMLA_MAX_COPIES];       /* per call: source device pointers */
+  uint64_t src_pitch[FUNCMLA_MAX_COPIES]; /* per call: bytes between source elements */
+  uint64_t count[FUNCMLA_MAX_COPIES];     /* per call: 32-bit elements to copy */
+  uint64_t dst[FUNCMLA_MAX_COPIES];       /* per call: destination device pointers */
+  uint64_t live_dst;                      /* fixed: 0 = no memset */
+  void *graph_exec;                       /* fixed: NULL = no graph launch */
+  funcmla_memcpy2d_fn memcpy2d;           /* cuMemcpy2DAsync_v2 */
+  funcmla_memset32_fn memset32;           /* cuMemsetD32Async */
+  funcmla_graph_launch_fn graph_launch;   /* cuGraphLaunch */
+  int32_t failed;                         /* 0..3: that copy, 4: the memset, 5: the graph */
+} funcmla_stage;
+
+/* Enqueue the copies, the memset and the graph; stop at the first error and return its
+ * CUresult (0: all enqueued). */
+int funcmla_stage_run(funcmla_stage *s) {
+  void *stream = (void *)(uintptr_t)s->stream;
+  s->failed = -1;
+  for (uint64_t i = 0; i < s->num_copies && i < FUNCMLA_MAX_COPIES; ++i) {
+    if (s->count[i] == 0) continue;
+    funcmla_memcpy2d c = {0};
+    c.srcMemoryType = 2; /* CU_MEMORYTYPE_DEVICE */
+    c.dstMemoryType = 2;
+    c.srcDevice = s->src[i];
+    c.dstDevice = s->dst[i];
+    if (s->src_pitch[i] == 4) { /* contiguous int32: one row */
+      c.WidthInBytes = c.srcPitch = c.dstPitch = 4 * s->count[i];
+      c.Height = 1;
+    } else { /* strided or int64 source: one 4-byte row per element */
+      c.WidthInBytes = 4;
+      c.srcPitch = s->src_pitch[i];
+      c.dstPitch = 4;
+      c.Height = s->count[i];
+    }
+    int rc = s->memcpy2d(&c, stream);
+    if (rc != 0) {
+      s->failed = (int32_t)i;
+      return rc;
+    }
+  }
+  if (s->live_dst) {
+    int rc = s->memset32(s->live_dst, (uint32_t)s->live_value, 1, stream);
+    if (rc != 0) {
+      s->failed = 4;
+      return rc;
+    }
+  }
+  if (s->graph_exec) {
+    int rc = s->graph_launch(s->graph_exec, stream);
+    if (rc != 0) {
+      s->failed = 5;
+      return rc;
+    }
+  }
+  return 0;
+}
+
 /* sizeof(program), offsetof(kernels), sizeof(kernel), offsetof(launch), offsetof(torch),
- * offsetof(args), sizeof(arg_spec): checked against the ctypes mirror by Python. */
-void funcmla_layout(uint64_t out[7]) {
+ * offsetof(args), sizeof(arg_spec), sizeof(stage), sizeof(memcpy2d): checked against the ctypes mirror by Python. */
+void funcmla_layout(uint64_t out[9]) {
   out[0] = sizeof(funcmla_program);
   out[1] = offsetof(funcmla_program, kernels);
   out[2] = sizeof(funcmla_kernel);
@@ -223,4 +311,6 @@ void funcmla_layout(uint64_t out[7]) {
   out[4] = offsetof(funcmla_program, torch);
   out[5] = offsetof(funcmla_program, args);
   out[6] = sizeof(funcmla_arg_spec);
+  out[7] = sizeof(funcmla_stage);
+  out[8] = sizeof(funcmla_memcpy2d);
 }

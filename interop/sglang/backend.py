@@ -30,6 +30,7 @@ from funcmla.interop.sglang import host_checks as hc
 from funcmla.interop.sglang.buckets import Buckets
 from funcmla.interop.sglang.modes import resolve_mode
 from funcmla.interop.sglang.step import StepSpec, build_step, num_parts, step_layout
+from funcmla.interop.sglang.step_launch import StepLauncher, step_launch_unavailable
 from funcmla.interop.sglang.types import (
     CudaGraphBufferOverflow,
     ForwardBatch,
@@ -78,6 +79,22 @@ class _PointerStage:
         return out.view(torch.uint64)
 
 
+class _LazyJaxMeta:
+    """funcmla's ForwardMetadata of a launched step, imported into JAX only when a JAX
+    attention path reads an array field (the static `mode` / `num_draft_tokens` need none)."""
+
+    def __init__(self, launcher: StepLauncher, mode: str, num_draft_tokens: int):
+        self._launcher, self.mode, self.num_draft_tokens = launcher, mode, num_draft_tokens
+        self._meta = None
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._meta is None:
+            self._meta = self._launcher.jax_meta()
+        return getattr(self._meta, name)
+
+
 class FuncMLAAttnBackend:
     """SGLang-style absorbed-MLA attention backend; metadata and work plan by funcmla.
 
@@ -99,6 +116,9 @@ class FuncMLAAttnBackend:
                        layer; capturable in a torch CUDA graph) where it can run.
     compilation_cache_dir: JAX's persistent compilation cache (funcmla.compile_cache: default
                        $FUNCMLA_COMPILATION_CACHE or ~/.cache/funcmla/jax; "off" disables).
+    metadata_launcher: run each step's metadata program as XLA's kernels on torch's stream
+                       (funcmla.interop.sglang.step_launch: no JAX dispatch, no DLPack per
+                       step) where it can run; `metadata_launcher_reason` says why not.
     """
 
     def __init__(self, req_to_token: torch.Tensor, token_to_kv_pool: MLATokenToKVPool, *,
@@ -108,7 +128,7 @@ class FuncMLAAttnBackend:
                  num_kv_splits: int | None = None,
                  legacy_block_granular_kv_indices: bool = False,
                  min_kv_bucket: int | None = None, torch_launcher: bool = True,
-                 compilation_cache_dir: str | None = None):
+                 compilation_cache_dir: str | None = None, metadata_launcher: bool = True):
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dtype != torch.int32 \
                 or req_to_token.dim() != 2:
             raise TypeError(
@@ -155,6 +175,15 @@ class FuncMLAAttnBackend:
         self._graph_buffer: torch.Tensor | None = None
         self._graph_views: dict | None = None
         self._graph_meta: dict = {}
+        # why the metadata runs through JAX here (None: launched on torch's stream); a program
+        # the launcher refuses keeps the JAX path for its spec only, and its reason lands here
+        self._launch_env_reason = (step_launch_unavailable(self.device) if metadata_launcher
+                                   else "metadata_launcher=False")
+        self.metadata_launcher_reason: str | None = self._launch_env_reason
+        self._step_launchers: dict = {}  # spec (or graph key) -> StepLauncher | None
+        self._launch_fast: dict = {}     # (kind, bucket, capacity, n, q) -> (spec, launcher)
+        self._launch_views: dict = {}    # (that key, batch, max_q) -> views of the output
+        self._graph_launch: dict = {}    # (kind, n) -> (spec, launcher) of the static buffer
 
     @classmethod
     def from_model_runner(cls, model_runner, **overrides) -> "FuncMLAAttnBackend":
@@ -264,6 +293,23 @@ class FuncMLAAttnBackend:
             return self.num_kv_splits
         return self.plan.max_split_per_batch
 
+    def _launcher(self, spec: StepSpec, packed_out: torch.Tensor | None = None):
+        """The StepLauncher of `spec` (built once), or None where the JAX path runs (the
+        reason is kept in metadata_launcher_reason)."""
+        key = spec if packed_out is None else (spec, packed_out.data_ptr())
+        launcher = self._step_launchers.get(key, False)
+        if launcher is False:
+            launcher = None
+            if self._launch_env_reason is None:
+                try:
+                    launcher = StepLauncher(spec, self.req_to_token, packed_out)
+                except Exception as err:  # noqa: BLE001 - the JAX path always serves the spec
+                    # (StepLauncherUnavailable, UnsupportedProgram, a driver error: recorded)
+                    self.metadata_launcher_reason = (
+                        f"{spec.kind} program at batch {spec.batch}: {type(err).__name__}: {err}")
+            self._step_launchers[key] = launcher
+        return launcher
+
     # ---- eager metadata --------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Check the step from its host fields, then build its metadata and work plan (one
@@ -298,7 +344,21 @@ class FuncMLAAttnBackend:
         hc.check_out_cache_loc(fb.out_cache_loc, tokens)
         capacity = self.buckets.kv_tokens(total)
         plan_q = self.buckets.q_tokens(max_q) if kind == "extend" else max_q
-        spec = self._spec(kind, bp, capacity, n, plan_q)
+        fast_key = (kind, bp, capacity, n, plan_q)  # a plain tuple: cheaper than the spec's hash
+        spec, launcher = self._launch_fast.get(fast_key, (None, None))
+        if spec is None:
+            spec = self._spec(kind, bp, capacity, n, plan_q)
+            launcher = self._launcher(spec) if self._launch_env_reason is None else None
+            self._launch_fast[fast_key] = (spec, launcher)
+        if launcher is not None:
+            parts = (fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens) \
+                if kind == "extend" else (fb.req_pool_indices, fb.seq_lens)
+            launcher(batch, parts)
+            self.forward_metadata = self._launched_metadata(launcher, spec, fast_key, batch,
+                                                            total, max_q, max_kv)
+            self._jax_meta, self._mode = _LazyJaxMeta(launcher, kind, n), kind
+            self._max_kv_bound = self._kv_bound(max_kv, seq, n)
+            return
         inputs = self._step_inputs(kind, batch, bp, fb.req_pool_indices, fb.seq_lens,
                                    fb.extend_seq_lens if kind == "extend" else None)
         meta, packed = build_step(self._req_to_token_jax, inputs, spec=spec)
@@ -327,6 +387,39 @@ class FuncMLAAttnBackend:
             view("kv_indptr", batch + 1), view("kv_indices", total),
             view("qo_indptr", batch + 1), view("kv_last_page_len", batch), max_q, max_kv,
             run_graph=False, num_kv_splits=self._num_kv_splits(), **plan)
+
+    def _launched_metadata(self, launcher: StepLauncher, spec: StepSpec, fast_key: tuple,
+                           batch: int, total: int, max_q: int,
+                           max_kv: int | None) -> ForwardMetadata:
+        """ForwardMetadata over a launcher's static output: the views of a (spec, batch) are
+        made once (work_metadata too: the plan's addresses never move); per step only
+        kv_indices (and the extend's fp8_prefill_kv_indices) is cut to the step's total."""
+        kind = spec.kind
+        key = (fast_key, batch, max_q)
+        cached = self._launch_views.get(key)
+        buf = launcher.packed
+        off = step_layout(spec).offsets
+        if cached is None:
+            view = lambda name, *shape: buf.as_strided(  # noqa: E731
+                shape, (shape[1], 1) if len(shape) == 2 else (1,), off[name])
+            plan = {}
+            if self.plan is not None:
+                shapes = plan_shapes(self.plan, kind, batch, max_q)
+                plan = {name: view(name, *shapes[name]) for name in PLAN_FIELDS}
+                plan["work_metadata"] = torch.tensor(
+                    [plan["work_indptr"].data_ptr(), plan["work_info_set"].data_ptr()],
+                    dtype=torch.int64).to(self.device).view(torch.uint64)
+            cached = (view("kv_indptr", batch + 1), view("qo_indptr", batch + 1),
+                      view("kv_last_page_len", batch), plan, view("kv_indices", spec.capacity))
+            self._launch_views[key] = cached
+        kv_indptr, qo_indptr, last, plan, full = cached
+        if kind == "extend" and plan:
+            plan = dict(plan, fp8_prefill_kv_indices=buf.as_strided(
+                (total,), (1,), off["fp8_prefill_kv_indices"]))
+        if self.torch_launcher:
+            self._kv_indices_full = full
+        return ForwardMetadata(kv_indptr, full[:total], qo_indptr, last, max_q, max_kv,
+                               run_graph=False, num_kv_splits=self._num_kv_splits(), **plan)
 
     def _init_idle(self, fb: ForwardBatch) -> None:
         """IDLE (DP attention, nothing scheduled here): batch 0, empty metadata, no work."""
@@ -365,6 +458,9 @@ class FuncMLAAttnBackend:
                                 if self.plan is not None else None)
         layout = step_layout(self._spec("decode", max_bs, self.buffer_plan.kv_indices_capacity,
                                         0, 1, graph=True))
+        self._step_launchers = {k: v for k, v in self._step_launchers.items()
+                                if not isinstance(k, tuple)}  # the old static buffer's
+        self._graph_launch = {}
         self._graph_buffer = layout.empty_torch(self.device)
         self._graph_views = layout.torch_views(self._graph_buffer)
         self._graph_views["kv_last_page_len"].fill_(1)
@@ -405,8 +501,16 @@ class FuncMLAAttnBackend:
 
     def _fill_graph_buffers(self, kind: str, bs: int, req_pool_indices, seq_lens, n: int):
         plan = self.buffer_plan
-        max_q = 1 if kind == "decode" else n
-        spec = self._spec(kind, plan.max_bs, plan.kv_indices_capacity, n, max_q, graph=True)
+        spec, launcher = self._graph_launch.get((kind, n), (None, None))
+        if spec is None:
+            max_q = 1 if kind == "decode" else n
+            spec = self._spec(kind, plan.max_bs, plan.kv_indices_capacity, n, max_q, graph=True)
+            launcher = (self._launcher(spec, self._graph_buffer)
+                        if self._launch_env_reason is None else None)
+            self._graph_launch[(kind, n)] = (spec, launcher)
+        if launcher is not None:  # written in place: the static buffer is the program's output
+            launcher(bs, (req_pool_indices, seq_lens))
+            return _LazyJaxMeta(launcher, kind, n)
         inputs = self._step_inputs(kind, bs, plan.max_bs, req_pool_indices, seq_lens)
         meta, packed = build_step(self._req_to_token_jax, inputs, spec=spec)
         self._graph_buffer.copy_(to_torch(packed))  # one export, one device copy
