@@ -68,6 +68,7 @@ from funcmla.planners.inputs import (
     to_int32,
 )
 from funcmla.planners.plan import WorkPlan
+from funcmla.planners.search import searchsorted_i32
 
 __all__ = [
     "DecodePlanConfig",
@@ -235,12 +236,6 @@ def decode_tiles(qo_indptr, kv_indptr, *, config: DecodePlanConfig,
                 n=n, qo_tile_size=ts, qo_start=qo_start, qo_end=qo_end, batch_tail=bt)
 
 
-def _searchsorted(a, v, side):
-    # Binary search; unrolled on GPU (one fused kernel), a loop elsewhere (faster to compile).
-    method = "scan_unrolled" if on_gpu() else "scan"
-    return jnp.searchsorted(a, v, side=side, method=method).astype(jnp.int32)
-
-
 def plan_mla_decode(
     qo_indptr: jax.Array,
     kv_indptr: jax.Array,
@@ -352,7 +347,7 @@ def plan_mla_decode(
     partial_before = jnp.cumsum(red_cnt * ts, dtype=i32) - red_cnt * ts
 
     w = jnp.arange(max_work, dtype=i32)
-    slot = jnp.minimum(_searchsorted(works_incl, w, "right"), num_slots - 1)
+    slot = jnp.minimum(searchsorted_i32(works_incl, w, "right"), num_slots - 1)
     live = w < num_works
     j = w - works_before[slot]
     m_w, f_w = m[slot], f[slot]
@@ -367,7 +362,7 @@ def plan_mla_decode(
 
     cluster = jnp.where(live, c0[slot] + j, np.iinfo(np.int32).max)
     work_indptr = jnp.concatenate(
-        [jnp.zeros((1,), i32), _searchsorted(cluster, jnp.arange(num_cu, dtype=i32), "right")])
+        [jnp.zeros((1,), i32), searchsorted_i32(cluster, jnp.arange(num_cu, dtype=i32), "right")])
 
     # Reduce maps, indexed by global qo tile (valid slots in order).
     if all_valid:
@@ -377,7 +372,7 @@ def plan_mla_decode(
         valid_incl = jnp.cumsum(valid.astype(i32), dtype=i32)
         num_tiles = valid_incl[-1]
         k = jnp.arange(tile_cnt, dtype=i32)
-        tile_slot = jnp.minimum(_searchsorted(valid_incl, k + 1, "left"), num_slots - 1)
+        tile_slot = jnp.minimum(searchsorted_i32(valid_incl, k + 1, "left"), num_slots - 1)
     k = jnp.arange(tile_slot.shape[0], dtype=i32)
     tile_live = k < num_tiles
     ri_tile = jnp.where(tile_live, red_incl[tile_slot], num_partials)
@@ -390,7 +385,7 @@ def plan_mla_decode(
         jnp.where(final_live[:, None], fm, 0))
 
     p = jnp.arange(max_split_tiles, dtype=i32)
-    pslot = jnp.minimum(_searchsorted(red_incl, p, "right"), num_slots - 1)
+    pslot = jnp.minimum(searchsorted_i32(red_incl, p, "right"), num_slots - 1)
     reduce_partial_map = jnp.where(
         p < num_partials, partial_before[pslot] + (p - red_before[pslot]) * ts[pslot], 0)
 

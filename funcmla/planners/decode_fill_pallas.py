@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from funcmla.layout import is_power_of_two, next_power_of_two
 from funcmla.planners.decode_chase import chase_pays_off, chase_states
 from funcmla.planners.decode_fill import FILL_STATE_FIELDS, TILE_FIELDS, FillParams, fill_advance
+from funcmla.planners.search import on_gpu
 
 __all__ = ["fill_tiles_pallas", "walk_tiles", "walk_or_chase", "chase_allowed", "on_gpu",
            "DEFAULT_CHUNK", "INTERPRET_CHUNK", "CHASE_MAX_SLOTS", "WALKS", "padded_slots"]
@@ -115,12 +116,6 @@ def _fill_kernel(scalars_ref, tiles_ref, out_ref, *, params: FillParams, chunk: 
                  num_chunks: int, walk: str):
     walk_or_chase(scalars_ref[0], scalars_ref[1], tiles_ref, out_ref, params=params, chunk=chunk,
                   num_chunks=num_chunks, walk=walk)
-
-
-def on_gpu() -> bool:
-    """JAX runs on a GPU: the Pallas planner programs compile (Triton); elsewhere they run in
-    interpret mode."""
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def padded_slots(num_slots: int, chunk: int = DEFAULT_CHUNK) -> int:

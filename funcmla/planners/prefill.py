@@ -50,6 +50,7 @@ from funcmla.planners.inputs import (
     to_int32,
 )
 from funcmla.planners.plan import WorkPlan
+from funcmla.planners.search import searchsorted_i32
 
 __all__ = [
     "PrefillPlanConfig",
@@ -203,10 +204,6 @@ def ps_prefill_plan_sizes(batch_size: int, max_qlen: int, *, config: PrefillPlan
     )
 
 
-def _search(sorted_arr, x, side):
-    return jnp.searchsorted(sorted_arr, x, side=side).astype(jnp.int32)
-
-
 def _tile_grid(qo_indptr, context_lens, cfg: PrefillPlanConfig, mq: int, xp=jnp):
     """Step 1 of the planner: the tile grid [B, mq] in visiting (ping-pong) order. Returns
     (i, n, idx, local_end, qo_len, valid, units [B * mq] int32: KV split units per tile, 0 if
@@ -299,8 +296,8 @@ def _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, *, config: PrefillPlanC
     avg, rem = total // tpc, total % tpc
     t = jnp.arange(tpc + 1, dtype=jnp.int32)
     c_bound = t * avg + jnp.minimum(t, rem)  # [tpc + 1], C_tpc == total
-    after_start = _search(c_bound, u_start, "right")  # first TG boundary > U_i
-    inside = _search(c_bound, u_end, "left") - after_start  # boundaries strictly inside the tile
+    after_start = searchsorted_i32(c_bound, u_start, "right")  # first TG boundary > U_i
+    inside = searchsorted_i32(c_bound, u_end, "left") - after_start  # boundaries strictly inside the tile
     k = jnp.where(units > 0, 1 + inside, (u_start < total).astype(jnp.int32))
     k = jnp.where(valid, k, 0)
     first_tg = after_start - 1
@@ -333,7 +330,7 @@ def _plan_ps_prefill(qo_indptr, kv_indptr, context_lens, *, config: PrefillPlanC
 
     # Works of TG t are [tg_first[t], tg_first[t+1]) of the single-head list.
     tg_key = jnp.where(w_live, tg, tpc)
-    tg_first = _search(tg_key, t, "left")  # [tpc + 1]
+    tg_first = searchsorted_i32(tg_key, t, "left")  # [tpc + 1]
 
     # ---- Step 3: duplicate per k head (head-major inside a TG) and per cluster: scatter each
     # (cluster, k head, work) to its row; O(num_heads_k * (T + tpc)), not O(max_works).
