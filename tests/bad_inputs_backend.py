@@ -118,8 +118,19 @@ def _idle(**kw):
 Unknown = enum.Enum("Unknown", "SOMETHING_NEW")
 
 
+def _step_launcher_on_cpu():
+    import torch
+
+    from funcmla.interop.sglang.step import StepSpec
+    from funcmla.interop.sglang.step_launch import StepLauncher
+
+    StepLauncher(StepSpec("decode", 4, 64), torch.zeros((2, 16), dtype=torch.int32))
+
+
 def _cases():
     import torch
+
+    from funcmla.interop.sglang.step_launch import StepLauncherUnavailable
 
     from funcmla.interop.sglang_backend import BucketOverflow, CudaGraphBufferOverflow
 
@@ -202,6 +213,8 @@ def _cases():
                  ("req_to_token must be int32", "torch.int64")),
         BadInput("backend.buckets_unsorted", _bad_buckets, ValueError,
                  ("Buckets.batch_sizes", r"\(8, 4\)")),
+        BadInput("backend.metadata_launcher_off_cuda", _step_launcher_on_cpu,
+                 StepLauncherUnavailable, ("the backend's device is cpu", "not CUDA")),
     ]
 
 
