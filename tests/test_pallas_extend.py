@@ -67,7 +67,7 @@ def make_extend(rng, *, heads, page_size, q_lens, kv_lens, pad_tokens=2, max_pag
 
 
 def run(p, form, **kw):
-    args = dict(sm_scale=SCALE, interpret=True, **kw)
+    args = {"sm_scale": SCALE, "interpret": True, **kw}
     if form == "csr":
         return mla_extend(p["q"], p["pool"], qo_indptr=p["qo_indptr"], kv_indptr=p["kv_indptr"],
                           kv_indices=p["kv_indices"], **args)
