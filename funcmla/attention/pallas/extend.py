@@ -110,6 +110,18 @@ def _pseudo_of_tokens(qo_indptr, chunk_indptr, num_tokens: int, chunk: int):
     return jnp.where(live, p, -1), chunk - 1 - back % chunk, live
 
 
+def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """x[rows] along axis 0 for a 2-byte x [N, ...] (q or the output), a zero row wherever
+    rows[i] is outside [0, N) (padding: -1). Rows move as 32-bit words (one bf16 row of
+    H x 576 is H x 288 words), so XLA's gather copies 4 bytes an element, not 2
+    (`python -m bench.extend --only H16`)."""
+    n = x.shape[0]
+    words = jax.lax.bitcast_convert_type(x.reshape(n, -1, 2), jnp.uint32)
+    ok = (rows >= 0) & (rows < n)
+    got = jnp.where(ok[:, None], jnp.take(words, jnp.clip(rows, 0, n - 1), axis=0), 0)
+    return jax.lax.bitcast_convert_type(got, x.dtype).reshape(rows.shape + x.shape[1:])
+
+
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "max_kv_len", "entries_per_row", "chunk", "num_pseudo", "causal", "sm_scale",
     "num_splits", "config", "v_head_dim", "interpret", "kv_dtype"))
@@ -130,18 +142,16 @@ def _mla_extend(q, kv_pool, qo_indptr, table, kv_meta, scales, *, page_size, max
     if chunk == 1:
         qp = q  # pseudo-sequence p is token p (tokens past qo_indptr[-1] get kv_len 0)
     else:
-        tok = _chunk_tokens_of_pseudo(qo_indptr, chunk_indptr, num_pseudo, chunk)
-        qp = take_or_fill(q, tok.reshape(-1), fill=0)
+        qp = _take_rows(q, _chunk_tokens_of_pseudo(qo_indptr, chunk_indptr, num_pseudo,
+                                                   chunk).reshape(-1))
     out, lse = _mla_decode_kv(qp, kv_pool, kv, scales, sm_scale=sm_scale, s_q=chunk,
                               num_splits=num_splits, config=config, v_head_dim=v_head_dim,
                               interpret=interpret, kv_dtype=kv_dtype)
     if chunk == 1:
         return out, lse
-    p, r, live = _pseudo_of_tokens(qo_indptr, chunk_indptr, t, chunk)
-    out = take_or_fill(out.reshape(num_pseudo, chunk, h, v_head_dim), p, r, fill=0)
-    lse = take_or_fill(lse.reshape(num_pseudo, chunk, h), p, r, fill=jnp.inf)
-    del live  # dead tokens map to p = -1: filled
-    return out, lse
+    p, r, _ = _pseudo_of_tokens(qo_indptr, chunk_indptr, t, chunk)
+    row = jnp.where(p >= 0, p * chunk + r, -1)  # dead tokens (p = -1): out 0, lse +inf
+    return _take_rows(out, row), take_or_fill(lse, row, fill=jnp.inf)
 
 
 def _check_int_vector(x, name: str, min_len: int) -> None:
