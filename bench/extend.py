@@ -36,7 +36,7 @@ import numpy as np
 
 from funcmla.attention.pallas import DecodeKernelConfig, chunk_tokens, mla_decode, mla_extend
 from funcmla.attention.pallas.api import decode_num_splits, uses_mgpu
-from funcmla.attention.pallas.extend import num_pseudo_seqs
+from funcmla.attention.pallas.extend import extend_kernel_config, num_pseudo_seqs
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.config import MLADims
 from funcmla.layout import PageTable
@@ -135,6 +135,7 @@ def _launch_facts(case: ExtendCase, config: DecodeKernelConfig) -> dict:
     c = chunk_tokens(case.heads)
     p = num_pseudo_seqs(case.batch * case.q_len, case.batch, c)
     q_p = jax.ShapeDtypeStruct((p * c, case.heads, D), jnp.bfloat16)
+    config = extend_kernel_config(config, case.heads, c, p, case.page_size)
     mgpu = uses_mgpu(config, q_p, case.page_size, c)
     bound = case.kv_len if case.page_size == 1 else -(-case.kv_len // case.page_size) * \
         case.page_size

@@ -236,6 +236,26 @@ def test_pseudo_sequence_bound_and_lengths(q_lens, chunk):
     assert (kl[k:] == 0).all() and int(ci[-1]) == k
 
 
+def test_extend_kernel_rule(monkeypatch):
+    """On a GPU, "auto" runs the Mosaic GPU kernel from EXTEND_MGPU_MIN_BLOCKS 64-row blocks
+    where it takes the shape; explicit choices, interpret mode and fp8 pools keep theirs."""
+    from funcmla.attention.pallas.extend import EXTEND_MGPU_MIN_BLOCKS, extend_kernel_config
+
+    auto = DecodeKernelConfig()
+    assert extend_kernel_config(auto, 128, 1, 100, 64) is auto  # CPU backend
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    n = EXTEND_MGPU_MIN_BLOCKS
+    assert extend_kernel_config(auto, 128, 1, n // 2, 64).kernel == "mgpu"  # 2 blocks each
+    assert extend_kernel_config(auto, 128, 1, n // 2 - 1, 64) is auto
+    assert extend_kernel_config(auto, 16, 4, n, 1).kernel == "mgpu"
+    assert extend_kernel_config(auto, 16, 4, n - 1, 1) is auto
+    assert extend_kernel_config(auto, 24, 2, 1000, 1) is auto  # 48 rows: not a 64-row block
+    assert extend_kernel_config(auto, 128, 1, 1000, 1, kv_dtype=jnp.float8_e4m3fn) is auto
+    assert extend_kernel_config(auto, 128, 1, 1000, 1, interpret=True) is auto
+    tri = DecodeKernelConfig(kernel="triton")
+    assert extend_kernel_config(tri, 128, 1, 1000, 64) is tri
+
+
 def test_chunk_rule():
     assert [chunk_tokens(h) for h in (128, 64, 32, 16, 8)] == [1, 1, 2, 4, 8]
     assert chunk_tokens(16, causal=False) == 1

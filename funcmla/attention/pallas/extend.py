@@ -20,6 +20,7 @@ decode over query chunks"; reproduce with `python -m bench.extend`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 
@@ -30,16 +31,23 @@ from jax.experimental import checkify
 from funcmla.attention.kv_quant import kv_scales
 from funcmla.attention.pallas.api import KV_FP8_DTYPE, _mla_decode_kv
 from funcmla.attention.pallas.decode_common import MAX_POOL_ROWS, DecodeKernelConfig, KVRows
+from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported
 from funcmla.checks import _first, check_indptr, check_queries_fit
 from funcmla.guards import enforce, should_check
 from funcmla.layout import PageTable
 from funcmla.segments import cumsum_i32, segment_positions, take_or_fill
 
 __all__ = ["mla_extend", "chunk_tokens", "num_pseudo_seqs", "extend_chunks",
-           "check_extend_values"]
+           "extend_kernel_config", "check_extend_values", "EXTEND_MGPU_MIN_BLOCKS"]
 
 # Folded query rows the Mosaic GPU kernel's blocks hold (its wgmma M).
 _FILL_ROWS = 64
+# `auto` runs the Mosaic GPU kernel on an extend from this many 64-row blocks (the decode rule
+# waits for num_sms / 4 = 33): an extend's pseudo-sequences share long KV, so the split rule
+# fills the GPU, and Mosaic GPU's matrix rate wins at 16 and 32 blocks (H16 B1 64 tokens over
+# 4k: 36.2 us against Triton's 65.8; H128 B1 16 over 8k: 70.4 against 163.4), while the
+# decode rule's own measurement is at 2 blocks (`python -m bench.extend`).
+EXTEND_MGPU_MIN_BLOCKS = 16
 
 
 def chunk_tokens(num_heads: int, causal: bool = True) -> int:
@@ -62,6 +70,24 @@ def num_pseudo_seqs(num_tokens: int, num_requests: int, chunk: int,
     if max_q_len is not None:
         bound = min(bound, num_requests * -(-max_q_len // chunk))
     return max(bound, 1)
+
+
+def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
+                         num_pseudo: int, page_size: int, *, head_dim: int = 576,
+                         v_head_dim: int = 512, dtype=jnp.bfloat16, kv_dtype=None,
+                         interpret: bool = False) -> DecodeKernelConfig:
+    """The decode config an extend runs with: `config` itself, except that kernel="auto" on
+    a GPU becomes "mgpu" where the Mosaic GPU kernel takes the shape (bf16 pool, C * H a
+    multiple of 64, the page size) and the pseudo-sequences give at least
+    EXTEND_MGPU_MIN_BLOCKS blocks of 64 rows."""
+    if config.kernel != "auto" or interpret or jax.default_backend() != "gpu":
+        return config
+    pool = dtype if kv_dtype is None else kv_dtype
+    if mgpu_decode_supported(chunk * num_heads, page_size, head_dim, v_head_dim, pool):
+        return config
+    if num_pseudo * (chunk * num_heads // _FILL_ROWS) < EXTEND_MGPU_MIN_BLOCKS:
+        return config
+    return dataclasses.replace(config, kernel="mgpu")
 
 
 def extend_chunks(qo_indptr: jax.Array, req_start: jax.Array, req_kv_lens: jax.Array, *,
@@ -242,7 +268,8 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
     max_q_len:  static bound on queries per request (tightens P where C > 1).
     max_kv_len: static bound on keys per request, for the split rule (token CSR only;
                 default the capacity of kv_indices; a page table implies its width).
-    num_splits, config: as `mla_decode` (split count, kernel choice and tiling).
+    num_splits, config: as `mla_decode` (split count, kernel choice and tiling); "auto" picks
+                the Mosaic GPU kernel from EXTEND_MGPU_MIN_BLOCKS blocks (`extend_kernel_config`).
 
     Returns out [T, H, v_head_dim] (q.dtype) and lse [T, H] float32 (natural log); a query
     that sees no key gets out 0 and lse +inf. Values are checked where concrete (and under
@@ -319,6 +346,10 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
     if t == 0:
         return (jnp.zeros((0, h, v_head_dim), q.dtype), jnp.zeros((0, h), jnp.float32))
     num_pseudo = num_pseudo_seqs(t, batch, chunk, max_q_len)
+    if isinstance(h, int) and h > 0:
+        config = extend_kernel_config(config, h, chunk, num_pseudo, page_size,
+                                      head_dim=q.shape[2], v_head_dim=v_head_dim, dtype=q.dtype,
+                                      kv_dtype=pool_dtype, interpret=interpret)
     return _mla_extend(q, kv_pool, qo_indptr, table, kv_meta, scales, page_size=page_size,
                        max_kv_len=int(bound), entries_per_row=entries, chunk=chunk,
                        num_pseudo=num_pseudo, causal=causal, sm_scale=float(sm_scale),
