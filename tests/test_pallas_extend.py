@@ -324,3 +324,39 @@ def test_gpu_extend_matches_reference(heads, page_size):
     p = make_extend(rng, heads=heads, page_size=page_size, q_lens=q_lens, kv_lens=kv_lens)
     form = "csr" if page_size == 1 else "pages"
     check(*run(p, form, interpret=False), *reference(p))
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_sglang_backend_forward_extend_runs_pallas(monkeypatch, page_size):
+    """`FuncMLAAttnBackend.forward_extend` with the absorbed shapes (576 / 512) on an extend
+    step with prefixes (one request without) runs the pallas extend (interpret mode here), no
+    fallback, and equals SGLang's torch-native extend computed in float32."""
+    import functools
+
+    torch = pytest.importorskip("torch")
+    from funcmla.interop import backend_select
+    from funcmla.interop.sglang_backend import ForwardMode, RadixAttention
+    from funcmla.interop.torch_native import torch_native_mla_extend
+    from tests.test_interop_sglang import _fb, _setup
+    from tests.test_interop_sglang import rel_err as torch_rel_err
+
+    monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
+    monkeypatch.setattr(backend_select, "_pallas_extend",
+                        lambda: functools.partial(mla_extend, interpret=True))
+    prefix, extend = [0, 23, 64, 5], [17, 1, 40, 30]
+    rng, b, pool, backend = _setup(page_size + 1, prefix, extend, page_size,
+                                   attention_backend="pallas", torch_launcher=False)
+    heads, t = 16, sum(extend)
+    layer = RadixAttention(tp_q_head_num=heads, scaling=SCALE)
+    q = torch.from_numpy(rng.standard_normal((t, heads * 576)).astype(np.float32)).bfloat16()
+    k = torch.from_numpy(rng.standard_normal((t, 1, 576)).astype(np.float32)).bfloat16()
+    fb = _fb(ForwardMode.EXTEND, b, extend)
+    backend.init_forward_metadata(fb)
+    out = backend.forward_extend(q, k, None, layer, fb)
+    assert backend.last_backend == "pallas"
+    assert out.shape == (t, heads * 512) and out.dtype == torch.bfloat16
+    want = torch_native_mla_extend(q.view(t, heads, 576), pool.kv_buffer[0], b.req_to_token,
+                                   b.req_pool_indices, b.seq_lens, b.extend_prefix_lens,
+                                   b.extend_seq_lens, sm_scale=SCALE,
+                                   compute_dtype=torch.float32)
+    assert torch_rel_err(out.view(t, heads, 512), want) < 8e-3
