@@ -32,7 +32,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from funcmla.attention.pallas import DecodeKernelConfig, chunk_tokens, mla_decode, mla_extend
 from funcmla.attention.pallas.api import decode_num_splits, uses_mgpu
