@@ -16,8 +16,10 @@ rows a sequence (s_q = C) at the extend's mean visible context, 256 of them: the
 kernel reaches without the ragged extend's metadata, causal spread and gathers.
 
     python -m bench.extend [--quick] [--only REGEX] [--out DIR] [--reps N] [--no-check]
+                           [--replot JSON]
 
-Writes extend.json under --out (docs/results/extend_h200.json holds the H200's) and prints
+Writes extend.json and extend.png under --out (docs/results/extend_h200.{json,png} hold the
+H200's; `--replot JSON` redraws a saved run's plot) and prints
 a table and the targets (H = 128, B = 8, 1024 tokens over a 4k prefix: >= 450 TFLOP/s at
 pages 1 and 64, page 1 within 5% of page 64; relative error < 1e-2 everywhere).
 `extend_rows(...)` returns the rows for other benchmarks (bench/prefill.py).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import time
 
@@ -260,6 +263,37 @@ def target_verdicts(rows: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+def plot(rows: list[dict], path: str) -> str:
+    """Useful TFLOP/s per case (device span, and the decode kernel alone), the decode
+    baseline where timed, and the 450 TFLOP/s target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    x = list(range(len(rows)))
+    ax.bar([i - 0.27 for i in x], [r["tflops"] for r in rows], 0.27,
+           label="mla_extend, device span")
+    ax.bar(x, [r.get("kernel_tflops") or 0.0 for r in rows], 0.27,
+           label="its decode kernel alone")
+    ax.bar([i + 0.27 for i in x], [r.get("decode_baseline_tflops") or 0.0 for r in rows], 0.27,
+           label="decode kernel, uniform sequences (baseline)")
+    ax.axhline(TARGET_TFLOPS, color="r", ls="--", label=f"target {TARGET_TFLOPS:.0f} (H128 B8)")
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"H{r['heads']} B{r['batch']}\n{r['q_len']} / {r['prefix'] // 1024}k"
+                        f"\np{r['page_size']} {r['kernel']}" for r in rows], fontsize=7)
+    ax.set_ylabel("useful TFLOP/s")
+    ax.set_title("absorbed MLA extend (new tokens / prefix), H200")
+    ax.set_ylim(0, 700)
+    ax.legend(fontsize=7, ncol=4, loc="upper center")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
@@ -269,7 +303,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-check", action="store_true", help="skip the float32 reference")
     ap.add_argument("--no-baseline", action="store_true", help="skip the decode baseline")
     ap.add_argument("--time-limit", type=float, default=None)
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="redraw the plot of a saved extend.json into --out (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+
+        with open(args.replot) as f:
+            rows = json.load(f)["rows"]
+        log(f"wrote {plot(rows, f'{args.out}/extend.png')}")
+        return rows
     if jax.devices()[0].platform != "gpu":
         log("bench.extend times the compiled kernels: it needs a GPU (JAX CUDA)")
         return []
@@ -283,7 +326,7 @@ def main(argv=None) -> list[dict]:
     path = write_json(f"{args.out}/extend.json", dict(
         environment=environment(), rows=rows, targets=[list(v) for v in verdicts],
         flops_rule="2 * H * (576 + 512) per query and visible key", sm_scale=SM_SCALE))
-    log(f"wrote {path}")
+    log(f"wrote {path} and {plot(rows, f'{args.out}/extend.png')}")
     return rows
 
 
