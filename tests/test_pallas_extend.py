@@ -97,9 +97,10 @@ def check(out, lse, ref_out, ref_lse, tol=1e-2):
 
 # One batch covers the shapes of an extend: a prefix (5 queries over 20 keys), a request with
 # keys but no queries, q_len = kv_len = 1, q_len = kv_len (no prefix: 9 / 9), a long prefix
-# with a partial last tile (3 over 70), a request with neither, and 2 padded q rows.
-Q_LENS = [5, 0, 1, 9, 3, 0]
-KV_LENS = [20, 3, 1, 9, 70, 0]
+# with a partial last tile (3 over 70), a request with neither, q_len = 1 over a prefix, and
+# 2 padded q rows.
+Q_LENS = [5, 0, 1, 9, 3, 0, 1]
+KV_LENS = [20, 3, 1, 9, 70, 0, 33]
 
 
 @pytest.mark.parametrize("heads,page_size,form", [
