@@ -4,17 +4,21 @@ Backends, in the order `auto` tries them:
 
 * "aiter":     AITER's MLA kernels through torch (ROCm torch with amd-aiter importable;
                contract-tested only, see `funcmla.interop.aiter_dispatch`).
-* "pallas":    funcmla's Pallas decode kernel (`funcmla.attention.pallas.mla_decode`) on an
-               NVIDIA GPU through JAX. Imported lazily; used for uniform-length queries (decode,
-               target verify, draft extend: `s_q` queries per request, s_q <= PALLAS_MAX_S_Q);
-               anything else falls back to the reference.
+* "pallas":    funcmla's Pallas kernels on an NVIDIA GPU through JAX, imported lazily:
+               `funcmla.attention.pallas.mla_decode` for causal uniform-length queries (decode,
+               target verify, draft extend with s_q <= PALLAS_MAX_S_Q queries per request),
+               `mla_extend` (the decode kernels over query chunks) for every other batch:
+               extend with or without a prefix, mixed and ragged batches, long verify and
+               draft-extend spans, non-causal calls. fp8 pools (float8_e4m3fn bytes) run both
+               with the pool's scale. Only an input no kernel reads (a q dtype other than
+               bf16 / f16, another fp8 format) falls back to the reference, and says why.
 * "reference": `funcmla.attention.reference.mla_attention_reference` (dense, float32, any
                platform).
 
 `select_backend(requested)` honours an explicit request (and raises, saying why, if that backend
 cannot run here); `auto` picks the first available. `mla_attention` runs the chosen backend and
-returns an `AttentionResult` with the name of the backend that actually ran (the pallas request
-may fall back to "reference" for ragged queries, and says so in `fallback_reason`).
+returns an `AttentionResult` with the name of the backend that actually ran (a pallas request
+that falls back to "reference" says why in `fallback_reason`).
 
 Inputs may be torch tensors or JAX arrays; outputs are in the framework of `q`. torch inputs are
 imported into JAX without copies (`funcmla.interop.dlpack`), JAX outputs exported the same way.
@@ -41,6 +45,7 @@ __all__ = [
     "backend_availability",
     "select_backend",
     "mla_attention",
+    "pallas_route",
 ]
 
 BACKENDS = ("aiter", "pallas", "reference")
@@ -117,6 +122,12 @@ def _pallas_decode():
     return mla_decode
 
 
+def _pallas_extend():
+    from funcmla.attention.pallas import mla_extend  # lazy, as _pallas_decode
+
+    return mla_extend
+
+
 def _dequant(kv_rows, kv_fp8_dtype, kv_scale):
     """uint8 bytes of an fp8 pool -> float32 values (bitcast inside jit: no copy of the pool)."""
     if kv_fp8_dtype is None:
@@ -143,14 +154,59 @@ def _rows(kv_pool):
     return kv_pool.reshape(kv_pool.shape[0], kv_pool.shape[-1])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "max_kv_len", "v_head_dim"))
-def _pallas(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_head_dim):
+def _fp8_args(kv_fp8_dtype, kv_scale) -> dict:
+    """The Pallas kernels' arguments for an fp8 pool's uint8 bytes (none for another pool)."""
+    if kv_fp8_dtype is None:
+        return {}
+    return {"kv_dtype": kv_fp8_dtype, "k_scale": kv_scale}
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "max_kv_len", "v_head_dim",
+                                             "kv_fp8_dtype", "kv_scale"))
+def _pallas(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_head_dim,
+            kv_fp8_dtype=None, kv_scale=None):
     # metadata padded to a batch bucket lists more (empty) requests than q holds: keep q's
     kv_indptr = kv_indptr[: q.shape[0] // s_q + 1]
     out, lse = _pallas_decode()(q, _rows(kv_pool), kv_indptr=kv_indptr, kv_indices=kv_indices,
                                 sm_scale=sm_scale, s_q=s_q, max_kv_len=max_kv_len,
-                                v_head_dim=v_head_dim)
+                                v_head_dim=v_head_dim, **_fp8_args(kv_fp8_dtype, kv_scale))
     return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "max_kv_len", "v_head_dim",
+                                             "kv_fp8_dtype", "kv_scale"))
+def _pallas_ragged(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, causal,
+                   max_kv_len, v_head_dim, kv_fp8_dtype=None, kv_scale=None):
+    out, lse = _pallas_extend()(q, _rows(kv_pool), qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                                kv_indices=kv_indices, sm_scale=sm_scale, causal=causal,
+                                max_kv_len=max_kv_len, v_head_dim=v_head_dim,
+                                **_fp8_args(kv_fp8_dtype, kv_scale))
+    return out.astype(q.dtype), lse
+
+
+# What the Pallas kernels read: q of these dtypes; fp8 pools of this format (as uint8 bytes).
+_PALLAS_Q_DTYPES = ("bfloat16", "float16")
+_PALLAS_FP8 = "float8_e4m3fn"
+
+
+def _pallas_fallback(q, kv_fp8_dtype) -> str | None:
+    """Why the Pallas kernels cannot take these inputs (None: they can)."""
+    dtype = str(q.dtype).removeprefix("torch.")
+    if dtype not in _PALLAS_Q_DTYPES:
+        return f"the Pallas kernels take bf16 / f16 q; q is {dtype}"
+    if kv_fp8_dtype is not None and jnp.dtype(kv_fp8_dtype).name != _PALLAS_FP8:
+        return (f"the Pallas kernels read {_PALLAS_FP8} pools; this pool is "
+                f"{jnp.dtype(kv_fp8_dtype).name}")
+    return None
+
+
+def pallas_route(mode, meta, *, causal: bool = True) -> tuple[str, int | None]:
+    """("decode", s_q) where `mla_decode` runs the call (causal, s_q <= PALLAS_MAX_S_Q queries
+    for every request), else ("extend", None): `mla_extend` runs it."""
+    s_q = _uniform_s_q(mode, meta)
+    if causal and s_q is not None and s_q <= PALLAS_MAX_S_Q:
+        return "decode", s_q
+    return "extend", None
 
 
 def _uniform_s_q(mode, meta) -> int | None:
@@ -193,8 +249,8 @@ def mla_attention(
     kv_fp8_dtype: JAX backends: `kv_pool` holds the uint8 bytes of an fp8 cache of this JAX
                 dtype (as `to_jax(..., fp8="bits")` imports it); it is bitcast inside the jitted
                 reference (no copy, later torch writes stay visible) and multiplied by
-                `kv_scale` (a float) if given. The Pallas kernel takes bf16 pools only, so an
-                fp8 pool falls back to the reference.
+                `kv_scale` (a float) if given; the Pallas kernels read float8_e4m3fn bytes
+                with `kv_scale` as k_scale (other fp8 formats fall back to the reference).
     return_lse: False skips exporting lse (one DLPack crossing less per call); lse is None.
     use_launcher, launcher_inputs: pallas with a torch q: launch the kernel straight on torch
                 tensors through `funcmla.interop.launcher` (no DLPack; capturable in a torch
@@ -212,17 +268,11 @@ def mla_attention(
                           q_scale=q_scale, kv_scale=kv_scale)
     from_torch = isinstance(q, torch.Tensor)
     fallback = launcher_reason = None
-    s_q = _uniform_s_q(mode, meta)
+    route, s_q = pallas_route(mode, meta, causal=causal)
     if name == "pallas":
-        if kv_fp8_dtype is not None:
-            fallback = "the Pallas kernel reads bf16 KV pools; this pool is fp8"
-        elif not causal:
-            fallback = "the Pallas kernel is causal only"
-        elif s_q is None or s_q > PALLAS_MAX_S_Q:
-            fallback = (f"mode {mode!r} has ragged or long queries; the "
-                        f"Pallas kernel takes s_q <= {PALLAS_MAX_S_Q} queries per request")
+        fallback = _pallas_fallback(q, kv_fp8_dtype)
     if name == "pallas" and fallback is None and use_launcher:
-        launcher_reason = _launcher_reason(q, launcher_inputs)
+        launcher_reason = _launcher_reason(q, launcher_inputs, s_q=s_q, kv_fp8_dtype=kv_fp8_dtype)
         if launcher_reason is None:
             from funcmla.interop import launcher
 
@@ -237,9 +287,16 @@ def mla_attention(
                                        via="launcher")
     qj = to_jax(q) if from_torch else q
     kvj = to_jax(kv_pool) if isinstance(kv_pool, torch.Tensor) else kv_pool
-    if name == "pallas" and fallback is None:
+    fp8 = dict(kv_fp8_dtype=None if kv_fp8_dtype is None else jnp.dtype(kv_fp8_dtype).name,
+               kv_scale=None if kv_scale is None or kv_fp8_dtype is None else float(kv_scale))
+    if name == "pallas" and fallback is None and route == "decode":
         out, lse = _pallas(qj, kvj, meta.kv_indptr, meta.kv_indices, sm_scale=float(sm_scale),
-                           s_q=s_q, max_kv_len=max_kv_len, v_head_dim=v_head_dim)
+                           s_q=s_q, max_kv_len=max_kv_len, v_head_dim=v_head_dim, **fp8)
+        ran = "pallas"
+    elif name == "pallas" and fallback is None:
+        out, lse = _pallas_ragged(qj, kvj, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                  sm_scale=float(sm_scale), causal=causal,
+                                  max_kv_len=max_kv_len, v_head_dim=v_head_dim, **fp8)
         ran = "pallas"
     else:
         out, lse = _reference(qj, kvj, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
@@ -257,8 +314,16 @@ def mla_attention(
     return AttentionResult(out, lse, ran, fallback, launcher_reason=launcher_reason)
 
 
-def _launcher_reason(q, launcher_inputs) -> str | None:
-    """None if the torch launcher can run q with (kv_pool, kv_indptr, kv_indices), else why not."""
+def _launcher_reason(q, launcher_inputs, *, s_q: int | None = 1,
+                     kv_fp8_dtype=None) -> str | None:
+    """None if the torch launcher can run q with (kv_pool, kv_indptr, kv_indices) as a decode
+    of s_q queries per request (`pallas_route`; None: an extend), else why not."""
+    if s_q is None:
+        return ("the launcher runs decode-shaped calls (causal, s_q <= "
+                f"{PALLAS_MAX_S_Q} queries per request); extend runs mla_extend through "
+                "DLPack + jit")
+    if kv_fp8_dtype is not None:
+        return "the launcher runs bf16 / f16 pools; an fp8 pool runs through DLPack + jit"
     if launcher_inputs is None or len(launcher_inputs) != 3:
         return "the launcher needs launcher_inputs=(kv_pool, kv_indptr, kv_indices)"
     try:

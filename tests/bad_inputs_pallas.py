@@ -15,6 +15,7 @@ from funcmla.attention.pallas import (
     MgpuDecodeConfig,
     merge_splits_pallas,
     mla_decode,
+    mla_extend,
     mla_decode_rows,
     mla_decode_rows_mgpu,
     validate_decode_inputs,
@@ -75,6 +76,23 @@ def _mgpu(page_size=64, heads=64, dtype=jnp.bfloat16, **kw):
 def _merge(o_shape, lse_shape, o_dtype=jnp.float32, lse_dtype=jnp.float32, **kw):
     return lambda: merge_splits_pallas(jnp.zeros(o_shape, o_dtype), jnp.zeros(lse_shape, lse_dtype),
                                        jnp.bfloat16, interpret=True, **kw)
+
+
+def _extend(qo=(0, 3, 5), kv=(0, 4, 9), indices=16, q_rows=5, pool_rows=64, **kw):
+    """mla_extend on a token CSR of 2 requests (3 + 2 queries over 4 + 5 keys)."""
+    return lambda: mla_extend(_q(batch=q_rows), _pool(pool_rows),
+                              qo_indptr=qo if hasattr(qo, "dtype") else jnp.array(qo, jnp.int32),
+                              kv_indptr=jnp.array(kv, jnp.int32),
+                              kv_indices=_indices(indices) if isinstance(indices, int)
+                              else jnp.array(indices, jnp.int32),
+                              **{"sm_scale": SCALE, "interpret": True, **kw})
+
+
+def _extend_pages(table, lengths, qo=(0, 3, 5), page_size=16, **kw):
+    return lambda: mla_extend(_q(batch=5), _pool(64), qo_indptr=jnp.array(qo, jnp.int32),
+                              page_table=PageTable(jnp.array(table, jnp.int32),
+                                                   jnp.array(lengths, jnp.int32), page_size),
+                              **{"sm_scale": SCALE, "interpret": True, **kw})
 
 
 _TABLE = jnp.array([[1, 2], [3, 0]], jnp.int32)
@@ -251,4 +269,34 @@ CASES: list[BadInput] = [
     BadInput("pallas.validate.negative_length", lambda: validate_decode_inputs(
         64, page_table=PageTable(_TABLE, jnp.array([-3, 16], jnp.int32), 16)),
              ValueError, ("page_table.lengths has negative values", "-3")),
+    # ------------------------------------------------------------------ mla_extend
+    BadInput("pallas.extend.kv_shorter_than_q", _extend(kv=(0, 2, 7)),
+             ValueError, ("request 0 has 3 queries but only 2 keys", "kv lengths")),
+    BadInput("pallas.extend.qo_indptr_past_q", _extend(q_rows=4),
+             ValueError, (r"qo_indptr\[-1\] = 5", "q has 4 rows")),
+    BadInput("pallas.extend.qo_indptr_decreasing", _extend(qo=(0, 3, 2)),
+             ValueError, ("qo_indptr must be non-decreasing", r"qo_indptr\[2\] = 2")),
+    BadInput("pallas.extend.kv_indptr_past_capacity", _extend(indices=8),
+             ValueError, (r"kv_indptr\[-1\] = 9", "capacity 8")),
+    BadInput("pallas.extend.slot_outside_pool", _extend(indices=[1] * 6 + [64] + [1] * 9),
+             ValueError, (r"kv_indices\[6\] = 64", "pool's 64 rows")),
+    BadInput("pallas.extend.page_outside_pool", _extend_pages([[1, 2], [4, 0]], [20, 9]),
+             ValueError, (r"page_table.table\[1, 0\] = 4", "pool's 4 pages")),
+    BadInput("pallas.extend.length_over_table", _extend_pages([[1, 2], [3, 0]], [40, 9]),
+             ValueError, (r"page_table.lengths\[0\] = 40", r"outside \[0, 32\]")),
+    BadInput("pallas.extend.page_table_rows", _extend_pages([[1, 2]], [20]),
+             ValueError, (r"page_table.table has shape \(1, 2\)", r"needs \[2, max_pages")),
+    BadInput("pallas.extend.indptrs_disagree", _extend(kv=(0, 4)),
+             ValueError, ("kv_indptr has 2 entries and qo_indptr 3",)),
+    BadInput("pallas.extend.qo_indptr_float", _extend(qo=jnp.array([0.0, 3.0, 5.0])),
+             TypeError, ("qo_indptr must be an int32 array", "float32")),
+    BadInput("pallas.extend.max_q_len", _extend(max_q_len=2),
+             ValueError, ("q_len of request 0 = 3", "max_q_len = 2")),
+    BadInput("pallas.extend.max_kv_len", _extend(max_kv_len=4),
+             ValueError, (r"kv_lens\[1\] = 5", "max_kv_len = 4")),
+    BadInput("pallas.extend.causal_not_bool", _extend(causal=1),
+             TypeError, ("causal must be a bool", "1")),
+    BadInput("pallas.extend.no_metadata", lambda: mla_extend(
+        _q(batch=5), _pool(), qo_indptr=jnp.array([0, 3, 5], jnp.int32), sm_scale=SCALE),
+             ValueError, ("kv_indptr and kv_indices", "page_table")),
 ]

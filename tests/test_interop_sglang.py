@@ -398,15 +398,17 @@ def test_kv_pool_imported_once_stays_live_across_steps(kv_dtype):
 
 @pytest.mark.parametrize("batch", [4, 3])  # 3: metadata padded to the batch bucket 4
 def test_pallas_backend_wiring_in_interpret_mode(monkeypatch, batch):
-    """The pallas path as the backend calls it (kernel in Pallas interpret mode on CPU): decode
-    runs the kernel, extend falls back to the reference and says why."""
+    """The pallas path as the backend calls it (kernels in Pallas interpret mode on CPU): decode
+    runs the decode kernel, the same step as an extend runs `mla_extend`, no fallback."""
     import functools
 
-    from funcmla.attention.pallas import mla_decode
+    from funcmla.attention.pallas import mla_decode, mla_extend
 
     monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
     monkeypatch.setattr(backend_select, "_pallas_decode",
                         lambda: functools.partial(mla_decode, interpret=True))
+    monkeypatch.setattr(backend_select, "_pallas_extend",
+                        lambda: functools.partial(mla_extend, interpret=True))
     assert select_backend() == "pallas"
     prefix, extend = [37, 0, 140, 9][:batch], [1, 1, 1, 1][:batch]
     rng, b, pool, backend = _setup(17, prefix, extend, 16, attention_backend="auto")
@@ -422,7 +424,8 @@ def test_pallas_backend_wiring_in_interpret_mode(monkeypatch, batch):
     res = mla_attention(q, pool.kv_buffer[0], dataclasses.replace(backend._jax_meta,
                                                                   mode="extend"),
                         sm_scale=SCALE, backend="pallas")
-    assert res.backend == "reference" and "ragged" in res.fallback_reason
+    assert res.backend == "pallas" and res.fallback_reason is None
+    assert rel_err(res.out.view(batch, H, 512), want) < 8e-3
 
 
 def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):

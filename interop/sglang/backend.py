@@ -24,7 +24,8 @@ import torch
 
 from funcmla.compile_cache import enable_compilation_cache
 from funcmla.interop.aiter_dispatch import AiterWorkPlan
-from funcmla.interop.backend_select import _launcher_reason, mla_attention, select_backend
+from funcmla.interop.backend_select import (_launcher_reason, mla_attention, pallas_route,
+                                            select_backend)
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.sglang import host_checks as hc
 from funcmla.interop.sglang.buckets import Buckets
@@ -599,7 +600,9 @@ class FuncMLAAttnBackend:
                        self.forward_metadata.kv_indptr, self._kv_indices_full) if launch else None)
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             if capturing:
-                reason = _launcher_reason(q3, inputs) if launch else "torch_launcher is off"
+                s_q = pallas_route(self._mode, self._jax_meta)[1]
+                reason = (_launcher_reason(q3, inputs, s_q=s_q) if launch
+                          else "torch_launcher is off")
                 if reason is not None:
                     raise RuntimeError(
                         f"the {self.attention_backend!r} backend runs in JAX here ({reason}), "

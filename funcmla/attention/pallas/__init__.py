@@ -4,7 +4,9 @@
 Triton-lowered one (`mla_decode_rows`; every shape) or the warp-specialized Mosaic GPU one for
 Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks; an fp8 pool runs the Triton one), and merges split-KV partials with
 `merge_splits_pallas`. `DecodeKernelConfig` is the static tiling, `choose_num_splits` the split
-rule. All of it runs in Pallas interpret mode on CPU. Design: docs/decode_kernel.md.
+rule. `mla_extend` (in `extend`) runs ragged extend batches on the same kernels, each
+request's queries cut into chunks that act as decode sequences. All of it runs in Pallas
+interpret mode on CPU. Design: docs/decode_kernel.md.
 """
 
 from funcmla.attention.pallas.decode_common import (  # noqa: F401
@@ -25,4 +27,8 @@ from funcmla.attention.pallas.api import (  # noqa: F401
     mla_decode_rows,
     mla_decode_rows_mgpu,
     validate_decode_inputs,
+)
+from funcmla.attention.pallas.extend import (  # noqa: F401
+    chunk_tokens,
+    mla_extend,
 )

@@ -24,8 +24,9 @@ so no unused pool row (NaN, Inf) reaches the result. Zero-length KV gives out 0 
 The TMA copies name pool rows by int32 coordinates and the gather forms 64-bit byte offsets,
 so pools past 2**31 bytes need no special care.
 
-Grid (sequences, splits, row blocks): Mosaic GPU launches the last axis fastest, so a
-sequence's row blocks run side by side and the second read of each KV tile hits L2. Splits,
+Grid: one flat axis of blocks (sequence, split, row block), row blocks fastest, so a
+sequence's row blocks run side by side and the second read of each KV tile hits L2; flat, so
+more than 65535 sequences (an extend's pseudo-sequences) launch. Splits,
 masking and partials are those of `decode_triton`, so the two kernels are interchangeable per
 call and share the merge. Arguments are checked by `funcmla.attention.pallas.api`, which calls
 `decode_call`. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode.
@@ -382,9 +383,14 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     (q_smem, kv_or_out, alpha_smem, l_smem, q_bar, k_full, k_empty, p_full, l_ready) = scratch
     (kv_smem,), (o_stage, lse_stage) = kv_or_out
 
-    rb = lax.axis_index("rb")
-    split = lax.axis_index("split")
-    b = lax.axis_index("b")
+    # One flat grid axis (CUDA's x, up to 2**31 - 1 blocks; y and z stop at 65535, which an
+    # extend's pseudo-sequences pass): block = (b * num_splits + split) * row_blocks + rb, so
+    # the launch order is that of the grid (b, split, rb) with rb fastest.
+    blk = lax.axis_index("blk")
+    row_blocks = s_q * num_heads // BLOCK_M
+    rb = lax.rem(blk, row_blocks)
+    split = lax.rem(lax.div(blk, row_blocks), num_splits)
+    b = lax.div(blk, row_blocks * num_splits)
     wg = lax.axis_index("wg")
 
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
@@ -664,11 +670,11 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         out_type=(jax.ShapeDtypeStruct((b, num_splits, rows, v_head_dim), o_dtype),
                   jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
         scratch_types=scratch,
-        # The row blocks of one sequence and split are launched back to back (Pallas's last
-        # grid axis varies fastest), so they stream the same KV tiles at about the same time
-        # and the second read of each tile hits L2.
-        grid=(b, num_splits, rows // BLOCK_M),
-        grid_names=("b", "split", "rb"),
+        # The row blocks of one sequence and split are launched back to back (the flat
+        # block index has rb fastest, `_kernel`), so they stream the same KV tiles at about
+        # the same time and the second read of each tile hits L2.
+        grid=(b * num_splits * (rows // BLOCK_M),),
+        grid_names=("blk",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
