@@ -467,3 +467,42 @@ def test_backend_launch_path_with_a_stand_in_launcher(mode, n, monkeypatch):
         graph = fast._graph_launch[(fast._graph_kind(fm), n)][1]
         assert graph.packed is fast._graph_buffer  # filled in place: no copy
     assert fast.metadata_launcher_reason is None
+
+
+class _RefusesBatchOne(_StandInLauncher):
+    """A launcher that cannot replay the batch-1 programs (on the H200 they read an XLA
+    constant), as StepLauncher refuses them."""
+
+    def __init__(self, spec, req_to_token, packed_out=None):
+        if spec.batch == 1 and packed_out is None:
+            raise UnsupportedProgram("thunk copy.1 reads a constant allocation (#12, color 0)")
+        super().__init__(spec, req_to_token, packed_out)
+
+
+def test_a_bucket_the_launcher_refuses_is_served_by_the_next_one(monkeypatch):
+    from funcmla.interop.sglang import backend as backend_mod
+    from funcmla.interop.sglang_backend import (
+        ForwardBatch,
+        ForwardMode,
+        FuncMLAAttnBackend,
+        MLATokenToKVPool,
+    )
+
+    rng = np.random.default_rng(5)
+    r2t = torch.tensor(rng.integers(0, 1 << 12, (8, 64)), dtype=torch.int32)
+    kv = MLATokenToKVPool(64, 16, torch.bfloat16, 1)
+    make = lambda: FuncMLAAttnBackend(r2t, kv, page_size=16, num_heads=16,  # noqa: E731
+                                      attention_backend="reference")
+    ref, fast = make(), make()
+    monkeypatch.setattr(backend_mod, "StepLauncher", _RefusesBatchOne)
+    fast._launch_env_reason = fast.metadata_launcher_reason = None
+    seq, rpi = torch.tensor([37], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    fb = ForwardBatch(ForwardMode.DECODE, 1, rpi, seq, seq, 37, torch.zeros(1, dtype=torch.int64))
+    ref.init_forward_metadata(fb)
+    fast.init_forward_metadata(fb)
+    (spec, launcher), = fast._launch_fast.values()
+    assert spec.batch == 2 and launcher.calls == 1  # the batch-2 program, launched
+    assert "batch 1" in fast.metadata_launcher_reason
+    for name in _FIELDS:
+        assert torch.equal(getattr(fast.forward_metadata, name),
+                           getattr(ref.forward_metadata, name)), name

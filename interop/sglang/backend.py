@@ -311,6 +311,24 @@ class FuncMLAAttnBackend:
             self._step_launchers[key] = launcher
         return launcher
 
+    def _launchable_spec(self, kind: str, bp: int, capacity: int, n: int, plan_q: int):
+        """(spec, launcher or None) for a step of batch bucket `bp`. A bucket whose program the
+        launcher cannot replay is served by the next bucket's program when that one can be
+        (batch 1's programs read an XLA constant); padding is invisible in the outputs."""
+        spec = self._spec(kind, bp, capacity, n, plan_q)
+        if self._launch_env_reason is not None:
+            return spec, None
+        launcher = self._launcher(spec)
+        sizes = self.buckets.batch_sizes
+        for larger in sizes[sizes.index(bp) + 1:sizes.index(bp) + 3]:
+            if launcher is not None:
+                break
+            wider = self._spec(kind, larger, capacity, n, plan_q)
+            launcher = self._launcher(wider)
+            if launcher is not None:
+                spec = wider
+        return spec, launcher
+
     # ---- eager metadata --------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Check the step from its host fields, then build its metadata and work plan (one
@@ -348,8 +366,7 @@ class FuncMLAAttnBackend:
         fast_key = (kind, bp, capacity, n, plan_q)  # a plain tuple: cheaper than the spec's hash
         spec, launcher = self._launch_fast.get(fast_key, (None, None))
         if spec is None:
-            spec = self._spec(kind, bp, capacity, n, plan_q)
-            launcher = self._launcher(spec) if self._launch_env_reason is None else None
+            spec, launcher = self._launchable_spec(kind, bp, capacity, n, plan_q)
             self._launch_fast[fast_key] = (spec, launcher)
         if launcher is not None:
             parts = (fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens) \
