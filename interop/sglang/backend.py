@@ -416,8 +416,8 @@ class FuncMLAAttnBackend:
         key = (fast_key, batch, max_q)
         cached = self._launch_views.get(key)
         buf = launcher.packed
-        off = step_layout(spec).offsets
         if cached is None:
+            off = step_layout(spec).offsets
             view = lambda name, *shape: buf.as_strided(  # noqa: E731
                 shape, (shape[1], 1) if len(shape) == 2 else (1,), off[name])
             plan = {}
@@ -433,7 +433,7 @@ class FuncMLAAttnBackend:
         kv_indptr, qo_indptr, last, plan, full = cached
         if kind == "extend" and plan:
             plan = dict(plan, fp8_prefill_kv_indices=buf.as_strided(
-                (total,), (1,), off["fp8_prefill_kv_indices"]))
+                (total,), (1,), step_layout(spec).offsets["fp8_prefill_kv_indices"]))
         if self.torch_launcher:
             self._kv_indices_full = full
         return ForwardMetadata(kv_indptr, full[:total], qo_indptr, last, max_q, max_kv,
