@@ -4,7 +4,10 @@
 Triton-lowered one (`mla_decode_rows`; every shape) or the warp-specialized Mosaic GPU one for
 Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks; an fp8 pool runs the Triton one), and merges split-KV partials with
 `merge_splits_pallas`. `DecodeKernelConfig` is the static tiling, `choose_num_splits` the split
-rule. All of it runs in Pallas interpret mode on CPU. Design: docs/decode_kernel.md.
+rule. `mha_prefill` (in `prefill`) is the ragged MHA prefill (q/k 192, v 128) on a
+warp-specialized Mosaic GPU kernel (`MgpuPrefillConfig`); `merge_attention_states` combines
+two (out, lse) partials. All of it runs in Pallas interpret mode on CPU. Design:
+docs/decode_kernel.md, docs/prefill_kernel.md.
 """
 
 from funcmla.attention.pallas.decode_common import (  # noqa: F401
@@ -13,7 +16,10 @@ from funcmla.attention.pallas.decode_common import (  # noqa: F401
     choose_num_splits,
     merge_splits,
 )
-from funcmla.attention.pallas.merge import merge_splits_pallas  # noqa: F401
+from funcmla.attention.pallas.merge import (  # noqa: F401
+    merge_attention_states,
+    merge_splits_pallas,
+)
 from funcmla.attention.pallas.decode_mgpu import (  # noqa: F401
     MgpuDecodeConfig,
     mgpu_decode_supported,
@@ -25,4 +31,9 @@ from funcmla.attention.pallas.api import (  # noqa: F401
     mla_decode_rows,
     mla_decode_rows_mgpu,
     validate_decode_inputs,
+)
+from funcmla.attention.pallas.prefill_mgpu import MgpuPrefillConfig  # noqa: F401
+from funcmla.attention.pallas.prefill import (  # noqa: F401
+    mha_prefill,
+    validate_prefill_inputs,
 )
