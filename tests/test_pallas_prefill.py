@@ -65,16 +65,24 @@ def run_case(heads, q_lens, kv_lens, causal, *, seed=0, config=MgpuPrefillConfig
 
 
 # (q_lens, kv_lens): a prefix with a partial tile and a q tile past 64 rows, an empty request,
-# q_len = 1 over a prefix, q_len = kv_len on a tile boundary.
-CAUSAL = ([70, 0, 1, 64], [100, 0, 33, 64])
+# q_len = 1 over a prefix (the fast case); q_len = kv_len on a tile boundary (the slow one).
+CAUSAL = ([70, 0, 1], [100, 0, 33])
+CAUSAL_MORE = ([70, 0, 1, 64], [100, 0, 33, 64])
 # kv_len 0 with queries (out 0, lse +inf), kv shorter than q, a long request over two tiles.
 FULL = ([5, 9, 70], [0, 3, 130])
 
 
 def test_interpret_causal_varlen():
-    run_case(2, *CAUSAL, causal=True)
+    """One head (the interpreter's cost grows with the blocks); two heads in the slow set."""
+    run_case(1, *CAUSAL, causal=True)
 
 
+@pytest.mark.slow
+def test_interpret_causal_varlen_two_heads():
+    run_case(2, *CAUSAL_MORE, causal=True, seed=1, poison=-np.inf)
+
+
+@pytest.mark.slow
 def test_interpret_non_causal_varlen():
     run_case(2, *FULL, causal=False, poison=np.inf)
 

@@ -236,8 +236,6 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
     def consumer(w: int):
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        rows_iota = _iota((ROWS, block_kv), 0, interpret)
-        cols_iota = _iota((ROWS, block_kv), 1, interpret)
         q_smem = q_smems[w]
         row0 = qb0 + w * ROWS  # this consumer's first query row within the request
         # Keys visible to row r of this consumer: < diag + r (causal), < kv_len always.
@@ -252,6 +250,10 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
             s = _qk(q_smem, k_smem.at[st], block_kv, interpret)
             plgpu.barrier_arrive(k_empty.at[st])
             if masked:
+                # The iotas are built here, in the masked tiles only: a [64, 128] int32 array
+                # is 64 registers a thread, which the unmasked loop need not hold.
+                rows_iota = _iota((ROWS, block_kv), 0, interpret)
+                cols_iota = _iota((ROWS, block_kv), 1, interpret)
                 base = i * block_kv
                 keep = cols_iota < kv_len - base
                 if causal:
