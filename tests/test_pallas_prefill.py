@@ -88,17 +88,29 @@ def test_interpret_non_causal_varlen():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpret_pingpong(causal):
+    """The consumers' turns (`MgpuPrefillConfig.pingpong`) change the schedule, not the
+    result: the same cases, 64-token tiles in 2 and 3 stages."""
+    lens = CAUSAL if causal else FULL
+    run_case(1, *lens, causal=causal, poison=np.inf,
+             config=MgpuPrefillConfig(block_kv=64, num_stages=2 if causal else 3,
+                                      pingpong=True))
+
+
+@pytest.mark.slow
 def test_interpret_16_heads_block_kv_128():
     """16 heads, the default 128-token tiles, q_len = kv_len = 1 and a 130-token prefix."""
     run_case(16, [1, 20], [1, 150], True, config=MgpuPrefillConfig(), poison=-np.inf)
 
 
 @pytest.mark.slow
-def test_interpret_has_no_data_race():
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_interpret_has_no_data_race(pingpong):
     """Mosaic GPU's interpreter, with its race detector on, finds no unordered shared-memory
     access between the producer and the consumers: stage refills (4 tiles in 2 stages), the
-    zeroed V tail, the output staging over q. The detector is a private jax API: skip where
-    it has moved."""
+    zeroed V tail, the output staging over q, with and without the consumers' turns. The
+    detector is a private jax API: skip where it has moved."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -106,14 +118,15 @@ def test_interpret_has_no_data_race():
         pytest.skip(f"Mosaic GPU interpreter's race detector not importable: {e}")
     q, k, v, qo, kv = make(np.random.default_rng(3), 1, [70], [230])
     out, _ = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
-                         config=MgpuPrefillConfig(block_kv=64),
+                         config=MgpuPrefillConfig(block_kv=64, pingpong=pingpong),
                          interpret=InterpretGPUParams(detect_races=True))
     jax.block_until_ready(out)
     assert not interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("heads,causal,config", [(16, True, MgpuPrefillConfig()),
-                                                 (128, False, MgpuPrefillConfig(64, 3))])
+@pytest.mark.parametrize("heads,causal,config", [
+    (16, True, MgpuPrefillConfig()), (128, False, MgpuPrefillConfig(64, 3)),
+    (128, True, MgpuPrefillConfig(pingpong=True))])
 def test_lowers_for_cuda(heads, causal, config):
     """The compiled kernel lowers for CUDA on any host (Mosaic GPU's code generation runs here;
     only ptxas needs the GPU), at 16 and 128 heads and a row count that needs padding."""
@@ -234,6 +247,10 @@ GPU_CASES = [  # heads, q_lens, kv_lens, causal, config
     (128, [64, 200, 1], [64, 1200, 33], True, MgpuPrefillConfig()),
     (16, [77, 0, 513], [5, 9, 513], False, MgpuPrefillConfig()),
     (128, [257, 3], [900, 3], True, MgpuPrefillConfig(block_kv=64, num_stages=3)),
+    (16, [1000, 1, 0, 300, 129], [1000, 700, 0, 4000, 129], True,
+     MgpuPrefillConfig(pingpong=True)),
+    (16, [77, 0, 513], [5, 9, 513], False, MgpuPrefillConfig(block_kv=64, num_stages=4,
+                                                            pingpong=True)),
 ]
 
 

@@ -73,6 +73,10 @@ class MgpuPrefillConfig:
         (192 + 128) x 2 bytes must fit the SM's 227 KB.
     consumer_registers / producer_registers: `setmaxnreg` per warpgroup; 2 x consumer +
         producer <= 512 (64K registers / 128 threads).
+    pingpong: the two consumers take turns on the matrix units (FlashAttention-3's
+        inter-warpgroup schedule): each one's P V waits until the other has issued its next
+        q k^T, so one's softmax runs under the other's products. Both meet on a two-arrival
+        barrier twice a tile.
     Defaults and the sweep that chose them: docs/prefill_kernel.md (`python -m bench.prefill
     --sweep`).
     """
@@ -81,8 +85,11 @@ class MgpuPrefillConfig:
     num_stages: int = 2
     consumer_registers: int = 232
     producer_registers: int = 40
+    pingpong: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.pingpong, bool):
+            raise ValueError(f"MgpuPrefillConfig.pingpong must be a bool, got {self.pingpong!r}")
         if self.block_kv not in (64, 128):
             raise ValueError(f"MgpuPrefillConfig.block_kv must be 64 or 128, got "
                              f"{self.block_kv!r}")
@@ -137,15 +144,20 @@ def tile_schedule(qo_indptr: jax.Array, num_slots: int) -> tuple[jax.Array, jax.
     return jnp.where(live, req, -1), jnp.where(live, first, 0)
 
 
-def _qk(q_smem, k_smem, block_kv: int, interpret: bool):
-    """q k^T in fp32 [64, block_kv] (`wgmma`, K = 192, waited). The interpreter runs no wgmma
-    on a transposed operand, so there it is a plain fp32 dot of the same tiles."""
+def _qk(q_smem, k_smem, block_kv: int, interpret: bool, while_running=None):
+    """q k^T in fp32 [64, block_kv] (`wgmma`, K = 192, waited); `while_running()` (if given)
+    runs between the issue and the wait. The interpreter runs no wgmma on a transposed
+    operand, so there it is a plain fp32 dot of the same tiles."""
     if interpret:
+        if while_running is not None:
+            while_running()
         return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
     def body(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+        if while_running is not None:
+            while_running()
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
@@ -177,7 +189,7 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
             scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
             scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
     (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-     v_clean) = scratch
+     v_clean, turn) = scratch
     q_smems, o_stages, lse_stages = (qo0[0], qo1[0]), (qo0[1], qo1[1]), (lse0, lse1)
 
     h = lax.axis_index("h")
@@ -243,11 +255,17 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
         first_limit = jnp.clip(diag, 0, kv_len)
         n_plain = jnp.minimum(first_limit // block_kv, count)
 
+        def meet():
+            """Both consumers at the turn barrier (`MgpuPrefillConfig.pingpong`)."""
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
             st = lax.rem(i, num_stages)
             plgpu.barrier_wait(k_full.at[st])
-            s = _qk(q_smem, k_smem.at[st], block_kv, interpret)
+            s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
+                    meet if cfg.pingpong else None)
             plgpu.barrier_arrive(k_empty.at[st])
             if masked:
                 # The iotas are built here, in the masked tiles only: a [64, 128] int32 array
@@ -266,6 +284,8 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
             p16 = p.astype(q_smem.dtype)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
+                plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(v_full.at[st])
             if masked:
                 valid = kv_len - i * block_kv
@@ -286,6 +306,8 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
                     else:
                         plgpu.barrier_wait(v_clean.at[st])
 
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
             acc, l_i = _mma_acc_and(acc, p16, v_smem.at[st], l_i,
                                     lambda l_prev: l_prev * alpha + p.sum(axis=1), interpret)
             plgpu.barrier_arrive(v_empty.at[st])
@@ -296,10 +318,14 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
         m_i = _in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
         l_i = _in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
         plgpu.barrier_wait(q_bar.at[w])
+        if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
+            meet()
         carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
                               (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
                                       carry)
+        if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
+            meet()
 
         has = l_i > 0.0
         l_safe = jnp.where(has, l_i, 1.0)
@@ -357,6 +383,7 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # K stage released by both
         plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # V stage released by both
         plgpu.Barrier(num_barriers=ns),                   # V tail rows zeroed (consumer 0)
+        plgpu.Barrier(num_arrivals=2),                    # the consumers' turns (pingpong)
     ]
     kernel = functools.partial(
         _kernel, causal=causal, block_kv=bkv, num_stages=ns, num_slots=num_slots,
@@ -376,7 +403,8 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_mgpu_params(interpret),
-        kernel_name=f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}",
+        kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
+                     + ("_pingpong" if config.pingpong else "")),
     )
     out, lse_tiles = call(qo_indptr, kv_indptr, req, first, q, k, v)
     return out, lse_tiles, first
