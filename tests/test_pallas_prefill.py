@@ -100,8 +100,12 @@ def test_interpret_pingpong(causal):
 
 @pytest.mark.slow
 def test_interpret_16_heads_block_kv_128():
-    """16 heads, the default 128-token tiles, q_len = kv_len = 1 and a 130-token prefix."""
-    run_case(16, [1, 20], [1, 150], True, config=MgpuPrefillConfig(), poison=-np.inf)
+    """16 heads (one block each: the interpreter's cost), the default 128-token tiles, 20
+    queries over a 130-token prefix (an unmasked tile, then the diagonal and the tail)."""
+    q, k, v, qo, kv = make(np.random.default_rng(2), 16, [20], [150], extra_q=0,
+                           poison=-np.inf)
+    out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, interpret=True)
+    check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=True))
 
 
 @pytest.mark.slow

@@ -121,3 +121,12 @@ def test_mha_extend_refuses_what_it_cannot_do():
     del layer.kv_b_proj
     with pytest.raises(ValueError, match="kv_b_proj"):
         backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+
+
+def test_mha_extend_records_why_the_reference_ran():
+    """AITER's MHA prefill is not wrapped: the aiter backend runs the float32 reference for the
+    MHA extend and says so."""
+    backend, out, want, *_ = _step(16, [5, 0], [17, 9], 6, backend_name="aiter")
+    assert backend.last_backend == "reference"
+    assert "AITER" in backend.last_fallback_reason
+    assert rel_err(out, want) < 8e-3
