@@ -14,7 +14,10 @@ lse is the natural log of the softmax denominator of the scaled scores. An fp8 p
 (`funcmla.attention.kv_quant`) is dequantized in float32: k = k_scale * x, v = v_scale * x.
 
 Masked keys contribute exactly zero whatever their pool rows hold (NaN, Inf): they are selected
-away before the products, never multiplied by a zero weight. Values are checked
+away before the products, never multiplied by a zero weight.
+
+`mha_attention_reference` is the same rule for ragged multi-head attention over dense
+q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] (the MHA prefill, `funcmla.attention.pallas.prefill`). Values are checked
 (`funcmla.checks.check_attention_values`) when concrete and under `funcmla.checks.checked`.
 """
 
