@@ -348,6 +348,34 @@ def fmt(r: dict) -> str:
             f"x{ratio}  err {r['rel_err']:.2e}  {r.get('targets', '')}")
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """TFLOP/s per case and config, with the case's baseline and target, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("tflops")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4.5))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["tflops"] for r in rows], 0.4, label="funcmla prefill kernel")
+    ax.bar(x + 0.2, [r.get("baseline_tflops") or 0 for r in rows], 0.4,
+           label="fastest dense baseline (same run)")
+    for i, r in enumerate(rows):
+        tf = TARGETS.get(r["case"], (None, None))[0]
+        if tf:
+            ax.plot([i - 0.45, i + 0.45], [tf, tf], "r--", lw=1)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r['case']}\n{r.get('config', '')}" for r in rows], fontsize=6)
+    ax.set_ylabel("useful TFLOP/s (causal counts half)")
+    ax.set_title("ragged MHA prefill, device time per call (red: target)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
@@ -376,6 +404,11 @@ def main(argv=None):
     payload["seconds"] = time.time() - t0
     write_json(path, payload)
     log(f"wrote {path}")
+    try:
+        plot([r for name, _ in case_groups() for r in payload[name]],
+             path.rsplit(".", 1)[0] + ".png")
+    except ImportError as e:  # matplotlib is the `bench` extra
+        log(f"no plot: {e}")
     for name, _ in case_groups():
         for r in payload[name]:
             log(fmt(r))
