@@ -4,8 +4,8 @@ ratio to the fastest dense attention measured in the same run, and the error aga
 Case groups (`case_groups`): each is a function `rows(args) -> list[dict]` whose rows carry at
 least {"group", "case", "us", "tflops", "baseline", "baseline_us", "ratio", "rel_err"}
 (ratio = baseline time / kernel time, > 1: the kernel is faster; "targets": the issue's
-targets judged on the row, `verdict`). The MHA group (`mha_rows`) is here; the absorbed MLA extend group is
-`bench.extend.extend_rows`, added when that module exists.
+targets judged on the row, `verdict`). The MHA group (`mha_rows`) is here; the absorbed MLA
+extend group is `bench.extend.extend_rows`, added when that module exists.
 
 MHA cases (q / k [T, H, 192], v [T, H, 128], bf16):
   * causal, one request of 16k tokens, H = 128;

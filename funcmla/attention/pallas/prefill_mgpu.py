@@ -50,8 +50,8 @@ from funcmla.attention.pallas.decode_mgpu import (
     _mma_acc_and,
 )
 
-__all__ = ["MgpuPrefillConfig", "prefill_call", "tile_schedule", "first_slots", "BLOCK_Q", "HEAD_DIM",
-           "V_HEAD_DIM", "SMEM_BYTES"]
+__all__ = ["MgpuPrefillConfig", "prefill_call", "tile_schedule", "first_slots", "BLOCK_Q",
+           "HEAD_DIM", "V_HEAD_DIM", "SMEM_BYTES"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -185,8 +185,8 @@ def _store_rows(o_stage, o_dst_rows, n):
             off = off + jnp.where(take, size, 0)
 
 
-def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-            scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
+def _kernel(qo_indptr_ref, kv_indptr_ref, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref,
+            lse_ref, scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
             scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
     (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
      v_clean, turn) = scratch
@@ -198,10 +198,10 @@ def _kernel(qo_ref, kv_ref_ptr, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref, 
     req = req_ref[slot_id]
     live = req >= 0
     reqc = jnp.maximum(req, 0)
-    q_start = qo_ref[reqc]
-    q_len = qo_ref[reqc + 1] - q_start
-    kv_start = kv_ref_ptr[reqc]
-    kv_len = kv_ref_ptr[reqc + 1] - kv_start
+    q_start = qo_indptr_ref[reqc]
+    q_len = qo_indptr_ref[reqc + 1] - q_start
+    kv_start = kv_indptr_ref[reqc]
+    kv_len = kv_indptr_ref[reqc + 1] - kv_start
     qb0 = first_ref[slot_id]  # the block's first query row within the request
 
     # Tiles of the block: up to the last live row's causal limit (all of the KV otherwise).
