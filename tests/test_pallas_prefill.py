@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
 from funcmla.attention.pallas.prefill import _mha_prefill
@@ -214,6 +216,47 @@ def test_merge_of_reference_parts_is_one_shot_attention():
     ref, ref_lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-6)
+
+
+# Fixed data for the property below (Hypothesis draws the lengths and splits; the values are
+# constant, so every example runs the same two compiled references).
+_PQ, _PK = 18, 36
+_PROP = make(np.random.default_rng(11), 2, [_PQ], [_PK], extra_q=0, extra_kv=0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=3))
+def test_merge_property_any_prefix_split(lens):
+    """For any requests of (new, prefix) lengths: the prefix part (not causal) merged with
+    the new-token part (causal) equals bottom-right causal attention over prefix + new. Key
+    rows past each part's last request hold NaN, so a part's unused rows are never read."""
+    q, k, v, _, _ = _PROP
+    new = [n for n, _ in lens]
+    prefix = [p for _, p in lens]
+    qo = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+
+    def part(lengths, rows):  # k / v rows `rows` first, NaN after; its indptr
+        idx = np.concatenate([np.asarray(rows, int), np.zeros(_PK - len(rows), int)])
+        keep = (np.arange(_PK) < len(rows))[:, None, None]
+        pk = jnp.where(keep, k[idx], jnp.nan)
+        pv = jnp.where(keep, v[idx], jnp.nan)
+        return pk, pv, jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+    # request i's keys: prefix rows then new rows, taken from disjoint ranges of k / v
+    pre_rows, new_rows, all_rows, at = [], [], [], 0
+    for n, p in lens:
+        pre_rows += range(at, at + p)
+        new_rows += range(at + p, at + p + n)
+        all_rows += range(at, at + p + n)
+        at += p + n
+    kp, vp, ip_p = part(prefix, pre_rows)
+    kn, vn, ip_n = part(new, new_rows)
+    ka, va, ip_a = part([n + p for n, p in lens], all_rows)
+    o1, l1 = mha_attention_reference(q, kp, vp, qo, ip_p, sm_scale=SCALE, causal=False)
+    o2, l2 = mha_attention_reference(q, kn, vn, qo, ip_n, sm_scale=SCALE, causal=True)
+    out, lse = merge_attention_states(o1, l1, o2, l2)
+    ref, ref_lse = mha_attention_reference(q, ka, va, qo, ip_a, sm_scale=SCALE, causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=3e-6)
 
 
 def test_merge_empty_sides():
