@@ -42,10 +42,15 @@ def is_mha_extend(layer) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _pallas_prefill():
-    """The Pallas prefill entry point (imported on first use; tests swap in interpret mode)."""
+    """The Pallas prefill entry point, jitted (imported on first use; tests swap in interpret
+    mode). Under jit the index values are not re-read on the host per layer (no
+    device-to-host sync): they are the step's metadata, built by funcmla and checked once from
+    the batch's host fields in `init_forward_metadata`."""
+    import jax
+
     from funcmla.attention.pallas import mha_prefill
 
-    return mha_prefill
+    return jax.jit(mha_prefill, static_argnames=("sm_scale", "causal", "config", "interpret"))
 
 
 def _heads(x: torch.Tensor, name: str, heads: int, d: int) -> torch.Tensor:
