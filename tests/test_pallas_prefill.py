@@ -4,11 +4,11 @@ restatement.
 
 On CPU the kernel runs in Mosaic GPU interpret mode (barriers, TMA copies and wgmma simulated;
 q k^T is a plain dot there). The interpreter costs seconds per live block, so the CPU cases fold
-many request shapes into one call each, on 2 heads: varlen, zero-length q and kv, q_len =
-kv_len, q_len = 1, a prefix (kv_len > q_len), a partial last KV tile, rows past qo_indptr[-1],
-and k / v rows past kv_indptr[-1] holding NaN / Inf (which must not reach any output). 16 and
-128 heads run on CPU as a CUDA lowering (every head count lowers) and, at 16 heads, in the
-interpreter (`slow`); compiled, on a GPU (`gpu`).
+many request shapes into one call each, on 1 or 2 heads: varlen, zero-length q and kv, q_len =
+kv_len, q_len = 1, a prefix (kv_len > q_len), prefix only (q_len 0), a partial last KV tile,
+rows past qo_indptr[-1], and k / v rows past kv_indptr[-1] holding NaN / Inf (which must not
+reach any output). 16 and 128 heads run on CPU as a CUDA lowering (every head count lowers)
+and, at 16 heads, in the interpreter (`slow`); compiled, on a GPU (`gpu`).
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ def run_case(heads, q_lens, kv_lens, causal, *, seed=0, config=MgpuPrefillConfig
     check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=causal))
 
 
-# (q_lens, kv_lens): a prefix with a partial tile and a q tile past 64 rows, an empty request,
-# q_len = 1 over a prefix (the fast case); q_len = kv_len on a tile boundary (the slow one).
-CAUSAL = ([70, 0, 1], [100, 0, 33])
+# (q_lens, kv_lens): a prefix with a partial tile and a q tile past 64 rows, a prefix-only
+# request (no queries), q_len = 1 over a prefix (the fast case); an empty request and q_len =
+# kv_len on a tile boundary (the slow one).
+CAUSAL = ([70, 0, 1], [100, 5, 33])
 CAUSAL_MORE = ([70, 0, 1, 64], [100, 0, 33, 64])
 # kv_len 0 with queries (out 0, lse +inf), kv shorter than q, a long request over two tiles.
 FULL = ([5, 9, 70], [0, 3, 130])
