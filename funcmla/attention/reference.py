@@ -14,7 +14,10 @@ lse is the natural log of the softmax denominator of the scaled scores. An fp8 p
 (`funcmla.attention.kv_quant`) is dequantized in float32: k = k_scale * x, v = v_scale * x.
 
 Masked keys contribute exactly zero whatever their pool rows hold (NaN, Inf): they are selected
-away before the products, never multiplied by a zero weight. Values are checked
+away before the products, never multiplied by a zero weight.
+
+`mha_attention_reference` is the same rule for ragged multi-head attention over dense
+q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] (the MHA prefill, `funcmla.attention.pallas.prefill`). Values are checked
 (`funcmla.checks.check_attention_values`) when concrete and under `funcmla.checks.checked`.
 """
 
@@ -31,7 +34,7 @@ from funcmla.guards import enforce, should_check
 from funcmla.layout import expect_index_array
 from funcmla.segments import segment_ids, take_or_fill
 
-__all__ = ["mla_attention_reference", "visible_kv_lens"]
+__all__ = ["mla_attention_reference", "mha_attention_reference", "visible_kv_lens"]
 
 
 def visible_kv_lens(
@@ -136,6 +139,74 @@ def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, scales, *, sm_scale
         p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
         denom = jnp.sum(p, axis=-1)
         out = jnp.einsum("hs,sd->hd", p, v, precision=hi)
+        has = vis_t > 0
+        out = jnp.where(has, out / jnp.where(has, denom, 1.0)[:, None], 0.0)
+        lse = jnp.where(has, m[:, 0] + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)
+        return out, lse
+
+    out, lse = jax.lax.map(one_query, (q, start, vis), batch_size=max(1, min(query_chunk, num_q)))
+    return out.astype(jnp.float32), lse.astype(jnp.float32)
+
+
+def mha_attention_reference(
+    q: jax.Array,  # [Tq, H, Dqk]
+    k: jax.Array,  # [Tk, H, Dqk]
+    v: jax.Array,  # [Tk, H, Dv]
+    qo_indptr: jax.Array,  # int32 [B + 1]
+    kv_indptr: jax.Array,  # int32 [B + 1]
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    max_kv_len: int | None = None,
+    query_chunk: int = 16,
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged multi-head attention in float32: (out [Tq, H, Dv], lse [Tq, H]).
+
+    Request i's queries are q rows [qo_indptr[i], qo_indptr[i+1]), its keys and values k / v
+    rows [kv_indptr[i], kv_indptr[i+1]); head h of a query attends to head h of its keys
+    (num_kv_heads = H). Causal is bottom-right, as in `mla_attention_reference`; queries that
+    see no key (kv_len 0, rows past qo_indptr[-1]) get out 0 and lse +inf. Keys outside a
+    query's visible range are selected away before the products (NaN or Inf rows there never
+    reach the output). `max_kv_len` (static) bounds the keys gathered per query (default Tk).
+    """
+    for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+        expect_index_array(x, name)
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[1:] != k.shape[1:] \
+            or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"expected q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv], got q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}")
+    if qo_indptr.shape != kv_indptr.shape or qo_indptr.ndim != 1:
+        raise ValueError(f"qo_indptr and kv_indptr must both be [B + 1], got "
+                         f"{tuple(qo_indptr.shape)}, {tuple(kv_indptr.shape)}")
+    return _mha_reference(q, k, v, qo_indptr, kv_indptr, sm_scale=float(sm_scale),
+                          causal=causal, max_kv_len=max_kv_len, query_chunk=query_chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "max_kv_len", "query_chunk"))
+def _mha_reference(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, max_kv_len,
+                   query_chunk):
+    num_q = q.shape[0]
+    span = max(k.shape[0] if max_kv_len is None else int(max_kv_len), 1)
+    b, vis = visible_kv_lens(qo_indptr, kv_indptr, num_q, causal=causal)
+    start = kv_indptr[jnp.minimum(b, qo_indptr.shape[0] - 2)]
+    pos = jnp.arange(span, dtype=jnp.int32)
+    hi = jax.lax.Precision.HIGHEST
+
+    def one_query(args):
+        q_t, start_t, vis_t = args
+        valid = pos < vis_t
+        rows = start_t + pos
+        kt = jnp.where(valid[:, None, None], take_or_fill(k, rows, fill=0).astype(jnp.float32),
+                       0.0)  # [S, H, D]; select, never multiply
+        vt = jnp.where(valid[:, None, None], take_or_fill(v, rows, fill=0).astype(jnp.float32),
+                       0.0)
+        s = jnp.einsum("hd,shd->hs", q_t.astype(jnp.float32), kt, precision=hi) * sm_scale
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
+        denom = jnp.sum(p, axis=-1)
+        out = jnp.einsum("hs,shd->hd", p, vt, precision=hi)
         has = vis_t > 0
         out = jnp.where(has, out / jnp.where(has, denom, 1.0)[:, None], 0.0)
         lse = jnp.where(has, m[:, 0] + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)

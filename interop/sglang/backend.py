@@ -29,6 +29,7 @@ from funcmla.interop.backend_select import (_launcher_reason, mla_attention, pal
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.sglang import host_checks as hc
 from funcmla.interop.sglang.buckets import Buckets
+from funcmla.interop.sglang.mha_extend import is_mha_extend, mha_extend
 from funcmla.interop.sglang.modes import resolve_mode
 from funcmla.interop.sglang.step import StepSpec, build_step, num_parts, step_layout
 from funcmla.interop.sglang.step_launch import StepLauncher, step_launch_unavailable
@@ -162,6 +163,7 @@ class FuncMLAAttnBackend:
         self.attention_backend = select_backend(attention_backend)
         self.last_backend: str | None = None
         self.last_via: str | None = None
+        self.last_fallback_reason: str | None = None  # set by the MHA extend
         self.torch_launcher = torch_launcher
         self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
         self._req_to_token_jax = to_jax(req_to_token)  # long-lived: imported once
@@ -653,7 +655,11 @@ class FuncMLAAttnBackend:
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:
-        """Absorbed extend (bottom-right causal over prefix + new tokens)."""
+        """Absorbed extend (bottom-right causal over prefix + new tokens); a layer with SGLang's
+        MHA shapes (q / k 192, v 128, num_kv_heads = H) runs the MHA extend instead
+        (`funcmla.interop.sglang.mha_extend`)."""
+        if is_mha_extend(layer):
+            return mha_extend(self, q, k, v, layer, forward_batch, save_kv_cache)
         return self._save_and_attend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _save_and_attend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,

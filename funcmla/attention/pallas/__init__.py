@@ -5,8 +5,10 @@ Triton-lowered one (`mla_decode_rows`; every shape) or the warp-specialized Mosa
 Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks; an fp8 pool runs the Triton one), and merges split-KV partials with
 `merge_splits_pallas`. `DecodeKernelConfig` is the static tiling, `choose_num_splits` the split
 rule. `mla_extend` (in `extend`) runs ragged extend batches on the same kernels, each
-request's queries cut into chunks that act as decode sequences. All of it runs in Pallas
-interpret mode on CPU. Design: docs/decode_kernel.md.
+request's queries cut into chunks that act as decode sequences. `mha_prefill` (in `prefill`)
+is the ragged MHA prefill (q/k 192, v 128) on a warp-specialized Mosaic GPU kernel
+(`MgpuPrefillConfig`); `merge_attention_states` combines two (out, lse) partials. All of it
+runs in Pallas interpret mode on CPU. Design: docs/decode_kernel.md, docs/prefill_kernel.md.
 """
 
 from funcmla.attention.pallas.decode_common import (  # noqa: F401
@@ -15,7 +17,10 @@ from funcmla.attention.pallas.decode_common import (  # noqa: F401
     choose_num_splits,
     merge_splits,
 )
-from funcmla.attention.pallas.merge import merge_splits_pallas  # noqa: F401
+from funcmla.attention.pallas.merge import (  # noqa: F401
+    merge_attention_states,
+    merge_splits_pallas,
+)
 from funcmla.attention.pallas.decode_mgpu import (  # noqa: F401
     MgpuDecodeConfig,
     mgpu_decode_supported,
@@ -31,4 +36,9 @@ from funcmla.attention.pallas.api import (  # noqa: F401
 from funcmla.attention.pallas.extend import (  # noqa: F401
     chunk_tokens,
     mla_extend,
+)
+from funcmla.attention.pallas.prefill_mgpu import MgpuPrefillConfig  # noqa: F401
+from funcmla.attention.pallas.prefill import (  # noqa: F401
+    mha_prefill,
+    validate_prefill_inputs,
 )

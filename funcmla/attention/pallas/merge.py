@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 from funcmla.attention.pallas.decode_common import PARTIAL_DTYPES
 from funcmla.layout import is_power_of_two
 
-__all__ = ["merge_splits_pallas", "merge_block_d", "merge_ops", "merge_weights", "merge_columns",
+__all__ = ["merge_splits_pallas", "merge_attention_states", "merge_block_d", "merge_ops", "merge_weights", "merge_columns",
            "MERGE_BLOCK_R"]
 
 MERGE_BLOCK_R = 16  # rows per program; partial row counts are multiples of it (block_m >= 16)
@@ -162,3 +162,33 @@ def merge_splits_pallas(o_part: jax.Array, lse_part: jax.Array, out_dtype=jnp.bf
         interpret=interpret,
         name=f"funcmla_merge_s{s}_d{bd}" + ("_bf16" if o_part.dtype == jnp.bfloat16 else ""),
     )(o_part, lse_part)
+
+
+def merge_attention_states(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
+                           lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Combine two attention results over disjoint key sets (SGLang's `merge_state`: a prefix
+    chunk and the new tokens of a chunked prefix cache) into the result over their union.
+
+    out_a, out_b [..., D] (any float dtype, normalized); lse_a, lse_b [...] float32 natural
+    log (+inf or -inf: that side saw no key, and its out is ignored whatever it holds).
+    Returns out [..., D] (out_a's dtype) and lse [...] float32, +inf where neither side saw a
+    key (out 0 there), as the kernels report an empty row. The rule is the split merge's
+    (`merge_weights`, `merge_columns`: one home), in plain float32 XLA operations.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape \
+            or out_a.shape[:-1] != lse_a.shape:
+        raise ValueError(f"merge_attention_states: out_a {out_a.shape}, out_b {out_b.shape} "
+                         f"must be equal and [..., D] over lse_a {lse_a.shape}, lse_b "
+                         f"{lse_b.shape}")
+    if lse_a.dtype != jnp.float32 or lse_b.dtype != jnp.float32:
+        raise TypeError(f"lse_a ({lse_a.dtype}) and lse_b ({lse_b.dtype}) must be float32")
+    d = out_a.shape[-1]
+    rows = lse_a.size
+    lses = [jnp.where(jnp.isinf(x), -jnp.inf, x).reshape(rows) for x in (lse_a, lse_b)]
+    # An empty side's out is selected away (never multiplied by its zero weight).
+    outs = [jnp.where(jnp.isfinite(x)[:, None], o.reshape(rows, d).astype(jnp.float32), 0.0)
+            for o, x in zip((out_a, out_b), lses)]
+    ops = merge_ops(interpret=True)
+    w, safe, lse = merge_weights(lses, ops[1])
+    out = merge_columns(w, safe, lambda s: outs[s], (rows, d), ops)
+    return out.astype(out_a.dtype).reshape(out_a.shape), lse.reshape(lse_a.shape)

@@ -1,0 +1,419 @@
+"""Benchmark of the ragged prefill kernels on one GPU: device time per call, useful TFLOP/s, the
+ratio to the fastest dense attention measured in the same run, and the error against float32.
+
+Case groups (`case_groups`): each is a function `rows(args) -> list[dict]` whose rows carry at
+least {"group", "case", "us", "tflops", "baseline", "baseline_us", "ratio", "rel_err"}
+(ratio = baseline time / kernel time, > 1: the kernel is faster; "targets": the issue's
+targets judged on the row, `verdict`). The MHA group (`mha_rows`) is here; the absorbed MLA
+extend group is `bench.extend.extend_rows`, added when that module exists.
+
+MHA cases (q / k [T, H, 192], v [T, H, 128], bf16):
+  * causal, one request of 16k tokens, H = 128;
+  * causal, 16 requests of 1k tokens, H = 16 and H = 128.
+Baselines: JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`,
+v padded to 192, the padding's columns dropped; causal top-left = bottom-right at q_len =
+kv_len) on the batch as [B, 1k] (the requests padded to one length: here equal) and request by
+request; torch's SDPA (flash / cuDNN backends) when torch is importable. The fastest is the
+baseline. FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request
+counting half of q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
+profiler spans, each call queued behind a spin kernel so host gaps do not count); torch is
+timed with CUDA events. Error: relative Frobenius error of out against
+`mha_attention_reference` (float32) on two heads.
+
+    python -m bench.prefill --out docs/results/            # the cases, JSON prefill_h200.json
+    python -m bench.prefill --check --sweep --out out/     # + correctness shapes, tile sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
+from funcmla.attention.reference import mha_attention_reference
+from funcmla.config import MLADims
+
+from .timing import device_kernel_times, environment, write_json
+
+SM_SCALE = MLADims().sm_scale
+D_QK, D_V = 192, 128
+# (name, heads, request lengths, causal)
+MHA_CASES = [
+    ("causal 1x16k H128", 128, [16384], True),
+    ("causal 16x1k H16", 16, [1024] * 16, True),
+    ("causal 16x1k H128", 128, [1024] * 16, True),
+]
+SWEEP = [MgpuPrefillConfig(),
+         MgpuPrefillConfig(pingpong=True),
+         MgpuPrefillConfig(block_kv=64, num_stages=3),
+         MgpuPrefillConfig(block_kv=64, num_stages=4),
+         MgpuPrefillConfig(block_kv=64, num_stages=4, pingpong=True),
+         MgpuPrefillConfig(block_kv=64, num_stages=2)]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+_SINK: dict = {}
+
+
+def save_partial() -> None:
+    """Rewrites the JSON with what has been measured so far (a call cut short keeps it)."""
+    if _SINK.get("path"):
+        write_json(_SINK["path"], _SINK["payload"])
+
+
+def past_deadline(args) -> bool:
+    return bool(args.time_limit) and time.time() - _SINK.get("t0", time.time()) > args.time_limit
+
+
+def cfg_name(c: MgpuPrefillConfig) -> str:
+    return f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
+
+
+# The issue's targets per case: (min TFLOP/s or None, min ratio to the baseline or None).
+TARGETS = {"causal 1x16k H128": (550.0, 0.95), "causal 16x1k H16": (None, 0.90),
+           "causal 16x1k H128": (400.0, 0.90)}
+MAX_REL_ERR = 1e-2
+
+
+def verdict(row: dict) -> str:
+    """The issue's targets judged on one row: 'met' or what was missed."""
+    tf, ratio = TARGETS.get(row["case"], (None, None))
+    missed = []
+    if tf is not None and not (row.get("tflops") or 0) >= tf:
+        missed.append(f"{row.get('tflops') or 0:.0f} < {tf:.0f} TFLOP/s")
+    if ratio is not None and not (row.get("ratio") or 0) >= ratio:
+        missed.append(f"x{row.get('ratio') or 0:.3f} < x{ratio} of the baseline")
+    if not row["rel_err"] < MAX_REL_ERR:
+        missed.append(f"error {row['rel_err']:.1e} >= {MAX_REL_ERR}")
+    return "met" if not missed else "missed: " + "; ".join(missed)
+
+
+def make_inputs(key, heads: int, q_lens, kv_lens):
+    qo = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    k1, k2, k3 = jax.random.split(key, 3)
+    q = jax.random.normal(k1, (int(qo[-1]), heads, D_QK), jnp.bfloat16)
+    k = jax.random.normal(k2, (int(kv[-1]), heads, D_QK), jnp.bfloat16)
+    v = jax.random.normal(k3, (int(kv[-1]), heads, D_V), jnp.bfloat16)
+    return q, k, v, jnp.asarray(qo), jnp.asarray(kv)
+
+
+def useful_flops(heads: int, q_lens, kv_lens, causal: bool) -> float:
+    pairs = sum(q * kv * (0.5 if causal else 1.0) for q, kv in zip(q_lens, kv_lens))
+    return 2.0 * heads * (D_QK + D_V) * pairs
+
+
+def rel_err(out, ref) -> float:
+    a = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    r = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+
+
+ERR_HEADS = (0, -1)
+
+
+def head_subset_reference(q, k, v, qo, kv, causal: bool):
+    """(head indices, float32 reference out on those heads): the error is measured on two
+    heads, which keeps the reference's cost small at 16k tokens."""
+    idx = jnp.asarray(sorted({h % q.shape[1] for h in ERR_HEADS}))
+    ref, _ = mha_attention_reference(q[:, idx], k[:, idx], v[:, idx], qo, kv, sm_scale=SM_SCALE,
+                                     causal=causal, max_kv_len=int(np.max(np.diff(kv))),
+                                     query_chunk=64)
+    return idx, np.asarray(ref)
+
+
+def device_us(fn, reps: int) -> float | None:
+    stats = device_kernel_times(fn, reps=reps, primed=True)
+    return None if stats is None else stats["span_us"]
+
+
+# ----------------------------------------------------------------------------- baselines
+
+def cudnn_fn(q, k, v, qo, causal: bool, per_request: bool):
+    """Dense cuDNN attention on the requests padded to one length ([B, L, H, 192], v padded to
+    192), or one call per request; returns a blocking callable."""
+    q_lens = np.diff(np.asarray(qo))
+    if len(set(q_lens.tolist())) != 1:
+        raise ValueError("the dense baseline here takes equal-length requests")
+    b, length = len(q_lens), int(q_lens[0])
+    h = q.shape[1]
+    vp = jnp.pad(v, ((0, 0), (0, 0), (0, D_QK - D_V)))
+
+    def attend(qb, kb, vb):
+        return jax.nn.dot_product_attention(qb, kb, vb, scale=SM_SCALE, is_causal=causal,
+                                            implementation="cudnn")[..., :D_V]
+
+    f = jax.jit(attend)
+    if per_request:
+        parts = [(q[i * length:(i + 1) * length][None], k[i * length:(i + 1) * length][None],
+                  vp[i * length:(i + 1) * length][None]) for i in range(b)]
+
+        def run():
+            return jax.block_until_ready([f(*p) for p in parts])
+    else:
+        qb, kb, vb = (x.reshape(b, length, h, x.shape[-1]) for x in (q, k, vp))
+
+        def run():
+            return jax.block_until_ready(f(qb, kb, vb))
+    return run
+
+
+def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int) -> dict:
+    """torch SDPA (flash and cuDNN backends) on the batch as [B, H, L, 192]: CUDA-event
+    median per call, by backend; {} without torch or CUDA."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    q_lens = np.diff(np.asarray(qo))
+    b, length = len(q_lens), int(q_lens[0])
+    h = q.shape[1]
+
+    def tt(x):  # [T, H, d] -> [B, H, L, d], zero-copy import then one torch copy
+        t = torch.from_dlpack(x)
+        return t.reshape(b, length, h, x.shape[-1]).transpose(1, 2).contiguous()
+
+    tq, tk = tt(q), tt(k)
+    tv = torch.nn.functional.pad(tt(v), (0, D_QK - D_V))
+    res = {}
+    for name, be in (("torch_flash", SDPBackend.FLASH_ATTENTION),
+                     ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                    tq, tk, tv, is_causal=causal, scale=SM_SCALE)
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(reps):
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    fn()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    ts.append(e0.elapsed_time(e1) * 1e3)
+                res[name] = statistics.median(ts)
+        except Exception as e:  # noqa: BLE001 - a backend missing here is reported, not fatal
+            log(f"   {name}: {type(e).__name__}: {str(e)[:160]}")
+    return res
+
+
+# ----------------------------------------------------------------------------- groups
+
+def mha_rows(args) -> list[dict]:
+    """The MHA prefill cases (MHA_CASES) with the default config, and with every SWEEP config
+    when --sweep."""
+    rows = []
+    key = jax.random.PRNGKey(0)
+    configs = SWEEP if args.sweep else [MgpuPrefillConfig()]
+    for name, heads, lens, causal in MHA_CASES:
+        if args.only and args.only not in name:
+            continue
+        q, k, v, qo, kv = make_inputs(key, heads, lens, lens)
+        flops = useful_flops(heads, lens, lens, causal)
+        base = {}
+        for label, per in (("cudnn_batched", False), ("cudnn_per_request", True)):
+            if per and len(lens) == 1:
+                continue
+            try:
+                base[label] = device_us(cudnn_fn(q, k, v, qo, causal, per), args.reps)
+            except Exception as e:  # noqa: BLE001
+                log(f"   {label}: {type(e).__name__}: {str(e)[:200]}")
+        base.update(torch_sdpa_us(q, k, v, qo, causal, args.reps) if args.torch else {})
+        base = {n: t for n, t in base.items() if t}
+        best = min(base, key=base.get) if base else None
+        idx, ref = head_subset_reference(q, k, v, qo, kv, causal)
+        for cfg in configs:
+            if past_deadline(args):
+                log(f"   time limit: {name} {cfg_name(cfg)} not run")
+                continue
+            f = jax.jit(lambda *a, c=cfg: mha_prefill(*a, sm_scale=SM_SCALE, causal=causal,
+                                                         config=c))
+            try:
+                out, _ = f(q, k, v, qo, kv)
+                us = device_us(lambda: jax.block_until_ready(f(q, k, v, qo, kv)), args.reps)
+                err = rel_err(out[:, idx], ref)
+            except Exception as e:  # noqa: BLE001 - a config that fails is a row, not a stop
+                log(f"   {name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:300]}")
+                rows.append(dict(group="mha", case=name, config=cfg_name(cfg),
+                                 error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            row = dict(group="mha", case=name, config=cfg_name(cfg), heads=heads,
+                       requests=len(lens), tokens=int(sum(lens)), causal=causal, us=us,
+                       tflops=flops / (us * 1e-6) / 1e12 if us else None,
+                       baselines_us=base, baseline=best,
+                       baseline_us=base.get(best), rel_err=err)
+            row["baseline_tflops"] = (flops / (row["baseline_us"] * 1e-6) / 1e12
+                                      if row["baseline_us"] else None)
+            row["ratio"] = row["baseline_us"] / us if us and row["baseline_us"] else None
+            row["targets"] = verdict(row)
+            rows.append(row)
+            log(fmt(row))
+            save_partial()
+    return rows
+
+
+def case_groups() -> list[tuple[str, object]]:
+    """(name, rows function) of every case group: MHA here, the absorbed extend group
+    (`bench.extend.extend_rows(args)`) when that module exists."""
+    groups = [("mha", mha_rows)]
+    try:
+        from .extend import extend_rows
+    except ImportError:
+        pass
+    else:
+        groups.append(("extend", extend_rows))
+    return groups
+
+
+# ----------------------------------------------------------------------------- checks
+
+CHECKS = [  # (heads, q_lens, kv_lens, causal): ragged, prefix, empty, q_len 1, non-causal
+    (16, [1000, 1, 0, 300, 129], [1000, 700, 0, 4000, 129], True),
+    (128, [64, 200, 1], [64, 1200, 33], True),
+    (16, [77, 0, 513], [5, 9, 513], False),
+]
+
+
+def check_rows(args) -> list[dict]:
+    """Correctness on ragged shapes against the float32 reference (every head), unused k / v
+    rows holding NaN, and the merge of a prefix part and a new-token part against one call."""
+    rows = []
+    key = jax.random.PRNGKey(1)
+    for heads, q_lens, kv_lens, causal in CHECKS:
+        q, k, v, qo, kv = make_inputs(key, heads, q_lens, kv_lens)
+        pad = 200  # rows no request uses, poisoned
+        k = jnp.concatenate([k, jnp.full((pad, heads, D_QK), jnp.nan, k.dtype)])
+        v = jnp.concatenate([v, jnp.full((pad, heads, D_V), jnp.nan, v.dtype)])
+        q = jnp.concatenate([q, jnp.ones((3, heads, D_QK), q.dtype)])  # rows past qo[-1]
+        for cfg in SWEEP[:3] if args.sweep else [MgpuPrefillConfig()]:
+            out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SM_SCALE, causal=causal,
+                                   config=cfg)
+            ref, ref_lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=SM_SCALE,
+                                                   causal=causal, max_kv_len=max(kv_lens))
+            fin = np.isfinite(np.asarray(ref_lse))
+            lse_err = float(np.max(np.abs(np.where(fin, np.asarray(lse) - np.asarray(ref_lse),
+                                                   0.0))))
+            row = dict(case=f"H{heads} q{q_lens} kv{kv_lens} causal={causal}",
+                       config=cfg_name(cfg), rel_err=rel_err(out, ref), lse_max_abs=lse_err,
+                       empty_ok=bool(np.array_equal(np.isinf(np.asarray(lse)), ~fin)
+                                     and not np.asarray(out, np.float32)[~fin].any()),
+                       nan=bool(np.isnan(np.asarray(out, np.float32)).any()))
+            rows.append(row)
+            log(f"   check {row['case']} {row['config']}: rel_err {row['rel_err']:.2e} "
+                f"lse {lse_err:.1e} empty_ok {row['empty_ok']} nan {row['nan']}")
+    # merge: a prefix part (non-causal over the prefix) + the new tokens (causal) == one call
+    heads, new, prefix = 16, [300, 128], [700, 0]
+    q, k, v, qo, kv = make_inputs(key, heads, new, [n + p for n, p in zip(new, prefix)])
+    qn, kvn = np.asarray(qo), np.asarray(kv)
+    pre = np.concatenate([np.r_[kvn[i]:kvn[i] + prefix[i]] for i in range(2)]).astype(int)
+    nw = np.concatenate([np.r_[kvn[i] + prefix[i]:kvn[i + 1]] for i in range(2)]).astype(int)
+    pre_indptr = jnp.asarray(np.concatenate([[0], np.cumsum(prefix)]), jnp.int32)
+    o1, l1 = mha_prefill(q, k[pre], v[pre], qo, pre_indptr, sm_scale=SM_SCALE, causal=False)
+    o2, l2 = mha_prefill(q, k[nw], v[nw], qo, qo, sm_scale=SM_SCALE, causal=True)
+    om, _ = merge_attention_states(o1, l1, o2, l2)
+    ref, _ = mha_attention_reference(q, k, v, qo, kv, sm_scale=SM_SCALE, causal=True)
+    rows.append(dict(case="merge prefix + new", config="default", rel_err=rel_err(om, ref)))
+    log(f"   check merge: rel_err {rows[-1]['rel_err']:.2e}")
+    del qn
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+def fmt(r: dict) -> str:
+    if "error" in r:
+        return f"{r['group']:6s} {r['case']:22s} {r.get('config', ''):10s} ERROR {r['error'][:80]}"
+    ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
+    base = (f"{r['baseline']} {r['baseline_us']:.1f} us" if r.get("baseline_us") else "none")
+    us = f"{r['us']:10.1f} us {r['tflops']:7.1f} TFLOP/s" if r.get("us") else "no device time"
+    return (f"{r['group']:6s} {r['case']:22s} {r.get('config', ''):10s} {us}  baseline {base}  "
+            f"x{ratio}  err {r['rel_err']:.2e}  {r.get('targets', '')}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """TFLOP/s per case and config, with the case's baseline and target, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("tflops")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4.5))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["tflops"] for r in rows], 0.4, label="funcmla prefill kernel")
+    ax.bar(x + 0.2, [r.get("baseline_tflops") or 0 for r in rows], 0.4,
+           label="fastest dense baseline (same run)")
+    for i, r in enumerate(rows):
+        tf = TARGETS.get(r["case"], (None, None))[0]
+        if tf:
+            ax.plot([i - 0.45, i + 0.45], [tf, tf], "r--", lw=1)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r['case']}\n{r.get('config', '')}" for r in rows], fontsize=6)
+    ax.set_ylabel("useful TFLOP/s (causal counts half)")
+    ax.set_title("ragged MHA prefill, device time per call (red: target)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--name", default="prefill_h200.json")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--check", action="store_true", help="correctness shapes first")
+    ap.add_argument("--sweep", action="store_true", help="every tile config of SWEEP")
+    ap.add_argument("--torch", action="store_true", help="torch SDPA baselines too")
+    ap.add_argument("--only", default=None, help="substring of the case names to run")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds after which no further config is started")
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        sys.exit("bench.prefill needs a GPU (the kernel is Hopper's)")
+    t0 = time.time()
+    payload = dict(environment=environment(), sm_scale=SM_SCALE,
+                   default_config=dataclasses.asdict(MgpuPrefillConfig()))
+    path = f"{args.out.rstrip('/')}/{args.name}"
+    _SINK.update(path=path, payload=payload, t0=t0)
+    if args.check:
+        payload["checks"] = check_rows(args)
+        save_partial()
+    for name, rows_fn in case_groups():
+        payload[name] = rows_fn(args)
+        save_partial()
+    payload["seconds"] = time.time() - t0
+    write_json(path, payload)
+    log(f"wrote {path}")
+    try:
+        plot([r for name, _ in case_groups() for r in payload[name]],
+             path.rsplit(".", 1)[0] + ".png")
+    except ImportError as e:  # matplotlib is the `bench` extra
+        log(f"no plot: {e}")
+    for name, _ in case_groups():
+        for r in payload[name]:
+            log(fmt(r))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Ragged MHA prefill: argument checks and the entry point of the Mosaic GPU prefill kernel.
+
+`mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=..., causal=...)` runs
+`prefill_mgpu.prefill_call` on checked arguments and returns (out [Tq, H, 128], lse [Tq, H]).
+`check_prefill_args` holds every static check (one home), `validate_prefill_inputs` the eager
+check of index values (also run by `mha_prefill` when the indptrs are concrete). Partial
+results over disjoint key sets combine with `merge.merge_attention_states`. Design and
+numbers: docs/prefill_kernel.md; reproduce with `python -m bench.prefill`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funcmla.attention.pallas.prefill_mgpu import (
+    BLOCK_Q,
+    HEAD_DIM,
+    V_HEAD_DIM,
+    MgpuPrefillConfig,
+    first_slots,
+    prefill_call,
+)
+from funcmla.layout import expect_index_array
+from funcmla.segments import segment_positions
+
+__all__ = ["mha_prefill", "check_prefill_args", "validate_prefill_inputs", "HEAD_DIMS"]
+
+# The (q/k head dim, v head dim) pairs the kernel takes: DeepSeek's decompressed MHA
+# (128 nope + 64 rope, v 128).
+HEAD_DIMS = ((HEAD_DIM, V_HEAD_DIM),)
+
+
+def check_prefill_args(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal) -> int:
+    """Static checks of `mha_prefill`'s arguments (shapes, dtypes, head dims, scale); returns
+    the request count B. Raises TypeError (dtypes) or ValueError naming the argument and the
+    value or limit."""
+    for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+        expect_index_array(x, name)
+        if x.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {x.dtype}")
+        if x.ndim != 1 or x.shape[0] < 2:
+            raise ValueError(f"{name} must have shape [B + 1] with B >= 1, got {x.shape}")
+    if qo_indptr.shape != kv_indptr.shape:
+        raise ValueError(f"qo_indptr {qo_indptr.shape} and kv_indptr {kv_indptr.shape} must "
+                         "both be [B + 1] for the same B")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have shape [T, H, D], got {x.shape}")
+        if x.dtype != jnp.bfloat16:
+            raise TypeError(f"{name} ({x.dtype}) must be bfloat16")
+    pair = (q.shape[2], v.shape[2])
+    if k.shape[2] != q.shape[2] or pair not in HEAD_DIMS:
+        raise ValueError(f"head dims q {q.shape[2]} / k {k.shape[2]} / v {v.shape[2]} are not "
+                         f"supported: (q and k, v) must be one of {HEAD_DIMS}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same tokens and heads")
+    if q.shape[1] < 1 or k.shape[1] != q.shape[1]:
+        raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}: the kernel takes "
+                         "num_kv_heads = H >= 1 (no grouped heads)")
+    if not (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
+            and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return qo_indptr.shape[0] - 1
+
+
+def validate_prefill_inputs(qo_indptr, kv_indptr, num_q: int, num_kv: int, *,
+                            causal: bool) -> None:
+    """Eager value check of the token CSRs: each starts at 0, does not decrease and ends within
+    its tensor (qo_indptr[-1] <= Tq = num_q, kv_indptr[-1] <= Tk = num_kv); causal requests
+    have kv_len >= q_len. Raises ValueError naming the field, the request and the values."""
+    for name, x, limit, what in (("qo_indptr", qo_indptr, num_q, "q.shape[0]"),
+                                 ("kv_indptr", kv_indptr, num_kv, "k.shape[0]")):
+        a = np.asarray(x)
+        if a[0] != 0:
+            raise ValueError(f"{name}[0] = {a[0]} must be 0")
+        down = np.diff(a) < 0
+        if down.any():
+            i = int(down.argmax())
+            raise ValueError(f"{name} decreases at request {i}: {name}[{i}] = {a[i]} > "
+                             f"{name}[{i + 1}] = {a[i + 1]}")
+        if a[-1] > limit:
+            raise ValueError(f"{name}[-1] = {a[-1]} exceeds {what} = {limit}")
+    if causal:
+        q_lens = np.diff(np.asarray(qo_indptr))
+        kv_lens = np.diff(np.asarray(kv_indptr))
+        short = kv_lens < q_lens
+        if short.any():
+            i = int(short.argmax())
+            raise ValueError(f"request {i}: kv_len {kv_lens[i]} < q_len {q_lens[i]}; causal "
+                             "(bottom-right) attention needs kv_len >= q_len")
+
+
+def _is_concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
+                kv_indptr: jax.Array, *, sm_scale: float, causal: bool = True,
+                config: MgpuPrefillConfig = MgpuPrefillConfig(),
+                interpret=False) -> tuple[jax.Array, jax.Array]:
+    """Ragged multi-head attention over token CSRs (prefill / extend), Mosaic GPU kernel.
+
+    q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128]: bfloat16 (`HEAD_DIMS`).
+    qo_indptr, kv_indptr: int32 [B + 1], request i's queries are q rows
+        [qo_indptr[i], qo_indptr[i + 1]), its keys k / v rows [kv_indptr[i], kv_indptr[i + 1]).
+    causal: bottom-right: query j of a request with q_len queries and kv_len keys sees keys
+        < kv_len - q_len + 1 + j (needs kv_len >= q_len); False: every key of its request.
+    sm_scale: softmax scale (static positive float). config: `MgpuPrefillConfig`.
+    interpret: False (compiled, sm_90a), True (Mosaic GPU interpret mode, CPU) or Pallas's GPU
+        interpreter parameters.
+
+    Returns out [Tq, H, 128] (q's dtype) and lse [Tq, H] float32 (natural log of the softmax
+    denominator of the scaled scores). A query with no visible key (a request with kv_len 0,
+    rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of k / v outside every request
+    (NaN, Inf) never reach an output. Index values are checked here when concrete
+    (`validate_prefill_inputs`); under an outer jit they are the caller's contract and nothing
+    is read or written out of bounds.
+    """
+    check_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale=sm_scale, causal=causal)
+    if not isinstance(config, MgpuPrefillConfig):
+        raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
+    if _is_concrete(qo_indptr, kv_indptr):
+        validate_prefill_inputs(qo_indptr, kv_indptr, q.shape[0], k.shape[0], causal=causal)
+    return _mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=float(sm_scale),
+                        causal=causal, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config", "interpret"))
+def _mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, config, interpret):
+    tq, h, _ = q.shape
+    tk = k.shape[0]
+    if tq == 0:
+        return (jnp.zeros((0, h, V_HEAD_DIM), q.dtype), jnp.zeros((0, h), jnp.float32))
+    # Rows past qo_indptr[-1] form one more request with no keys: the kernel writes their out
+    # 0 and lse +inf itself (no pass over the output).
+    qo = jnp.concatenate([qo_indptr, jnp.array([tq], jnp.int32)])
+    kv = jnp.concatenate([kv_indptr, kv_indptr[-1:]])
+    # A TMA box must fit its tensor's extent, and a tiled copy needs the row count to be a
+    # multiple of 8 (Mosaic GPU's TMA tiling): other sizes are padded (a copy of the tensor).
+    # The interpreter clamps a slice that runs past the end (shifting its rows), so there each
+    # tensor gets a tile of spare rows.
+    q_rows = tq + BLOCK_Q if interpret else max(_round_up(tq, 8), BLOCK_Q)
+    kv_rows = tk + config.block_kv if interpret else max(_round_up(tk, 8), config.block_kv)
+    qp = _pad_rows(q, q_rows)
+    kp, vp = _pad_rows(k, kv_rows), _pad_rows(v, kv_rows)
+    out, lse_tiles, _ = prefill_call(qp, kp, vp, qo, kv, sm_scale=sm_scale, causal=causal,
+                                     config=config, interpret=interpret)
+    return out[:tq], _gather_lse(lse_tiles, qo, tq)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_rows(x, rows: int):
+    if x.shape[0] >= rows:
+        return x
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))
+
+
+def _gather_lse(lse_tiles, qo, tq: int):
+    """lse [Tq, H] from the kernel's per-tile-slot lse [H, N, 2, 64] (`tile_schedule`'s slot
+    of each row: its request's first slot + its row // 128)."""
+    h, n = lse_tiles.shape[:2]
+    row, j, _ = segment_positions(qo, tq)
+    flat = (first_slots(qo)[row] + j // BLOCK_Q) * BLOCK_Q + j % BLOCK_Q
+    return lse_tiles.reshape(h, n * BLOCK_Q)[:, flat].T

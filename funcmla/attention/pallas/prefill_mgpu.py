@@ -1,0 +1,410 @@
+"""Ragged MHA prefill on Hopper's matrix units: a warp-specialized Pallas Mosaic GPU kernel.
+
+q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (bf16), requests given by the token CSRs
+`qo_indptr` / `kv_indptr`. One CUDA block handles 128 query rows of one request and one head
+(a q tile of the static tile schedule, `tile_schedule`), with three warpgroups:
+
+* warpgroup 2 (producer, `producer_registers`): TMA-copies each consumer's 64 q rows once,
+  then each `block_kv`-token K tile and V tile of the request into a ring of `num_stages`
+  shared-memory stages (K and V on separate barriers, so q k^T starts while V lands), and
+  refills a stage once both consumers released it;
+* warpgroups 0 and 1 (consumers, `consumer_registers`): 64 query rows each; per tile
+  S = q k^T (`wgmma`, K = 192), the online softmax in base 2 (the scale folded into the
+  exponent), then O += P V (`wgmma`, P bf16 from registers; P's row sums are added while
+  it runs). Both consumers walk the block's tiles in lockstep, so each stage is released by
+  two arrivals whatever the causal diagonal does.
+
+Causal (bottom-right): query j of a request with q_len queries and kv_len keys sees keys
+< kv_len - q_len + 1 + j. Tiles wholly above the block's diagonal are neither loaded nor
+computed; tiles wholly below every row's limit run unmasked; only the diagonal and the KV tail
+tile select scores to -inf. Rows of a tile past the request's end (TMA reads of the next
+request, or zero fill past the tensor) never reach an output: their scores are per row, their
+outputs are not stored (the store is cut to the live rows, `_store_rows`), and V rows past
+kv_len are zeroed in shared memory (a select) before P V, so a NaN there is never multiplied
+by a zero weight. A request with no key gives out 0 and lse +inf.
+
+Outputs: out [Tq, H, 128] (q's dtype), stored row-exactly; lse per tile slot [H, N, 2, 64]
+(natural log; `prefill.mha_prefill` gathers it to [Tq, H]). Grid (heads, tile slots): Mosaic
+GPU launches the last axis fastest, so the q tiles of one head run side by side and share that
+head's K/V through L2; slots are walked last to first, so a request's longest (causal) tiles
+start first. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode. Arguments are checked
+by `funcmla.attention.pallas.prefill`, which calls `prefill_call`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from funcmla.attention.pallas.decode_mgpu import (
+    _in_layout,
+    _iota,
+    _load,
+    _mgpu_params,
+    _mma_acc_and,
+)
+
+__all__ = ["MgpuPrefillConfig", "prefill_call", "tile_schedule", "first_slots", "BLOCK_Q",
+           "HEAD_DIM", "V_HEAD_DIM", "SMEM_BYTES"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+ROWS = 64            # query rows per consumer warpgroup (wgmma M)
+BLOCK_Q = 2 * ROWS   # query rows per block
+HEAD_DIM = 192       # q / k head dim (128 nope + 64 rope)
+V_HEAD_DIM = 128     # v head dim
+_SWIZZLE = 128       # bytes; 64 bf16 columns per swizzle tile
+SMEM_BYTES = 227 * 1024  # an sm_90 block's shared-memory limit
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuPrefillConfig:
+    """Static knobs of the Mosaic GPU prefill kernel (hashable: a jit static argument).
+
+    block_kv: KV tokens per tile (64 or 128: the wgmma N of q k^T and the K of P V).
+    num_stages: K/V tiles in flight (the ring's depth); q (48 KB) + num_stages x block_kv x
+        (192 + 128) x 2 bytes must fit the SM's 227 KB.
+    consumer_registers / producer_registers: `setmaxnreg` per warpgroup; 2 x consumer +
+        producer <= 512 (64K registers / 128 threads).
+    pingpong: the two consumers take turns on the matrix units (FlashAttention-3's
+        inter-warpgroup schedule): each one's P V waits until the other has issued its next
+        q k^T, so one's softmax runs under the other's products. Both meet on a two-arrival
+        barrier twice a tile.
+    Defaults and the sweep that chose them: docs/prefill_kernel.md (`python -m bench.prefill
+    --sweep`).
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+    consumer_registers: int = 232
+    producer_registers: int = 40
+    pingpong: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.pingpong, bool):
+            raise ValueError(f"MgpuPrefillConfig.pingpong must be a bool, got {self.pingpong!r}")
+        if self.block_kv not in (64, 128):
+            raise ValueError(f"MgpuPrefillConfig.block_kv must be 64 or 128, got "
+                             f"{self.block_kv!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 2:
+            raise ValueError(f"MgpuPrefillConfig.num_stages must be an int >= 2, got "
+                             f"{self.num_stages!r}")
+        if self.smem_bytes() > SMEM_BYTES:
+            raise ValueError(
+                f"MgpuPrefillConfig: block_kv={self.block_kv} x num_stages={self.num_stages} "
+                f"needs {self.smem_bytes()} bytes of shared memory, over the {SMEM_BYTES} of "
+                "an SM")
+        for name in ("consumer_registers", "producer_registers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
+                raise ValueError(f"MgpuPrefillConfig.{name} must be a multiple of 8 in "
+                                 f"[24, 256] (setmaxnreg), got {value!r}")
+        if 2 * self.consumer_registers + self.producer_registers > 512:
+            raise ValueError(
+                f"MgpuPrefillConfig: 2 x consumer_registers={self.consumer_registers} + "
+                f"producer_registers={self.producer_registers} exceeds 512 (64K registers / "
+                "128 threads)")
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one block: q (two 64-row halves, reused for the output) and the
+        K/V ring, plus the lse staging and barriers (1 KB)."""
+        q = BLOCK_Q * HEAD_DIM * 2
+        ring = self.num_stages * self.block_kv * (HEAD_DIM + V_HEAD_DIM) * 2
+        return q + ring + 1024
+
+
+def first_slots(qo_indptr: jax.Array) -> jax.Array:
+    """The first tile slot of each request [B]: request i takes ceil(q_len_i / 128)
+    consecutive slots, in request order (the tile rule of `tile_schedule`)."""
+    q_lens = qo_indptr[1:] - qo_indptr[:-1]
+    tiles = (q_lens + BLOCK_Q - 1) // BLOCK_Q
+    return (jnp.cumsum(tiles) - tiles).astype(jnp.int32)
+
+
+def tile_schedule(qo_indptr: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
+    """Static-size q tile schedule: for tile slot s < num_slots, (request, first query row of
+    the tile within the request), or (-1, 0) for an unused slot. Each request gets
+    ceil(q_len / 128) consecutive slots; num_slots >= ceil(Tq / 128) + B covers any split of
+    Tq rows into B requests. qo_indptr int32 [B + 1]."""
+    starts = first_slots(qo_indptr)
+    b = starts.shape[0]
+    q_lens = qo_indptr[1:] - qo_indptr[:-1]
+    ends = starts + (q_lens + BLOCK_Q - 1) // BLOCK_Q
+    slot = jnp.arange(num_slots, dtype=jnp.int32)
+    req = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
+    live = req < b
+    first = (slot - starts[jnp.minimum(req, b - 1)]) * BLOCK_Q
+    return jnp.where(live, req, -1), jnp.where(live, first, 0)
+
+
+def _qk(q_smem, k_smem, block_kv: int, interpret: bool, while_running=None):
+    """q k^T in fp32 [64, block_kv] (`wgmma`, K = 192, waited); `while_running()` (if given)
+    runs between the issue and the wait. The interpreter runs no wgmma on a transposed
+    operand, so there it is a plain fp32 dot of the same tiles."""
+    if interpret:
+        if while_running is not None:
+            while_running()
+        return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+        if while_running is not None:
+            while_running()
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC((ROWS, block_kv), jnp.float32))
+
+
+def _store_rows(o_stage, o_dst_rows, n):
+    """Copies rows [0, n) of o_stage [64, D] to o_dst_rows(start, size) (a global-memory
+    slice of `size` rows), n in [0, 64]: one copy when the tile is full, else one copy per set
+    bit of n (32, 16, ..., 1 rows), so no row past n is written."""
+    @pl.when(n == ROWS)
+    def _():
+        plgpu.copy_smem_to_gmem(o_stage, o_dst_rows(0, ROWS))
+
+    @pl.when(n < ROWS)
+    def _():
+        off = 0
+        for size in (32, 16, 8, 4, 2, 1):
+            take = (n & size) != 0
+
+            @pl.when(take)
+            def _():
+                plgpu.copy_smem_to_gmem(o_stage.at[pl.ds(off, size)], o_dst_rows(off, size))
+
+            off = off + jnp.where(take, size, 0)
+
+
+def _kernel(qo_indptr_ref, kv_indptr_ref, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref,
+            lse_ref, scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
+            scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
+    (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+     v_clean, turn) = scratch
+    q_smems, o_stages, lse_stages = (qo0[0], qo1[0]), (qo0[1], qo1[1]), (lse0, lse1)
+
+    h = lax.axis_index("h")
+    slot_id = num_slots - 1 - lax.axis_index("tile")  # last slots first: long causal tiles
+    wg = lax.axis_index("wg")
+    req = req_ref[slot_id]
+    live = req >= 0
+    reqc = jnp.maximum(req, 0)
+    q_start = qo_indptr_ref[reqc]
+    q_len = qo_indptr_ref[reqc + 1] - q_start
+    kv_start = kv_indptr_ref[reqc]
+    kv_len = kv_indptr_ref[reqc + 1] - kv_start
+    qb0 = first_ref[slot_id]  # the block's first query row within the request
+
+    # Tiles of the block: up to the last live row's causal limit (all of the KV otherwise).
+    if causal:
+        last_row = jnp.minimum(qb0 + BLOCK_Q, q_len) - 1
+        limit_max = jnp.clip(kv_len - q_len + 1 + last_row, 0, kv_len)
+    else:
+        limit_max = kv_len
+    count = jnp.where(live, (limit_max + block_kv - 1) // block_kv, 0)
+
+    @pl.when(live & (wg == 2))
+    def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        for w in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + qb0 + w * ROWS, ROWS), h],
+                                    q_smems[w], q_bar.at[w])
+
+        def load(i, carry):
+            st = lax.rem(i, num_stages)
+            rows = pl.ds(kv_start + i * block_kv, block_kv)
+
+            @pl.when(i >= num_stages)
+            def _():
+                plgpu.barrier_wait(k_empty.at[st])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[st], k_full.at[st])
+
+            @pl.when(i >= num_stages)
+            def _():
+                plgpu.barrier_wait(v_empty.at[st])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[st], v_full.at[st])
+            return carry
+
+        lax.fori_loop(0, count, load, 0)
+        # Observe each stage's last release (every wait sees every phase; the block's shared
+        # memory is not left while a consumer may still read it).
+        for st in range(num_stages):
+            @pl.when(count > st)
+            def _():
+                plgpu.barrier_wait(k_empty.at[st])
+                plgpu.barrier_wait(v_empty.at[st])
+
+    def consumer(w: int):
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        q_smem = q_smems[w]
+        row0 = qb0 + w * ROWS  # this consumer's first query row within the request
+        # Keys visible to row r of this consumer: < diag + r (causal), < kv_len always.
+        diag = kv_len - q_len + 1 + row0 if causal else kv_len
+        first_limit = jnp.clip(diag, 0, kv_len)
+        n_plain = jnp.minimum(first_limit // block_kv, count)
+
+        def meet():
+            """Both consumers at the turn barrier (`MgpuPrefillConfig.pingpong`)."""
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            st = lax.rem(i, num_stages)
+            plgpu.barrier_wait(k_full.at[st])
+            s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
+                    meet if cfg.pingpong else None)
+            plgpu.barrier_arrive(k_empty.at[st])
+            if masked:
+                # The iotas are built here, in the masked tiles only: a [64, 128] int32 array
+                # is 64 registers a thread, which the unmasked loop need not hold.
+                rows_iota = _iota((ROWS, block_kv), 0, interpret)
+                cols_iota = _iota((ROWS, block_kv), 1, interpret)
+                base = i * block_kv
+                keep = cols_iota < kv_len - base
+                if causal:
+                    keep = keep & (cols_iota - rows_iota < diag - base)
+                s = jnp.where(keep, s, -jnp.inf)
+            # The scale folds into the exponent (it is > 0, so it commutes with the max).
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            p16 = p.astype(q_smem.dtype)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_full.at[st])
+            if masked:
+                valid = kv_len - i * block_kv
+
+                # The KV tail tile: V rows past kv_len (the next request, or zero fill) are
+                # zeroed before P V (a select: a NaN there is never multiplied by a zero
+                # weight). Consumer 0 zeroes them and signals; consumer 1 waits for that.
+                @pl.when(valid < block_kv)
+                def _():
+                    if w == 0:
+                        for c in range(V_HEAD_DIM // 64):
+                            ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
+                            chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
+                            ref[...] = jnp.where(_iota((block_kv, 64), 0, interpret) < valid,
+                                                 chunk, jnp.zeros_like(chunk))
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(v_clean.at[st])
+                    else:
+                        plgpu.barrier_wait(v_clean.at[st])
+
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+            acc, l_i = _mma_acc_and(acc, p16, v_smem.at[st], l_i,
+                                    lambda l_prev: l_prev * alpha + p.sum(axis=1), interpret)
+            plgpu.barrier_arrive(v_empty.at[st])
+            return acc, m_new, l_i
+
+        acc = _in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA,
+                         interpret)
+        m_i = _in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l_i = _in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
+        plgpu.barrier_wait(q_bar.at[w])
+        if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
+            meet()
+        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
+                              (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
+                                      carry)
+        if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
+            meet()
+
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, jnp.inf)
+        # q is dead (its last q k^T was waited for): the output staging reuses its memory.
+        o_stages[w][...] = out.astype(o_stages[w].dtype)
+        lse_stages[w][...] = lse
+        plgpu.commit_smem()
+        n_rows = jnp.clip(q_len - row0, 0, ROWS)
+        _store_rows(o_stages[w],
+                    lambda off, size: o_ref.at[pl.ds(q_start + row0 + off, size), h], n_rows)
+        plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
+        plgpu.wait_smem_to_gmem(0)
+
+    for w in range(2):
+        pl.when(live & (wg == w))(functools.partial(consumer, w))
+
+
+def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
+                 kv_indptr: jax.Array, *, sm_scale: float, causal: bool,
+                 config: MgpuPrefillConfig = MgpuPrefillConfig(),
+                 interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The Mosaic GPU pallas call on checked arguments (`prefill.check_prefill_args`): q
+    [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128], every request inside the tensors, at least
+    one row each. Returns out [Tq, H, 128] (q's dtype, rows of no request unwritten), lse per
+    tile slot f32 [H, N, 2, 64], and the schedule's first row per slot (`tile_schedule`).
+    `interpret`: False, True, or Pallas's GPU interpreter parameters."""
+    tq, h, _ = q.shape
+    b = qo_indptr.shape[0] - 1
+    num_slots = -(-tq // BLOCK_Q) + b
+    req, first = tile_schedule(qo_indptr, num_slots)
+
+    bkv, ns = config.block_kv, config.num_stages
+    tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
+    swizzle = plgpu.SwizzleTransform(_SWIZZLE)
+    q_half = plgpu.SMEM((ROWS, HEAD_DIM), q.dtype, transforms=(tiling, swizzle))
+    o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), q.dtype)
+    lse_half = plgpu.SMEM((ROWS,), jnp.float32)
+    if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
+        q_or_out = [(q_half, o_half) for _ in range(2)]
+    else:
+        # Each consumer's q half and its output staging share memory (q is dead once the
+        # consumer's last q k^T is done); the lse staging is apart (256 bytes).
+        q_or_out = [plgpu.RefUnion(q_half, o_half) for _ in range(2)]
+    scratch = [
+        *q_or_out,
+        lse_half,
+        lse_half,
+        plgpu.SMEM((ns, bkv, HEAD_DIM), q.dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((ns, bkv, V_HEAD_DIM), q.dtype, transforms=(tiling, swizzle)),
+        plgpu.Barrier(num_barriers=2),                    # q half w landed
+        plgpu.Barrier(num_barriers=ns),                   # K stage filled
+        plgpu.Barrier(num_barriers=ns),                   # V stage filled
+        plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # K stage released by both
+        plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # V stage released by both
+        plgpu.Barrier(num_barriers=ns),                   # V tail rows zeroed (consumer 0)
+        plgpu.Barrier(num_arrivals=2),                    # the consumers' turns (pingpong)
+    ]
+    kernel = functools.partial(
+        _kernel, causal=causal, block_kv=bkv, num_stages=ns, num_slots=num_slots,
+        scale_log2=float(sm_scale) * _LOG2E, cfg=config, interpret=interpret)
+
+    call = plgpu.kernel(
+        lambda *refs: kernel(*refs[:9], refs[9:]),
+        out_type=(jax.ShapeDtypeStruct((tq, h, V_HEAD_DIM), q.dtype),
+                  jax.ShapeDtypeStruct((h, num_slots, 2, ROWS), jnp.float32)),
+        scratch_types=scratch,
+        # The q tiles of one head are launched back to back (Pallas's last grid axis varies
+        # fastest), so they stream that head's K/V tiles at about the same time from L2.
+        grid=(h, num_slots),
+        grid_names=("h", "tile"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_mgpu_params(interpret),
+        kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
+                     + ("_pingpong" if config.pingpong else "")),
+    )
+    out, lse_tiles = call(qo_indptr, kv_indptr, req, first, q, k, v)
+    return out, lse_tiles, first

@@ -1,0 +1,140 @@
+"""SGLang's MHA extend for MLA models (DeepSeek's `attn_mha`), run by funcmla.
+
+In SGLang, an extend without speculation runs multi-head attention on decompressed heads: the
+model writes the step's latent rows to the pool itself and calls the backend with
+`save_kv_cache=False`, q and k `[T, H, 192]` (128 nope + 64 rope), v `[T, H, 128]`,
+`num_kv_heads = H`, `layer.qk_head_dim = 192` (not the pool's 576). What the attention covers
+is the AITER backend's MLA-MHA path (docs/sglang_backend.md):
+
+* no request has a prefix (`kv_indptr == qo_indptr`): causal attention over the new tokens,
+  with the q, k and v the model passed;
+* a prefix somewhere: k and v of every token of each sequence (prefix and new) come from the
+  latent pool, `pool[kv_indices]` split into the compressed 512 columns and the 64 rope columns,
+  the compressed part through `layer.kv_b_proj` (k_nope 128 and v 128 per head), k = k_nope
+  with the rope columns broadcast over heads; then bottom-right causal attention of the new
+  queries over the whole sequence (qo_indptr, kv_indptr). A layer without `kv_b_proj` cannot
+  decompress the prefix: an error names it.
+
+The attention itself is `funcmla.attention.pallas.mha_prefill` (backend "pallas", through JAX
+by DLPack) or the float32 `mha_attention_reference` (backend "reference"; AITER's own MHA is
+not wrapped, so "aiter" runs the reference and records why).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
+
+__all__ = ["is_mha_extend", "mha_extend", "MHA_HEAD_DIMS"]
+
+MHA_HEAD_DIMS = (192, 128)  # (q / k head dim, v head dim): DeepSeek's decompressed heads
+_ROPE = 64
+
+
+def is_mha_extend(layer) -> bool:
+    """Whether the layer is SGLang's MHA attention of an MLA model (q/k 192, not the 576 of
+    the absorbed path)."""
+    return (layer.qk_head_dim, layer.v_head_dim) == MHA_HEAD_DIMS
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_prefill():
+    """The Pallas prefill entry point, jitted (imported on first use; tests swap in interpret
+    mode). Under jit the index values are not re-read on the host per layer (no
+    device-to-host sync): they are the step's metadata, built by funcmla and checked once from
+    the batch's host fields in `init_forward_metadata`."""
+    import jax
+
+    from funcmla.attention.pallas import mha_prefill
+
+    return jax.jit(mha_prefill, static_argnames=("sm_scale", "causal", "config", "interpret"))
+
+
+def _heads(x: torch.Tensor, name: str, heads: int, d: int) -> torch.Tensor:
+    if x is None or x.numel() % (heads * d) or x.shape[-1] not in (d, heads * d):
+        raise ValueError(f"MHA extend: {name} must be [T, {heads}, {d}] or [T, {heads * d}] "
+                         f"(num_kv_heads = H), got "
+                         f"{None if x is None else tuple(x.shape)}")
+    return x.reshape(-1, heads, d)
+
+
+def _decompress(pool_rows: torch.Tensor, kv_b_proj, heads: int, dtype, k_scale):
+    """k [N, H, 192] and v [N, H, 128] from latent rows [N, 576] (AITER's MLA-MHA prefix
+    path): kv_b_proj of the 512 compressed columns, the 64 rope columns broadcast."""
+    rows = pool_rows.to(dtype)
+    if pool_rows.dtype in FP8_DTYPES and k_scale is not None:
+        rows = rows * float(k_scale)
+    kvc, k_pe = rows[:, :-_ROPE], rows[:, -_ROPE:]
+    with torch.no_grad():  # inference: the result crosses DLPack, which refuses grad tensors
+        kv = kv_b_proj(kvc.contiguous())
+    kv = kv[0] if isinstance(kv, tuple) else kv  # SGLang's linear layers return (out, bias)
+    nope, dv = MHA_HEAD_DIMS[0] - _ROPE, MHA_HEAD_DIMS[1]
+    if kv.shape[-1] != heads * (nope + dv):
+        raise ValueError(f"layer.kv_b_proj gives {kv.shape[-1]} columns; {heads} heads of "
+                         f"k_nope {nope} + v {dv} need {heads * (nope + dv)}")
+    kv = kv.view(-1, heads, nope + dv)
+    k = torch.cat([kv[..., :nope], k_pe[:, None, :].expand(-1, heads, _ROPE)], dim=-1)
+    return k.contiguous(), kv[..., nope:].contiguous()
+
+
+def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> torch.Tensor:
+    """SGLang's MHA extend (module docstring) on `backend`'s metadata -> [T, H * 128] in q's
+    dtype. Sets backend.last_backend / last_via."""
+    if save_kv_cache:
+        raise ValueError("MHA extend (qk_head_dim 192): save_kv_cache must be False; SGLang's "
+                         "model writes the latent rows to the pool itself before this call")
+    fm = backend.forward_metadata
+    if fm is None or backend._mode != "extend":
+        raise RuntimeError("MHA extend needs init_forward_metadata of an extend batch first "
+                           f"(mode now {backend._mode!r})")
+    heads = layer.tp_q_head_num
+    if layer.tp_k_head_num != heads:
+        raise ValueError(f"MHA extend: layer.tp_k_head_num = {layer.tp_k_head_num} must equal "
+                         f"tp_q_head_num = {heads} (num_kv_heads = H)")
+    q3 = _heads(q, "q", heads, MHA_HEAD_DIMS[0])
+    qo_indptr, kv_indptr = fm.qo_indptr, fm.kv_indptr
+    if q3.shape[0] != int(qo_indptr[-1]):
+        raise ValueError(f"MHA extend: q has {q3.shape[0]} tokens; the batch's extend_seq_lens "
+                         f"sum to {int(qo_indptr[-1])}")
+    if torch.equal(qo_indptr, kv_indptr):  # no prefix anywhere: the model's k and v
+        k3 = _heads(k, "k", heads, MHA_HEAD_DIMS[0])
+        v3 = _heads(v, "v", heads, MHA_HEAD_DIMS[1])
+        if k3.shape[0] != q3.shape[0] or v3.shape[0] != q3.shape[0]:
+            raise ValueError(f"MHA extend without a prefix: k ({k3.shape[0]} tokens) and v "
+                             f"({v3.shape[0]}) must have q's {q3.shape[0]} tokens")
+        kv_ip = qo_indptr
+    else:
+        kv_b_proj = getattr(layer, "kv_b_proj", None)
+        if kv_b_proj is None:
+            raise ValueError("MHA extend over a prefix needs layer.kv_b_proj (SGLang attaches "
+                             "the model's kv_b_proj to attn_mha) to decompress the prefix's "
+                             "latent rows")
+        pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        rows = pool.reshape(pool.shape[0], -1)[fm.kv_indices.long()]
+        k3, v3 = _decompress(rows, kv_b_proj, heads, q3.dtype, layer.k_scale)
+        kv_ip = kv_indptr
+    out, backend.last_backend, backend.last_fallback_reason = _attend(
+        backend.attention_backend, q3, k3, v3, qo_indptr, kv_ip, layer.scaling)
+    backend.last_via = "jax"
+    return out.reshape(q3.shape[0], heads * MHA_HEAD_DIMS[1])
+
+
+def _attend(requested: str, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
+    """(out [T, H, 128] in q's dtype, the backend that ran, why the reference ran instead of
+    the requested backend or None)."""
+    args = [to_jax(x.contiguous()) for x in (q3, k3, v3, qo_indptr, kv_indptr)]
+    reason = None
+    if requested == "pallas":
+        if q3.dtype == torch.bfloat16:
+            out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True)
+            return to_torch(out), "pallas", None
+        reason = f"the MHA prefill kernel takes bfloat16, q is {q3.dtype}"
+    elif requested == "aiter":
+        reason = "AITER's MHA prefill is not wrapped; the float32 reference runs"
+    from funcmla.attention.reference import mha_attention_reference
+
+    out, _ = mha_attention_reference(*args, sm_scale=float(sm_scale), causal=True)
+    return to_torch(out).to(q3.dtype), "reference", reason

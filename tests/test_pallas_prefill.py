@@ -1,0 +1,310 @@
+"""The ragged MHA prefill kernel (`mha_prefill`) and `merge_attention_states` against the float32
+reference (`mha_attention_reference`), which is itself checked against a float64 NumPy
+restatement.
+
+On CPU the kernel runs in Mosaic GPU interpret mode (barriers, TMA copies and wgmma simulated;
+q k^T is a plain dot there). The interpreter costs seconds per live block, so the CPU cases fold
+many request shapes into one call each, on 1 or 2 heads: varlen, zero-length q and kv, q_len =
+kv_len, q_len = 1, a prefix (kv_len > q_len), prefix only (q_len 0), a partial last KV tile,
+rows past qo_indptr[-1], and k / v rows past kv_indptr[-1] holding NaN / Inf (which must not
+reach any output). 16 and 128 heads run on CPU as a CUDA lowering (every head count lowers)
+and, at 16 heads, in the interpreter (`slow`); compiled, on a GPU (`gpu`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
+from funcmla.attention.pallas.prefill import _mha_prefill
+from funcmla.attention.pallas.prefill_mgpu import tile_schedule
+from funcmla.attention.reference import mha_attention_reference
+
+SCALE = 0.135234
+
+
+def make(rng, heads, q_lens, kv_lens, *, extra_q=3, extra_kv=70, poison=np.nan):
+    """q / k / v for requests of these lengths, plus `extra_q` q rows past qo_indptr[-1] and
+    `extra_kv` k / v rows past kv_indptr[-1] holding `poison`."""
+    qo = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = rng.standard_normal((qo[-1] + extra_q, heads, 192))
+    k = rng.standard_normal((kv[-1] + extra_kv, heads, 192))
+    v = rng.standard_normal((kv[-1] + extra_kv, heads, 128))
+    k[kv[-1]:] = poison
+    v[kv[-1]:] = poison
+    bf = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+    return bf(q), bf(k), bf(v), jnp.asarray(qo), jnp.asarray(kv)
+
+
+def check(out, lse, ref, ref_lse):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    lse, ref, ref_lse = np.asarray(lse), np.asarray(ref), np.asarray(ref_lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    empty = np.isinf(ref_lse)
+    np.testing.assert_array_equal(np.isposinf(lse), empty)  # no key: lse +inf ...
+    assert not out[empty].any()  # ... and out exactly 0
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < 1e-2, err  # bf16 operands and output
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], atol=2e-3)
+
+
+def run_case(heads, q_lens, kv_lens, causal, *, seed=0, config=MgpuPrefillConfig(block_kv=64),
+             interpret=True, poison=np.nan):
+    q, k, v, qo, kv = make(np.random.default_rng(seed), heads, q_lens, kv_lens, poison=poison)
+    out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=causal, config=config,
+                           interpret=interpret)
+    assert out.shape == (q.shape[0], heads, 128) and out.dtype == jnp.bfloat16
+    assert lse.shape == (q.shape[0], heads) and lse.dtype == jnp.float32
+    check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=causal))
+
+
+# (q_lens, kv_lens): a prefix with a partial tile and a q tile past 64 rows, a prefix-only
+# request (no queries), q_len = 1 over a prefix (the fast case); an empty request and q_len =
+# kv_len on a tile boundary (the slow one).
+CAUSAL = ([70, 0, 1], [100, 5, 33])
+CAUSAL_MORE = ([70, 0, 1, 64], [100, 0, 33, 64])
+# kv_len 0 with queries (out 0, lse +inf), kv shorter than q, a long request over two tiles.
+FULL = ([5, 9, 70], [0, 3, 130])
+
+
+def test_interpret_causal_varlen():
+    """One head (the interpreter's cost grows with the blocks); two heads in the slow set."""
+    run_case(1, *CAUSAL, causal=True)
+
+
+@pytest.mark.slow
+def test_interpret_causal_varlen_two_heads():
+    run_case(2, *CAUSAL_MORE, causal=True, seed=1, poison=-np.inf)
+
+
+@pytest.mark.slow
+def test_interpret_non_causal_varlen():
+    run_case(2, *FULL, causal=False, poison=np.inf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpret_pingpong(causal):
+    """The consumers' turns (`MgpuPrefillConfig.pingpong`) change the schedule, not the
+    result: the same cases, 64-token tiles in 2 and 3 stages."""
+    lens = CAUSAL if causal else FULL
+    run_case(1, *lens, causal=causal, poison=np.inf,
+             config=MgpuPrefillConfig(block_kv=64, num_stages=2 if causal else 3,
+                                      pingpong=True))
+
+
+@pytest.mark.slow
+def test_interpret_16_heads_block_kv_128():
+    """16 heads (one block each: the interpreter's cost), the default 128-token tiles, 20
+    queries over a 130-token prefix (an unmasked tile, then the diagonal and the tail)."""
+    q, k, v, qo, kv = make(np.random.default_rng(2), 16, [20], [150], extra_q=0,
+                           poison=-np.inf)
+    out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, interpret=True)
+    check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_interpret_has_no_data_race(pingpong):
+    """Mosaic GPU's interpreter, with its race detector on, finds no unordered shared-memory
+    access between the producer and the consumers: stage refills (4 tiles in 2 stages), the
+    zeroed V tail, the output staging over q, with and without the consumers' turns. The
+    detector is a private jax API: skip where it has moved."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as e:  # pragma: no cover - depends on the jax version
+        pytest.skip(f"Mosaic GPU interpreter's race detector not importable: {e}")
+    q, k, v, qo, kv = make(np.random.default_rng(3), 1, [70], [230])
+    out, _ = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
+                         config=MgpuPrefillConfig(block_kv=64, pingpong=pingpong),
+                         interpret=InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(out)
+    assert not interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize("heads,causal,config", [
+    (16, True, MgpuPrefillConfig()), (128, False, MgpuPrefillConfig(64, 3)),
+    (128, True, MgpuPrefillConfig(pingpong=True))])
+def test_lowers_for_cuda(heads, causal, config):
+    """The compiled kernel lowers for CUDA on any host (Mosaic GPU's code generation runs here;
+    only ptxas needs the GPU), at 16 and 128 heads and a row count that needs padding."""
+    q = jax.ShapeDtypeStruct((300, heads, 192), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((901, heads, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((901, heads, 128), jnp.bfloat16)
+    ip = jax.ShapeDtypeStruct((4,), jnp.int32)
+    fn = functools.partial(_mha_prefill, sm_scale=SCALE, causal=causal, config=config,
+                           interpret=False)
+    text = jax.jit(fn).trace(q, k, v, ip, ip).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mha_prefill_mgpu" in text
+
+
+def test_tile_schedule_covers_each_request_once():
+    """Every query row of every request is in exactly one (slot, 128-row tile); unused slots
+    are -1; the static slot count ceil(Tq / 128) + B suffices for any split."""
+    q_lens = [0, 300, 128, 1, 0, 129]
+    qo = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    slots = -(-sum(q_lens) // 128) + len(q_lens)
+    req, first = map(np.asarray, tile_schedule(qo, slots))
+    live = [(int(r), int(f)) for r, f in zip(req, first) if r >= 0]
+    assert len(live) == len(set(live)) == sum(-(-n // 128) for n in q_lens)
+    assert all(0 <= f < q_lens[r] and f % 128 == 0 for r, f in live)
+    covered = {(r, f + j) for r, f in live for j in range(128) if f + j < q_lens[r]}
+    assert covered == {(b, j) for b, n in enumerate(q_lens) for j in range(n)}
+
+
+def _np_attention(q, k, v, qo, kv, causal):
+    """float64 NumPy restatement of ragged MHA (bottom-right causal)."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    out = np.zeros(q.shape[:2] + (v.shape[2],))
+    lse = np.full(q.shape[:2], np.inf)
+    for b in range(len(qo) - 1):
+        ql, kl = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+        for j in range(ql):
+            n = min(kl - ql + 1 + j, kl) if causal else kl
+            if n <= 0:
+                continue
+            s = np.einsum("hd,shd->hs", q[qo[b] + j], k[kv[b]:kv[b] + n]) * SCALE
+            m = s.max(axis=1, keepdims=True)
+            p = np.exp(s - m)
+            out[qo[b] + j] = np.einsum("hs,shd->hd", p, v[kv[b]:kv[b] + n]) / p.sum(1)[:, None]
+            lse[qo[b] + j] = m[:, 0] + np.log(p.sum(1))
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_numpy(causal):
+    lens = CAUSAL if causal else FULL
+    q, k, v, qo, kv = make(np.random.default_rng(7), 3, *lens)
+    out, lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=causal)
+    ref, ref_lse = _np_attention(q, k, v, np.asarray(qo), np.asarray(kv), causal)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
+    np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=1e-5)
+
+
+def _split_prefix(q, k, v, qo, kv, prefix):
+    """Request i's keys split into its first prefix[i] (the cached prefix) and the rest (the
+    new tokens, as many as its queries): ((k, v, indptr) of each part)."""
+    kvn = np.asarray(kv)
+    pre = np.concatenate([np.arange(kvn[i], kvn[i] + p) for i, p in enumerate(prefix)])
+    new = np.concatenate([np.arange(kvn[i] + p, kvn[i + 1]) for i, p in enumerate(prefix)])
+    pre_ip = jnp.asarray(np.concatenate([[0], np.cumsum(prefix)]), jnp.int32)
+    return (k[pre], v[pre], pre_ip), (k[new], v[new], qo)
+
+
+def test_merge_of_reference_parts_is_one_shot_attention():
+    """SGLang's chunked prefix cache: attention over the prefix (not causal) merged with causal
+    attention over the new tokens equals bottom-right causal attention over prefix + new, also
+    where a side is empty (no prefix, lse +inf); the merge rule alone, in float32."""
+    new, prefix = [40, 7, 12], [33, 0, 64]
+    q, k, v, qo, kv = make(np.random.default_rng(5), 2, new, [n + p for n, p in
+                                                              zip(new, prefix)], extra_q=0,
+                           extra_kv=0)
+    (kp, vp, ip_p), (kn, vn, ip_n) = _split_prefix(q, k, v, qo, kv, prefix)
+    o1, l1 = mha_attention_reference(q, kp, vp, qo, ip_p, sm_scale=SCALE, causal=False)
+    o2, l2 = mha_attention_reference(q, kn, vn, qo, ip_n, sm_scale=SCALE, causal=True)
+    out, lse = merge_attention_states(o1, l1, o2, l2)
+    ref, ref_lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-6)
+
+
+# Fixed data for the property below (Hypothesis draws the lengths and splits; the values are
+# constant, so every example runs the same two compiled references).
+_PQ, _PK = 18, 36
+_PROP = make(np.random.default_rng(11), 2, [_PQ], [_PK], extra_q=0, extra_kv=0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=3))
+def test_merge_property_any_prefix_split(lens):
+    """For any requests of (new, prefix) lengths: the prefix part (not causal) merged with
+    the new-token part (causal) equals bottom-right causal attention over prefix + new. Key
+    rows past each part's last request hold NaN, so a part's unused rows are never read."""
+    q, k, v, _, _ = _PROP
+    new = [n for n, _ in lens]
+    prefix = [p for _, p in lens]
+    qo = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+
+    def part(lengths, rows):  # k / v rows `rows` first, NaN after; its indptr
+        idx = np.concatenate([np.asarray(rows, int), np.zeros(_PK - len(rows), int)])
+        keep = (np.arange(_PK) < len(rows))[:, None, None]
+        pk = jnp.where(keep, k[idx], jnp.nan)
+        pv = jnp.where(keep, v[idx], jnp.nan)
+        return pk, pv, jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+    # request i's keys: prefix rows then new rows, taken from disjoint ranges of k / v
+    pre_rows, new_rows, all_rows, at = [], [], [], 0
+    for n, p in lens:
+        pre_rows += range(at, at + p)
+        new_rows += range(at + p, at + p + n)
+        all_rows += range(at, at + p + n)
+        at += p + n
+    kp, vp, ip_p = part(prefix, pre_rows)
+    kn, vn, ip_n = part(new, new_rows)
+    ka, va, ip_a = part([n + p for n, p in lens], all_rows)
+    o1, l1 = mha_attention_reference(q, kp, vp, qo, ip_p, sm_scale=SCALE, causal=False)
+    o2, l2 = mha_attention_reference(q, kn, vn, qo, ip_n, sm_scale=SCALE, causal=True)
+    out, lse = merge_attention_states(o1, l1, o2, l2)
+    ref, ref_lse = mha_attention_reference(q, ka, va, qo, ip_a, sm_scale=SCALE, causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=3e-6)
+
+
+def test_merge_empty_sides():
+    """+inf or -inf lse means "no key": that side's out is ignored (even NaN), both empty gives
+    out 0 and lse +inf, as the kernels report it; otherwise the log-sum-exp weights."""
+    oa = jnp.array([[1.0, 2.0], [np.nan, np.nan], [3.0, 4.0], [1.0, 1.0]])
+    ob = jnp.array([[5.0, 6.0], [7.0, 8.0], [np.nan, 0.0], [3.0, 5.0]])
+    la = jnp.array([np.inf, -np.inf, 0.5, np.log(1.0)], jnp.float32)
+    lb = jnp.array([np.inf, 1.25, np.inf, np.log(3.0)], jnp.float32)
+    out, lse = merge_attention_states(oa, la, ob, lb)
+    np.testing.assert_array_equal(np.asarray(out[:3]), [[0, 0], [7, 8], [3, 4]])
+    np.testing.assert_allclose(np.asarray(out[3]), [2.5, 4.0], rtol=1e-6)  # weights 1/4, 3/4
+    np.testing.assert_allclose(np.asarray(lse), [np.inf, 1.25, 0.5, np.log(4.0)], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_interpret_merge_of_kernel_parts():
+    """The same split through the kernel: prefix part and new-token part, merged."""
+    new, prefix = [70, 5], [40, 0]
+    q, k, v, qo, kv = make(np.random.default_rng(9), 2, new, [n + p for n, p in
+                                                              zip(new, prefix)], extra_q=0,
+                           extra_kv=0)
+    (kp, vp, ip_p), (kn, vn, ip_n) = _split_prefix(q, k, v, qo, kv, prefix)
+    cfg = MgpuPrefillConfig(block_kv=64)
+    o1, l1 = mha_prefill(q, kp, vp, qo, ip_p, sm_scale=SCALE, causal=False, config=cfg,
+                         interpret=True)
+    o2, l2 = mha_prefill(q, kn, vn, qo, ip_n, sm_scale=SCALE, causal=True, config=cfg,
+                         interpret=True)
+    check(*merge_attention_states(o1, l1, o2, l2),
+          *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=True))
+
+
+GPU_CASES = [  # heads, q_lens, kv_lens, causal, config
+    (16, [1000, 1, 0, 300, 129], [1000, 700, 0, 4000, 129], True, MgpuPrefillConfig()),
+    (128, [64, 200, 1], [64, 1200, 33], True, MgpuPrefillConfig()),
+    (16, [77, 0, 513], [5, 9, 513], False, MgpuPrefillConfig()),
+    (128, [257, 3], [900, 3], True, MgpuPrefillConfig(block_kv=64, num_stages=3)),
+    (16, [1000, 1, 0, 300, 129], [1000, 700, 0, 4000, 129], True,
+     MgpuPrefillConfig(pingpong=True)),
+    (16, [77, 0, 513], [5, 9, 513], False, MgpuPrefillConfig(block_kv=64, num_stages=4,
+                                                            pingpong=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_lens,kv_lens,causal,config", GPU_CASES)
+def test_gpu_matches_reference(heads, q_lens, kv_lens, causal, config):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU")
+    run_case(heads, q_lens, kv_lens, causal, config=config, interpret=False)

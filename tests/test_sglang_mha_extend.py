@@ -1,0 +1,132 @@
+"""`FuncMLAAttnBackend.forward_extend` with SGLang's MHA shapes (DeepSeek's `attn_mha`: q / k
+[T, H, 192], v [T, H, 128], num_kv_heads = H) against a torch float32 restatement of the same
+step: per request, the keys and values of the whole sequence (from the model's k / v when no
+request has a prefix, else decompressed from the latent pool through `kv_b_proj`), and SDPA on
+a query padded to the sequence's length (bottom-right causal, as SGLang's torch-native backend
+computes an extend)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from funcmla.interop.sglang import mha_extend as mx
+from funcmla.interop.sglang_backend import ForwardMode, RadixAttention
+from tests.test_interop_sglang import SCALE, _fb, _setup, rel_err
+
+
+def _layer(heads, rng):
+    layer = RadixAttention(tp_q_head_num=heads, scaling=SCALE, qk_head_dim=192,
+                           v_head_dim=128, tp_k_head_num=heads)
+    proj = torch.nn.Linear(512, heads * 256, bias=False)
+    with torch.no_grad():
+        proj.weight.copy_(torch.from_numpy(
+            rng.standard_normal(proj.weight.shape).astype(np.float32) / np.sqrt(512)))
+    layer.kv_b_proj = proj.to(torch.bfloat16)
+    return layer
+
+
+def _torch_reference(q, k_seq, v_seq, prefix, extend):
+    """float32: request r's queries (rows [p, s) of a zero query of its s = p + e rows) over
+    its k_seq[r] / v_seq[r] [s, H, d], SDPA top-left causal per head, rows [p:] kept."""
+    outs, start = [], 0
+    for r, (p, e) in enumerate(zip(prefix, extend)):
+        s = p + e
+        qs = q.new_zeros((s,) + q.shape[1:], dtype=torch.float32)
+        qs[p:] = q[start:start + e].float()
+        o = F.scaled_dot_product_attention(qs.movedim(0, 1), k_seq[r].float().movedim(0, 1),
+                                           v_seq[r].float().movedim(0, 1), is_causal=True,
+                                           scale=SCALE)
+        outs.append(o.movedim(1, 0)[p:])
+        start += e
+    return torch.cat(outs)
+
+
+def _decompressed(b, pool, layer, prefix, extend):
+    """Per request: k, v of its whole sequence from the latent pool (req_to_token slots)."""
+    rows = pool.kv_buffer[0][:, 0, :].float()
+    ks, vs = [], []
+    for r, pool_idx in enumerate(b.req_pool_indices.tolist()):
+        slots = b.req_to_token[pool_idx, :prefix[r] + extend[r]].long()
+        lat = rows[slots]
+        with torch.no_grad():
+            kv = layer.kv_b_proj.float()(lat[:, :512]).view(-1, layer.tp_q_head_num, 256)
+        pe = lat[:, None, 512:].expand(-1, layer.tp_q_head_num, 64)
+        ks.append(torch.cat([kv[..., :128], pe], -1))
+        vs.append(kv[..., 128:])
+    layer.kv_b_proj.to(torch.bfloat16)
+    return ks, vs
+
+
+def _step(heads, prefix, extend, seed, backend_name="reference"):
+    rng, b, pool, backend = _setup(seed, prefix, extend, 16, attention_backend="reference")
+    backend.attention_backend = backend_name  # "pallas": as selected on an NVIDIA GPU
+    layer = _layer(heads, rng)
+    t = sum(extend)
+    q, k = (torch.from_numpy(rng.standard_normal((t, heads * 192)).astype(np.float32))
+            .bfloat16() for _ in range(2))
+    v = torch.from_numpy(rng.standard_normal((t, heads * 128)).astype(np.float32)).bfloat16()
+    fb = _fb(ForwardMode.EXTEND, b, extend)
+    backend.init_forward_metadata(fb)
+    out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert out.shape == (t, heads * 128) and out.dtype == torch.bfloat16
+    if any(prefix):
+        ks, vs = _decompressed(b, pool, layer, prefix, extend)
+    else:
+        ends = np.cumsum([0] + extend)
+        k3, v3 = k.view(t, heads, 192), v.view(t, heads, 128)
+        ks = [k3[a:e] for a, e in zip(ends[:-1], ends[1:])]
+        vs = [v3[a:e] for a, e in zip(ends[:-1], ends[1:])]
+    want = _torch_reference(q.view(t, heads, 192), ks, vs, prefix, extend)
+    return backend, out.view(t, heads, 128), want, layer, fb, (q, k, v)
+
+
+@pytest.mark.parametrize("prefix,extend", [([0, 23, 64, 5], [17, 1, 40, 30]),
+                                           ([0, 0, 0], [17, 40, 30])])
+def test_mha_extend_equals_torch_float32(prefix, extend):
+    """The reference backend on CPU: with a prefix (decompressed from the pool) and without
+    (the model's k and v)."""
+    backend, out, want, *_ = _step(16, prefix, extend, 3)
+    assert backend.last_backend == "reference" and backend.last_fallback_reason is None
+    assert rel_err(out, want) < 8e-3
+
+
+@pytest.mark.slow
+def test_mha_extend_runs_the_prefill_kernel_in_interpret_mode(monkeypatch):
+    """The pallas path as the backend calls it, the kernel in Mosaic GPU interpret mode (2
+    heads, a prefix in one request)."""
+    from funcmla.attention.pallas import MgpuPrefillConfig, mha_prefill
+
+    monkeypatch.setattr(mx, "_pallas_prefill", lambda: functools.partial(
+        mha_prefill, interpret=True, config=MgpuPrefillConfig(block_kv=64)))
+    backend, out, want, *_ = _step(2, [0, 70], [9, 20], 5, backend_name="pallas")
+    assert backend.last_backend == "pallas" and backend.last_fallback_reason is None
+    assert rel_err(out, want) < 8e-3
+
+
+def test_mha_extend_refuses_what_it_cannot_do():
+    """save_kv_cache=True (MHA rows do not fit the latent pool), grouped heads, and a prefix
+    without kv_b_proj: each an error naming the field."""
+    backend, _, _, layer, fb, (q, k, v) = _step(16, [0, 23], [17, 1], 4)
+    with pytest.raises(ValueError, match="save_kv_cache"):
+        backend.forward_extend(q, k, v, layer, fb, save_kv_cache=True)
+    layer.tp_k_head_num = 1
+    with pytest.raises(ValueError, match="tp_k_head_num = 1"):
+        backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    layer.tp_k_head_num = 16
+    del layer.kv_b_proj
+    with pytest.raises(ValueError, match="kv_b_proj"):
+        backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+
+
+def test_mha_extend_records_why_the_reference_ran():
+    """AITER's MHA prefill is not wrapped: the aiter backend runs the float32 reference for the
+    MHA extend and says so."""
+    backend, out, want, *_ = _step(16, [5, 0], [17, 9], 6, backend_name="aiter")
+    assert backend.last_backend == "reference"
+    assert "AITER" in backend.last_fallback_reason
+    assert rel_err(out, want) < 8e-3
