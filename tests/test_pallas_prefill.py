@@ -308,3 +308,49 @@ def test_gpu_matches_reference(heads, q_lens, kv_lens, causal, config):
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
     run_case(heads, q_lens, kv_lens, causal, config=config, interpret=False)
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,realigned", [
+    ([70, 0, 1], [100, 5, 33], True),    # starts 70, 71 / 100, 105: copied to 8-row starts
+    ([64, 8, 16], [64, 8, 16], False),   # every start on 8 rows already: no copy
+])
+def test_kernel_tiles_start_on_8_row_boundaries(q_lens, kv_lens, realigned, monkeypatch):
+    """Mosaic GPU's TMA reads a tile of the 8-row-tiled q / k / v from its 8-row group: a
+    request starting mid-group would read the wrong rows on the GPU (the interpreter reads
+    exact rows, so only this contract shows it on a CPU). Whatever the caller's CSRs, the
+    kernel gets starts on multiples of 8 and each request's rows at its start."""
+    from funcmla.attention.pallas import prefill as prefill_mod
+
+    q, k, v, qo, kv = make(np.random.default_rng(2), 1, q_lens, kv_lens, poison=np.nan)
+    seen = {}
+    real_call = prefill_mod.prefill_call
+
+    real_realigned = prefill_mod._realigned
+
+    def copies(*args):
+        seen["copies"] = seen.get("copies", 0) + 1
+        return real_realigned(*args)
+
+    def spy(qp, kp, vp, qo_a, kv_a, **kw):  # runs while `_mha_prefill` traces
+        jax.debug.callback(lambda *xs: seen.update(zip(("qp", "kp", "qo_a", "kv_a"), xs)),
+                           qp, kp, qo_a, kv_a)
+        # the layout is what is checked here (the kernel's results: the interpret cases)
+        shapes = jax.eval_shape(functools.partial(real_call, **kw), qp, kp, vp, qo_a, kv_a)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    monkeypatch.setattr(prefill_mod, "prefill_call", spy)
+    monkeypatch.setattr(prefill_mod, "_realigned", copies)
+    prefill_mod._mha_prefill.clear_cache()
+    mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
+                config=MgpuPrefillConfig(block_kv=64), interpret=True)
+    prefill_mod._mha_prefill.clear_cache()
+    assert not (seen["qo_a"][:-1] % 8).any() and not (seen["kv_a"][:-1] % 8).any()  # starts
+    assert seen.get("copies", 0) == (3 if realigned else 0)  # q, k, v
+    qo_h, kv_h = np.asarray(qo), np.asarray(kv)
+    for r in range(len(q_lens)):
+        a, b = seen["qo_a"][r], qo_h[r]
+        np.testing.assert_array_equal(np.asarray(seen["qp"][a:a + q_lens[r]]),
+                                      np.asarray(q[b:b + q_lens[r]]))
+        a, b = seen["kv_a"][r], kv_h[r]
+        np.testing.assert_array_equal(np.asarray(seen["kp"][a:a + kv_lens[r]]),
+                                      np.asarray(k[b:b + kv_lens[r]]))

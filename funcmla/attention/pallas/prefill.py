@@ -26,6 +26,8 @@ from funcmla.attention.pallas.prefill_mgpu import (
     first_slots,
     prefill_call,
 )
+from funcmla.checks import check_indptr
+from funcmla.guards import EAGER
 from funcmla.layout import expect_index_array
 from funcmla.segments import segment_positions
 
@@ -79,13 +81,7 @@ def validate_prefill_inputs(qo_indptr, kv_indptr, num_q: int, num_kv: int, *,
     for name, x, limit, what in (("qo_indptr", qo_indptr, num_q, "q.shape[0]"),
                                  ("kv_indptr", kv_indptr, num_kv, "k.shape[0]")):
         a = np.asarray(x)
-        if a[0] != 0:
-            raise ValueError(f"{name}[0] = {a[0]} must be 0")
-        down = np.diff(a) < 0
-        if down.any():
-            i = int(down.argmax())
-            raise ValueError(f"{name} decreases at request {i}: {name}[{i}] = {a[i]} > "
-                             f"{name}[{i + 1}] = {a[i + 1]}")
+        check_indptr(a, name, checker=EAGER)
         if a[-1] > limit:
             raise ValueError(f"{name}[-1] = {a[-1]} exceeds {what} = {limit}")
     if causal:
@@ -129,12 +125,31 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
     if _is_concrete(qo_indptr, kv_indptr):
         validate_prefill_inputs(qo_indptr, kv_indptr, q.shape[0], k.shape[0], causal=causal)
+    # Starts already on 8-row boundaries (known when the indptrs are concrete) need no copy.
+    realign = not (_is_concrete(qo_indptr, kv_indptr)
+                   and _starts_aligned(qo_indptr, kv_indptr))
     return _mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=float(sm_scale),
-                        causal=causal, config=config, interpret=interpret)
+                        causal=causal, config=config, interpret=interpret, realign=realign)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config", "interpret"))
-def _mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, config, interpret):
+# Mosaic GPU copies q / k / v tiles into 8-row-tiled shared memory by TMA over the tensor
+# viewed as 8-row tiles, so a tile must start on a multiple of 8 rows: a start in the middle
+# of an 8-row group reads the wrong rows. Requests whose rows do not all start so are copied
+# into a layout where each request's rows start on a multiple of 8 (`_realigned`).
+ROW_ALIGN = 8
+
+
+def _starts_aligned(qo_indptr, kv_indptr) -> bool:
+    """Every q tile (including the rows past qo_indptr[-1]) and every K/V tile starts on a
+    multiple of ROW_ALIGN rows."""
+    return not (np.any(np.asarray(qo_indptr) % ROW_ALIGN)
+                or np.any(np.asarray(kv_indptr)[:-1] % ROW_ALIGN))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config", "interpret",
+                                             "realign"))
+def _mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, config, interpret,
+                 realign=True):
     tq, h, _ = q.shape
     tk = k.shape[0]
     if tq == 0:
@@ -143,21 +158,59 @@ def _mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, config, int
     # 0 and lse +inf itself (no pass over the output).
     qo = jnp.concatenate([qo_indptr, jnp.array([tq], jnp.int32)])
     kv = jnp.concatenate([kv_indptr, kv_indptr[-1:]])
-    # A TMA box must fit its tensor's extent, and a tiled copy needs the row count to be a
-    # multiple of 8 (Mosaic GPU's TMA tiling): other sizes are padded (a copy of the tensor).
-    # The interpreter clamps a slice that runs past the end (shifting its rows), so there each
-    # tensor gets a tile of spare rows.
-    q_rows = tq + BLOCK_Q if interpret else max(_round_up(tq, 8), BLOCK_Q)
-    kv_rows = tk + config.block_kv if interpret else max(_round_up(tk, 8), config.block_kv)
-    qp = _pad_rows(q, q_rows)
-    kp, vp = _pad_rows(k, kv_rows), _pad_rows(v, kv_rows)
-    out, lse_tiles, _ = prefill_call(qp, kp, vp, qo, kv, sm_scale=sm_scale, causal=causal,
-                                     config=config, interpret=interpret)
-    return out[:tq], _gather_lse(lse_tiles, qo, tq)
+    b = qo.shape[0] - 1
+    # A TMA box must fit its tensor's extent, and the tiled copy needs the row count to be a
+    # multiple of 8: other sizes are padded. The interpreter clamps a slice that runs past
+    # the end (shifting its rows), so there each tensor gets a tile of spare rows.
+    q_rows = tq + (ROW_ALIGN - 1) * b if realign else tq
+    kv_rows = tk + (ROW_ALIGN - 1) * b if realign else tk
+    q_rows = q_rows + BLOCK_Q if interpret else max(_round_up(q_rows, ROW_ALIGN), BLOCK_Q)
+    kv_rows = (kv_rows + config.block_kv if interpret
+               else max(_round_up(kv_rows, ROW_ALIGN), config.block_kv))
+    if realign:
+        qo_a, kv_a = _aligned_indptr(qo), _aligned_indptr(kv)
+        qp = _realigned(q, qo, qo_a, q_rows)
+        kp, vp = _realigned(k, kv, kv_a, kv_rows), _realigned(v, kv, kv_a, kv_rows)
+    else:
+        qo_a, kv_a = qo, kv
+        qp, kp, vp = _pad_rows(q, q_rows), _pad_rows(k, kv_rows), _pad_rows(v, kv_rows)
+    out, lse_tiles, _ = prefill_call(qp, kp, vp, qo_a, kv_a, sm_scale=sm_scale, causal=causal,
+                                     config=config, q_lens=qo[1:] - qo[:-1],
+                                     kv_lens=kv[1:] - kv[:-1], interpret=interpret)
+    if realign:
+        row, j, _ = segment_positions(qo, tq)
+        out = out[qo_a[row] + j]
+    else:
+        out = out[:tq]
+    # the q tile slots depend on the requests' lengths only, the same in both layouts
+    return out, _gather_lse(lse_tiles, qo, tq)
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def _aligned_indptr(indptr):
+    """Request starts on multiples of ROW_ALIGN: the CSR of the lengths rounded up to it (the
+    kernel takes the true lengths apart, `prefill_call(q_lens=, kv_lens=)`)."""
+    lens = indptr[1:] - indptr[:-1]
+    padded = (lens + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded, dtype=jnp.int32)])
+
+
+def _realigned(x, indptr, aligned, rows: int):
+    """x [T, H, D] copied to [rows, H, D] in the layout of `aligned` (`_aligned_indptr`). The
+    rows between requests repeat an in-bounds row: the kernel masks their keys, zeroes their V
+    and never stores their queries."""
+    t = x.shape[0]
+    if t == 0:
+        return jnp.zeros((rows,) + x.shape[1:], x.dtype)
+    d = jnp.arange(rows, dtype=jnp.int32)
+    req = jnp.clip(jnp.searchsorted(aligned[1:], d, side="right"), 0,
+                   indptr.shape[0] - 2).astype(jnp.int32)
+    j = d - aligned[req]
+    src = jnp.where(j < indptr[req + 1] - indptr[req], indptr[req] + j, 0)
+    return x[jnp.clip(src, 0, t - 1)]
 
 
 def _pad_rows(x, rows: int):

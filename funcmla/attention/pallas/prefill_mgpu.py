@@ -185,8 +185,8 @@ def _store_rows(o_stage, o_dst_rows, n):
             off = off + jnp.where(take, size, 0)
 
 
-def _kernel(qo_indptr_ref, kv_indptr_ref, req_ref, first_ref, q_ref, k_ref, v_ref, o_ref,
-            lse_ref, scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
+def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
+            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
             scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
     (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
      v_clean, turn) = scratch
@@ -199,9 +199,9 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, req_ref, first_ref, q_ref, k_ref, v_re
     live = req >= 0
     reqc = jnp.maximum(req, 0)
     q_start = qo_indptr_ref[reqc]
-    q_len = qo_indptr_ref[reqc + 1] - q_start
+    q_len = q_lens_ref[reqc]
     kv_start = kv_indptr_ref[reqc]
-    kv_len = kv_indptr_ref[reqc + 1] - kv_start
+    kv_len = kv_lens_ref[reqc]
     qb0 = first_ref[slot_id]  # the block's first query row within the request
 
     # Tiles of the block: up to the last live row's causal limit (all of the KV otherwise).
@@ -348,12 +348,16 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, req_ref, first_ref, q_ref, k_ref, v_re
 def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
                  kv_indptr: jax.Array, *, sm_scale: float, causal: bool,
                  config: MgpuPrefillConfig = MgpuPrefillConfig(),
+                 q_lens: jax.Array | None = None, kv_lens: jax.Array | None = None,
                  interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The Mosaic GPU pallas call on checked arguments (`prefill.check_prefill_args`): q
     [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128], every request inside the tensors, at least
     one row each. Returns out [Tq, H, 128] (q's dtype, rows of no request unwritten), lse per
     tile slot f32 [H, N, 2, 64], and the schedule's first row per slot (`tile_schedule`).
-    `interpret`: False, True, or Pallas's GPU interpreter parameters."""
+    q_lens / kv_lens: int32 [B] request lengths where the indptrs hold starts only (rows
+    laid out with gaps, `prefill._realigned`); default: the indptrs' differences. A request's
+    tile count is the same for its length rounded up to a multiple of 8, so the schedule may
+    come from either. `interpret`: False, True, or Pallas's GPU interpreter parameters."""
     tq, h, _ = q.shape
     b = qo_indptr.shape[0] - 1
     num_slots = -(-tq // BLOCK_Q) + b
@@ -390,7 +394,7 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         scale_log2=float(sm_scale) * _LOG2E, cfg=config, interpret=interpret)
 
     call = plgpu.kernel(
-        lambda *refs: kernel(*refs[:9], refs[9:]),
+        lambda *refs: kernel(*refs[:11], refs[11:]),
         out_type=(jax.ShapeDtypeStruct((tq, h, V_HEAD_DIM), q.dtype),
                   jax.ShapeDtypeStruct((h, num_slots, 2, ROWS), jnp.float32)),
         scratch_types=scratch,
@@ -406,5 +410,9 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
                      + ("_pingpong" if config.pingpong else "")),
     )
-    out, lse_tiles = call(qo_indptr, kv_indptr, req, first, q, k, v)
+    if q_lens is None:
+        q_lens = qo_indptr[1:] - qo_indptr[:-1]
+    if kv_lens is None:
+        kv_lens = kv_indptr[1:] - kv_indptr[:-1]
+    out, lse_tiles = call(qo_indptr, kv_indptr, q_lens, kv_lens, req, first, q, k, v)
     return out, lse_tiles, first
