@@ -5,7 +5,7 @@ Case groups (`case_groups`): each is a function `rows(args) -> list[dict]` whose
 least {"group", "case", "us", "tflops", "baseline", "baseline_us", "ratio", "rel_err"}
 (ratio = baseline time / kernel time, > 1: the kernel is faster; "targets": the issue's
 targets judged on the row, `verdict`). The MHA group (`mha_rows`) is here; the absorbed MLA
-extend group is `bench.extend.extend_rows`, added when that module exists.
+extend group runs `bench.extend.extend_rows` (`extend_group_rows`).
 
 MHA cases (q / k [T, H, 192], v [T, H, 128], bf16):
   * causal, one request of 16k tokens, H = 128;
@@ -272,17 +272,33 @@ def mha_rows(args) -> list[dict]:
     return rows
 
 
+def extend_group_rows(args) -> list[dict]:
+    """The absorbed MLA extend cases (`bench.extend.extend_rows`) as rows of this table: the
+    baseline is the decode kernel on the same keys, timed in the same run (ratio: its TFLOP/s
+    over the extend's, inverted so > 1 means the extend is faster)."""
+    from .extend import extend_rows, target_verdicts
+
+    left = None
+    if args.time_limit:
+        left = max(0.0, args.time_limit - (time.time() - _SINK.get("t0", time.time())))
+    rows = extend_rows(reps=max(3, args.reps // 3), only=args.only, time_limit_s=left)
+    out = []
+    for r in rows:
+        out.append(dict(group="extend", case=r["case"], config=r.get("kernel", ""),
+                        us=r.get("time_us"), tflops=r.get("tflops"), baseline="decode kernel",
+                        baseline_us=r.get("decode_baseline_us"),
+                        baseline_tflops=r.get("decode_baseline_tflops"),
+                        ratio=r.get("vs_decode_baseline"), rel_err=r.get("rel_err", float("nan")),
+                        extend=r))
+    verdicts = dict(target_verdicts(rows))
+    if out:
+        out[0]["targets"] = "; ".join(f"{t}: {v}" for t, v in verdicts.items())
+    return out
+
+
 def case_groups() -> list[tuple[str, object]]:
-    """(name, rows function) of every case group: MHA here, the absorbed extend group
-    (`bench.extend.extend_rows(args)`) when that module exists."""
-    groups = [("mha", mha_rows)]
-    try:
-        from .extend import extend_rows
-    except ImportError:
-        pass
-    else:
-        groups.append(("extend", extend_rows))
-    return groups
+    """(name, rows function) of every case group: the MHA prefill and the absorbed extend."""
+    return [("mha", mha_rows), ("extend", extend_group_rows)]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -372,7 +388,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xticks(x)
     ax.set_xticklabels([f"{r['case']}\n{r.get('config', '')}" for r in rows], fontsize=6)
     ax.set_ylabel("useful TFLOP/s (causal counts half)")
-    ax.set_title("ragged MHA prefill, device time per call (red: target)")
+    ax.set_title("ragged MHA prefill and absorbed extend, device time per call (red: target)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -389,7 +405,10 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="substring of the case names to run")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds after which no further config is started")
+    ap.add_argument("--quick", action="store_true", help="3 repetitions (`funcmla bench`)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 3
     if jax.default_backend() != "gpu":
         sys.exit("bench.prefill needs a GPU (the kernel is Hopper's)")
     t0 = time.time()

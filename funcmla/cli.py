@@ -246,8 +246,8 @@ def cmd_plan(args) -> int:
 # bench
 
 
-BENCHES = ("metadata", "planners", "decode", "interop")
-GPU_ONLY_BENCHES = ("decode",)  # times the compiled Pallas kernel against the HBM ceiling
+BENCHES = ("metadata", "planners", "decode", "prefill", "interop")
+GPU_ONLY_BENCHES = ("decode", "prefill")  # time the compiled Pallas kernels
 
 
 def cmd_bench(args) -> int:

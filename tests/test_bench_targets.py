@@ -71,3 +71,33 @@ def test_cli_reads_a_saved_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "550 TFLOP/s: NOT met (2 of 3; worst H128 B128 L4096 p1 541 TFLOP/s)" in out
     assert main([]) == 2
+
+
+def test_prefill_table_takes_the_extend_rows(monkeypatch):
+    """bench.prefill's extend group: bench.extend's rows in the prefill table's schema (its
+    timing code needs a GPU; the mapping and the line format do not)."""
+    import types
+
+    import bench.extend as extend_mod
+    import bench.prefill as prefill_mod
+
+    row = dict(case="H128 B8 q1024 kv5120 p64", kernel="mgpu", time_us=17883.0, tflops=588.0,
+               decode_baseline_us=17500.0, decode_baseline_tflops=595.4,
+               vs_decode_baseline=588.0 / 595.4, rel_err=1.75e-3)
+    seen = {}
+
+    def fake_rows(**kw):
+        seen.update(kw)
+        return [row]
+
+    monkeypatch.setattr(extend_mod, "extend_rows", fake_rows)
+    monkeypatch.setattr(extend_mod, "target_verdicts", lambda rows: [("450 TFLOP/s", "met")])
+    args = types.SimpleNamespace(reps=10, only="H128", time_limit=None)
+    (got,) = prefill_mod.extend_group_rows(args)
+    assert seen == dict(reps=3, only="H128", time_limit_s=None)
+    assert (got["group"], got["case"], got["config"]) == ("extend", row["case"], "mgpu")
+    assert (got["us"], got["tflops"], got["baseline_us"]) == (17883.0, 588.0, 17500.0)
+    assert got["targets"] == "450 TFLOP/s: met"
+    line = prefill_mod.fmt(got)
+    assert "588.0 TFLOP/s" in line and "decode kernel 17500.0 us" in line
+    assert [name for name, _ in prefill_mod.case_groups()] == ["mha", "extend"]
