@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
@@ -225,6 +225,7 @@ _PQ, _PK = 18, 36
 _PROP = make(np.random.default_rng(11), 2, [_PQ], [_PK], extra_q=0, extra_kv=0)
 
 
+@settings(max_examples=10)
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=3))
 def test_merge_property_any_prefix_split(lens):
     """For any requests of (new, prefix) lengths: the prefix part (not causal) merged with
