@@ -116,6 +116,21 @@ class _Stage(ctypes.Structure):
                 ("graph_launch", ctypes.c_void_p), ("failed", ctypes.c_int32)]
 
 
+def ctypes_layout() -> tuple[int, ...]:
+    """The sizes and offsets `funcmla_layout` reports, as the ctypes mirror has them."""
+    return (ctypes.sizeof(_Program), _Program.kernels.offset, ctypes.sizeof(_Kernel),
+            _Program.launch.offset, _Program.torch.offset, _Program.args.offset,
+            ctypes.sizeof(_ArgSpec), ctypes.sizeof(_Stage), ctypes.sizeof(_Memcpy2D))
+
+
+def native_layout(lib) -> tuple[int, ...]:
+    """The C helper's sizes and offsets (`funcmla_layout` writes one word per entry of
+    `ctypes_layout()`: the buffer is sized from it, so the two cannot drift apart)."""
+    out = (ctypes.c_uint64 * len(ctypes_layout()))()
+    lib.funcmla_layout(out)
+    return tuple(out)
+
+
 def _cache_dir() -> str:
     base = os.environ.get("FUNCMLA_CACHE_DIR")
     if not base:
@@ -166,12 +181,8 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(path)
     except OSError as err:
         return None, f"could not load {path}: {err}"
-    layout = (ctypes.c_uint64 * 9)()
-    lib.funcmla_layout(layout)
-    want = (ctypes.sizeof(_Program), _Program.kernels.offset, ctypes.sizeof(_Kernel),
-            _Program.launch.offset, _Program.torch.offset, _Program.args.offset,
-            ctypes.sizeof(_ArgSpec), ctypes.sizeof(_Stage), ctypes.sizeof(_Memcpy2D))
-    if tuple(layout) != want:
+    layout, want = native_layout(lib), ctypes_layout()
+    if layout != want:
         return None, f"struct layout of {path} {tuple(layout)} != ctypes {want}"
     return lib, how
 
