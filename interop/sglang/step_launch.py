@@ -1,6 +1,6 @@
 """The step's metadata program on torch's stream: XLA's own kernels, no JAX dispatch per step.
 
-`build_step` (funcmla.interop.sglang.step) is compiled by XLA once per StepSpec as before; its
+`build_step` (funcmla.interop.sglang.step) is compiled by XLA once per StepSpec, as for the JAX path; its
 serialized executable is read back (`funcmla.interop._xla_program`: every thunk a kernel launch
 over the executable's buffer allocations), and `StepLauncher` replays it with torch-owned
 buffers allocated once per spec:
@@ -31,9 +31,8 @@ import ctypes
 import os
 import threading
 
-import torch
-
 import numpy as np
+import torch
 
 from funcmla.interop._xla_program import (
     CopyLaunch,
