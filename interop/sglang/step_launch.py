@@ -1,9 +1,9 @@
 """The step's metadata program on torch's stream: XLA's own kernels, no JAX dispatch per step.
 
 `build_step` (funcmla.interop.sglang.step) is compiled by XLA once per StepSpec, as for the
-JAX path; its serialized executable is read back (`funcmla.interop._xla_program`: every thunk a
-kernel launch over the executable's buffer allocations), and `StepLauncher` replays it with torch-owned
-buffers allocated once per spec:
+JAX path; its serialized executable is read back (`funcmla.interop._xla_program`: every thunk
+a kernel launch or a device copy over the executable's buffer allocations), and `StepLauncher`
+replays it with torch-owned buffers allocated once per spec:
 
   parameter 0 (req_to_token)  the backend's torch tensor itself (its address is fixed);
   parameter 1 (the inputs)    a static int32 buffer of the spec's length;
