@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from funcmla.attention.kv_quant import check_kv_scale_values
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.interop import aiter_dispatch
 from funcmla.interop.dlpack import to_jax, to_torch
@@ -137,7 +138,7 @@ def _dequant(kv_rows, kv_fp8_dtype, kv_scale):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "v_head_dim", "causal", "max_kv_len",
-                                             "out_dtype", "kv_fp8_dtype", "kv_scale"))
+                                             "out_dtype", "kv_fp8_dtype"))
 def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, v_head_dim, causal,
                max_kv_len, out_dtype, kv_fp8_dtype=None, kv_scale=None):
     kv_rows = _dequant(_rows(kv_pool), kv_fp8_dtype, kv_scale)
@@ -154,6 +155,15 @@ def _rows(kv_pool):
     return kv_pool.reshape(kv_pool.shape[0], kv_pool.shape[-1])
 
 
+def _scale_array(kv_scale) -> jax.Array:
+    """kv_scale (a float, or a float32 array of shape () / [1]) as a float32 scalar array,
+    checked positive and finite here (inside the jitted calls it is a traced value)."""
+    if isinstance(kv_scale, torch.Tensor):
+        kv_scale = float(kv_scale)  # SGLang's per-layer scale tensor (one value)
+    check_kv_scale_values(kv_scale=kv_scale)
+    return jnp.asarray(kv_scale, jnp.float32).reshape(())
+
+
 def _fp8_args(kv_fp8_dtype, kv_scale) -> dict:
     """The Pallas kernels' arguments for an fp8 pool's uint8 bytes (none for another pool)."""
     if kv_fp8_dtype is None:
@@ -162,7 +172,7 @@ def _fp8_args(kv_fp8_dtype, kv_scale) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "s_q", "max_kv_len", "v_head_dim",
-                                             "kv_fp8_dtype", "kv_scale"))
+                                             "kv_fp8_dtype"))
 def _pallas(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_head_dim,
             kv_fp8_dtype=None, kv_scale=None):
     # metadata padded to a batch bucket lists more (empty) requests than q holds: keep q's
@@ -174,7 +184,7 @@ def _pallas(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_h
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "max_kv_len", "v_head_dim",
-                                             "kv_fp8_dtype", "kv_scale"))
+                                             "kv_fp8_dtype"))
 def _pallas_ragged(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale, causal,
                    max_kv_len, v_head_dim, kv_fp8_dtype=None, kv_scale=None):
     out, lse = _pallas_extend()(q, _rows(kv_pool), qo_indptr=qo_indptr, kv_indptr=kv_indptr,
@@ -287,8 +297,10 @@ def mla_attention(
                                        via="launcher")
     qj = to_jax(q) if from_torch else q
     kvj = to_jax(kv_pool) if isinstance(kv_pool, torch.Tensor) else kv_pool
+    # the scale is a traced argument: per-layer scales share one compiled program
+    scale = None if kv_scale is None or kv_fp8_dtype is None else _scale_array(kv_scale)
     fp8 = dict(kv_fp8_dtype=None if kv_fp8_dtype is None else jnp.dtype(kv_fp8_dtype).name,
-               kv_scale=None if kv_scale is None or kv_fp8_dtype is None else float(kv_scale))
+               kv_scale=scale)
     if name == "pallas" and fallback is None and route == "decode":
         out, lse = _pallas(qj, kvj, meta.kv_indptr, meta.kv_indices, sm_scale=float(sm_scale),
                            s_q=s_q, max_kv_len=max_kv_len, v_head_dim=v_head_dim, **fp8)
@@ -304,7 +316,7 @@ def mla_attention(
                               max_kv_len=max_kv_len, out_dtype=jnp.dtype(qj.dtype),
                               kv_fp8_dtype=None if kv_fp8_dtype is None
                               else jnp.dtype(kv_fp8_dtype),
-                              kv_scale=None if kv_scale is None else float(kv_scale))
+                              kv_scale=None if kv_scale is None else _scale_array(kv_scale))
         ran = "reference"
     if not return_lse:
         lse = None

@@ -218,3 +218,31 @@ def test_launcher_names_the_fp8_route():
     ind = torch.zeros(3, dtype=torch.int32)
     why = torch_decode_unsupported_reason(q, pool, ind, ind)
     assert "float8_e4m3fn" in why and "mla_decode" in why
+
+
+def test_per_layer_scales_share_one_program_in_mla_attention():
+    """SGLang passes each layer's k_scale: through `mla_attention` the scale is a traced
+    argument, so layers with different scales run one compiled program, each with its scale."""
+    from funcmla.interop import backend_select as bs
+    from funcmla.metadata import decode_metadata
+
+    rng = np.random.default_rng(3)
+    rows, heads = 40, 16
+    pool = jnp.asarray(rng.standard_normal((rows, 576)) * 0.5, jnp.float32).astype(FP8)
+    bits = jax.lax.bitcast_convert_type(pool, jnp.uint8)
+    r2t = jnp.asarray(rng.permutation(rows)[:32].reshape(2, 16), jnp.int32)
+    meta = decode_metadata(r2t, jnp.array([0, 1]), jnp.array([9, 16]), capacity=32)
+    q = jnp.asarray(rng.standard_normal((2, heads, 576)), jnp.bfloat16)
+    before = bs._reference._cache_size()
+    for k_scale in (0.5, 2.0, 1.25):
+        res = bs.mla_attention(q, bits, meta, sm_scale=SCALE, backend="reference", mode="decode",
+                               kv_fp8_dtype=FP8, kv_scale=k_scale, max_kv_len=16)
+        dequant = pool.astype(jnp.float32) * k_scale
+        want, _ = mla_attention_reference(q.astype(jnp.float32), dequant, meta.qo_indptr,
+                                          meta.kv_indptr, meta.kv_indices, sm_scale=SCALE,
+                                          max_kv_len=16)
+        assert rel_err(np.asarray(res.out, np.float32), np.asarray(want)) < 1e-2
+    assert bs._reference._cache_size() - before == 1
+    with pytest.raises(ValueError, match=r"kv_scale=\[-1.0\] must be a positive finite float"):
+        bs.mla_attention(q, bits, meta, sm_scale=SCALE, backend="reference", mode="decode",
+                         kv_fp8_dtype=FP8, kv_scale=-1.0, max_kv_len=16)
