@@ -118,6 +118,7 @@ def test_extend_matches_reference(heads, page_size, form):
     check(out, lse, *reference(p))
 
 
+@pytest.mark.slow  # two interpret runs (split and unsplit); the reference cases stay fast
 def test_extend_matches_float64_oracle_and_splits_agree():
     """Against an independent float64 restatement; a forced split count (three KV splits,
     merged by log-sum-exp) gives the same result within bf16 rounding."""
@@ -192,6 +193,7 @@ def test_under_jit_bad_values_stay_in_bounds():
     assert (np.asarray(lse)[:3] == np.inf).all()
 
 
+@pytest.mark.slow  # each example traces the interpret kernel on new lengths
 @settings(max_examples=3)
 @given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 40)), min_size=3, max_size=3))
 def test_random_ragged_batches(lens):

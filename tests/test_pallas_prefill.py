@@ -203,6 +203,7 @@ def _split_prefix(q, k, v, qo, kv, prefix):
     return (k[pre], v[pre], pre_ip), (k[new], v[new], qo)
 
 
+@pytest.mark.slow  # the Hypothesis merge property below checks the same split, faster
 def test_merge_of_reference_parts_is_one_shot_attention():
     """SGLang's chunked prefix cache: attention over the prefix (not causal) merged with causal
     attention over the new tokens equals bottom-right causal attention over prefix + new, also
