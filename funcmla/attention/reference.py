@@ -57,6 +57,20 @@ def visible_kv_lens(
     return b, vis.astype(jnp.int32)
 
 
+def _softmax_attend(s, valid, has, weigh_values):
+    """One query's (out [H, Dv], lse [H]) from its scaled scores s [H, S]: keys where `valid`
+    is False are selected away (never multiplied by zero), and a query with no key (`has`
+    False) gets out 0 and lse +inf. `weigh_values(p)` is p [H, S] applied to the values."""
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
+    denom = jnp.where(has, jnp.sum(p, axis=-1), 1.0)
+    out = jnp.where(has, weigh_values(p) / denom[:, None], 0.0)
+    lse = jnp.where(has, m[:, 0] + jnp.log(denom), jnp.inf)
+    return out, lse
+
+
 def mla_attention_reference(
     q: jax.Array,  # [T, H, D]
     kv_pool: jax.Array,  # [slots, D]
@@ -133,16 +147,8 @@ def _reference(q, kv_pool, qo_indptr, kv_indptr, kv_indices, scales, *, sm_scale
         v = k[:, :v_head_dim] * v_scale  # fp8 pools: dequantized in float32
         k = k * k_scale
         s = jnp.einsum("hd,sd->hs", q_t.astype(jnp.float32), k, precision=hi) * sm_scale
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
-        denom = jnp.sum(p, axis=-1)
-        out = jnp.einsum("hs,sd->hd", p, v, precision=hi)
-        has = vis_t > 0
-        out = jnp.where(has, out / jnp.where(has, denom, 1.0)[:, None], 0.0)
-        lse = jnp.where(has, m[:, 0] + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)
-        return out, lse
+        return _softmax_attend(s, valid, vis_t > 0,
+                               lambda p: jnp.einsum("hs,sd->hd", p, v, precision=hi))
 
     out, lse = jax.lax.map(one_query, (q, start, vis), batch_size=max(1, min(query_chunk, num_q)))
     return out.astype(jnp.float32), lse.astype(jnp.float32)
@@ -201,16 +207,8 @@ def _mha_reference(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, max_kv_le
         vt = jnp.where(valid[:, None, None], take_or_fill(v, rows, fill=0).astype(jnp.float32),
                        0.0)
         s = jnp.einsum("hd,shd->hs", q_t.astype(jnp.float32), kt, precision=hi) * sm_scale
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.where(valid[None, :], jnp.exp(s - m), 0.0)
-        denom = jnp.sum(p, axis=-1)
-        out = jnp.einsum("hs,shd->hd", p, vt, precision=hi)
-        has = vis_t > 0
-        out = jnp.where(has, out / jnp.where(has, denom, 1.0)[:, None], 0.0)
-        lse = jnp.where(has, m[:, 0] + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)
-        return out, lse
+        return _softmax_attend(s, valid, vis_t > 0,
+                               lambda p: jnp.einsum("hs,shd->hd", p, vt, precision=hi))
 
     out, lse = jax.lax.map(one_query, (q, start, vis), batch_size=max(1, min(query_chunk, num_q)))
     return out.astype(jnp.float32), lse.astype(jnp.float32)

@@ -263,6 +263,21 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits,
     return out.reshape(t, h, v_head_dim), lse_out.reshape(t, h)
 
 
+def pool_scales(kv_pool: jax.Array, kv_dtype, k_scale, v_scale):
+    """(k_scale, v_scale) float32 [1] arrays of an fp8 pool (`kv_dtype` names the format of a
+    uint8 pool's bytes), None for a bf16 pool; raises naming the argument."""
+    pool_dtype = kv_pool.dtype
+    if kv_dtype is not None:
+        if jnp.dtype(kv_dtype) != KV_FP8_DTYPE:
+            raise TypeError(f"kv_dtype={kv_dtype!r}: the decode kernels read "
+                            f"{KV_FP8_DTYPE.name} bytes from a uint8 kv_pool")
+        if kv_pool.dtype != jnp.uint8:
+            raise TypeError(f"kv_dtype={kv_dtype!r} reinterprets a uint8 kv_pool; kv_pool is "
+                            f"{kv_pool.dtype}")
+        pool_dtype = KV_FP8_DTYPE
+    return kv_scales(pool_dtype, k_scale, v_scale)
+
+
 def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None = None,
                kv_indices: jax.Array | None = None, page_table: PageTable | None = None,
                sm_scale: float, s_q: int = 1, num_splits: int | None = None,
@@ -315,16 +330,7 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
         raise TypeError(f"config must be a DecodeKernelConfig, got {type(config).__name__}")
     if not (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)):
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float")
-    pool_dtype = kv_pool.dtype
-    if kv_dtype is not None:
-        if jnp.dtype(kv_dtype) != KV_FP8_DTYPE:
-            raise TypeError(f"kv_dtype={kv_dtype!r}: the decode kernels read "
-                            f"{KV_FP8_DTYPE.name} bytes from a uint8 kv_pool")
-        if kv_pool.dtype != jnp.uint8:
-            raise TypeError(f"kv_dtype={kv_dtype!r} reinterprets a uint8 kv_pool; kv_pool is "
-                            f"{kv_pool.dtype}")
-        pool_dtype = KV_FP8_DTYPE
-    scales = kv_scales(pool_dtype, k_scale, v_scale)
+    scales = pool_scales(kv_pool, kv_dtype, k_scale, v_scale)
     return _mla_decode_kv(q, kv_pool, kv, scales, sm_scale=float(sm_scale), s_q=s_q,
                           num_splits=num_splits, config=config, v_head_dim=v_head_dim,
                           interpret=interpret,

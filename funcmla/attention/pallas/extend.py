@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from funcmla.attention.kv_quant import kv_scales
-from funcmla.attention.pallas.api import KV_FP8_DTYPE, _mla_decode_kv
+from funcmla.attention.pallas.api import KV_FP8_DTYPE, _mla_decode_kv, pool_scales
 from funcmla.attention.pallas.decode_common import MAX_POOL_ROWS, DecodeKernelConfig, KVRows
 from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported
 from funcmla.checks import _first, check_indptr, check_queries_fit
@@ -326,16 +325,7 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
     if kv_pool.shape[0] > MAX_POOL_ROWS:
         raise ValueError(f"kv_pool has {kv_pool.shape[0]} rows; slot ids are int32 (at most "
                          f"{MAX_POOL_ROWS})")
-    pool_dtype = kv_pool.dtype
-    if kv_dtype is not None:
-        if jnp.dtype(kv_dtype) != KV_FP8_DTYPE:
-            raise TypeError(f"kv_dtype={kv_dtype!r}: the decode kernels read "
-                            f"{KV_FP8_DTYPE.name} bytes from a uint8 kv_pool")
-        if kv_pool.dtype != jnp.uint8:
-            raise TypeError(f"kv_dtype={kv_dtype!r} reinterprets a uint8 kv_pool; kv_pool is "
-                            f"{kv_pool.dtype}")
-        pool_dtype = KV_FP8_DTYPE
-    scales = kv_scales(pool_dtype, k_scale, v_scale)
+    scales = pool_scales(kv_pool, kv_dtype, k_scale, v_scale)
     t, h, _ = q.shape
     if should_check(qo_indptr, kv_meta, table):
         enforce(check_extend_values, qo_indptr, kv_meta, table, num_q=t,
@@ -349,7 +339,9 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
     if isinstance(h, int) and h > 0:
         config = extend_kernel_config(config, h, chunk, num_pseudo, page_size,
                                       head_dim=q.shape[2], v_head_dim=v_head_dim, dtype=q.dtype,
-                                      kv_dtype=pool_dtype, interpret=interpret)
+                                      kv_dtype=(kv_pool.dtype if kv_dtype is None
+                                                else KV_FP8_DTYPE),
+                                      interpret=interpret)
     return _mla_extend(q, kv_pool, qo_indptr, table, kv_meta, scales, page_size=page_size,
                        max_kv_len=int(bound), entries_per_row=entries, chunk=chunk,
                        num_pseudo=num_pseudo, causal=causal, sm_scale=float(sm_scale),
