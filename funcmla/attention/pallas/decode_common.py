@@ -29,6 +29,8 @@ __all__ = [
     "num_row_blocks",
     "fp8_triton_config",
     "FP8_WIDE_TILING",
+    "FP8_NARROW_TILING",
+    "FP8_CHUNK",
     "MAX_POOL_ROWS",
     "PARTIAL_DTYPES",
 ]
@@ -286,14 +288,25 @@ def causal_limit(kv_len, s_q: int, row_token):
 # at two stages (an SM has 227 KB), so fp8 runs one stage, faster than 32-row blocks
 # (`python -m bench.decode --kv-dtype fp8 --fp8-variants`; docs/decode_kernel.md, "fp8 KV").
 FP8_WIDE_TILING = dict(num_stages=1)
+# Below 64 rows (mma.sync): 8 warps. The fp8 loop converts every byte on chip and stages V in
+# shared memory as f16; 8 warps split that work (174 registers, no spills) where 4 spill
+# (H16 B128 L16k: 1116.8 us at 8 warps vs 1158.1 at 4, 128-column pieces).
+FP8_NARROW_TILING = dict(num_warps=8)
+# Columns of the pieces the fp8 loop below 64 rows splits each 512-column tile into (one fp8
+# load each, feeding q k^T and P V): 64 beat 128 / 256 / 512 (docs/decode_kernel.md, "fp8 KV").
+FP8_CHUNK = 64
 
 
 def fp8_triton_config(config: DecodeKernelConfig, rows: int) -> DecodeKernelConfig:
     """`config` for the Triton kernel over an fp8 pool of `rows` folded query rows: the
-    defaults, except `FP8_WIDE_TILING` where they would give 64-row blocks; a config that sets
-    block_m or num_stages is kept as is."""
-    if (config.block_m is not None or config.num_stages is not None
-            or config.resolved_block_m(rows) < 64):
+    defaults, except `FP8_WIDE_TILING` where they would give 64-row blocks and
+    `FP8_NARROW_TILING` below 64 rows (unless the config sets num_warps); a config that sets
+    block_m or num_stages at 64 rows is kept as is."""
+    if config.resolved_block_m(rows) < 64:
+        if config.num_warps is not None:
+            return config
+        return dataclasses.replace(config, **FP8_NARROW_TILING)
+    if config.block_m is not None or config.num_stages is not None:
         return config
     return dataclasses.replace(config, **FP8_WIDE_TILING)
 

@@ -14,10 +14,14 @@ pool row (NaN, Inf) reaches the result. A sequence with kv_len = 0 gives out 0 a
 Slot ids are int32; the lowering forms 64-bit element offsets once the pool exceeds 4 GiB
 (`python -m bench.decode --big-pool` checks it).
 
-An fp8 pool (float8_e4m3fn) is read as fp8 bytes (half the traffic of bf16) and converted to
-q's dtype on chip for both products; the per-layer k_scale multiplies the float32 scores and
-v_scale the float32 output (`funcmla.attention.kv_quant`), so the fp8 values themselves are
-never rescaled.
+An fp8 pool (float8_e4m3fn) is read as fp8 bytes (half the traffic of bf16) and converted on
+chip; the per-layer k_scale multiplies the float32 scores and v_scale the float32 output
+(`funcmla.attention.kv_quant`), so the fp8 values themselves are never rescaled. Below 64 rows
+(mma.sync) the bytes become f16 (one instruction a pair on sm_90, exact), q is scaled per row
+by a power of two so that f16 holds it, and each tile is handled in `FP8_CHUNK`-column pieces:
+a piece feeds q k^T straight from shared memory and, converted in registers, is staged in
+shared memory as f16 for P V (the transposed read that 8-bit types have no ldmatrix for). At
+64 rows (wgmma) the bytes become q's dtype and V is a second fp8 load of the same rows.
 
 Arguments are checked by `funcmla.attention.pallas.api`, which calls `decode_call`.
 """
@@ -33,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from funcmla.attention.pallas.decode_common import (
+    FP8_CHUNK,
     DecodeKernelConfig,
     KVRows,
     causal_limit,
@@ -45,6 +50,21 @@ __all__ = ["decode_call"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+
+
+def _f16_row_scales(q_ref, d_v: int, d_rope: int):
+    """Per-row powers of two (up, down = 1 / up) such that q * up fits f16: each row's largest
+    |q| lands in [2^14, 2^15). Built from the exponent bits, so both are exact and q * up
+    rounds nothing that bf16 holds (f16 has more mantissa bits); down undoes up on the float32
+    scores."""
+    qn = q_ref[:, pl.ds(0, d_v)].astype(jnp.float32)
+    qp = q_ref[:, pl.ds(d_v, d_rope)].astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(qn), axis=1), jnp.max(jnp.abs(qp), axis=1))
+    e = lax.shift_right_logical(lax.bitcast_convert_type(amax, jnp.int32), 23) & 0xFF
+    e = jnp.clip(e, 15, 254)  # biased exponent; clipped so both scales stay normal floats
+    up = lax.bitcast_convert_type(lax.shift_left(268 - e, 23), jnp.float32)
+    down = lax.bitcast_convert_type(lax.shift_left(e - 14, 23), jnp.float32)
+    return up, down
 
 
 def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, page_size: int,
@@ -73,6 +93,13 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
     q_pe = q_ref[:, pl.ds(d_v, d_rope)]
 
     first, last = split_tile_range(kv_len, split, num_splits, block_kv)
+    if fp8 and block_m < 64:
+        _fp8_narrow(q_ref, kv_ref, table_ref, o_ref, lse_ref, v_scale_ref,
+                    score_scale=score_scale, first=first, last=last, kv_len=kv_len,
+                    start_entry=start_entry, limit=limit, page_size=page_size,
+                    block_kv=block_kv, d_v=d_v, d_rope=d_rope, final=final,
+                    evict_first=evict_first)
+        return
 
     eviction = "evict_first" if evict_first else None
     cols_v = lax.broadcasted_iota(jnp.int32, (block_kv, d_v), 1)
@@ -100,9 +127,10 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
             other=0.0, eviction_policy=eviction)
         v = k_nope
         if fp8:
-            # fp8 bytes converted on chip (exact: bf16 and f16 hold every e4m3 value). V is
-            # loaded a second time (from L2/L1): one fp8 tile converted for two products in
-            # two layouts is not pipelined by Triton, a tile per product is.
+            # 64 rows (wgmma): fp8 bytes converted to q's dtype on chip (exact: bf16 and f16
+            # hold every e4m3 value). V is loaded a second time (from L2/L1): one fp8 tile
+            # converted for two products in two layouts is not pipelined by Triton, a tile
+            # per product is.
             v = pltriton.load(
                 kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, d_v)), cols_v],
                 mask=jnp.broadcast_to(in_seq[:, None], (block_kv, d_v)), other=0.0,
@@ -132,8 +160,93 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
     if fp8:
         denom = denom / v_scale_ref[0]
     o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+    _store_lse(lse_ref, m_i, l_i, has, final)
+
+
+def _store_lse(lse_ref, m_i, l_i, has, final: bool):
     empty = jnp.inf if final else -jnp.inf
     lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, empty)
+
+
+def _fp8_narrow(q_ref, kv_ref, table_ref, o_ref, lse_ref, v_scale_ref, *, score_scale, first,
+                last, kv_len, start_entry, limit, page_size: int, block_kv: int, d_v: int,
+                d_rope: int, final: bool, evict_first: bool):
+    """The fp8 loop below 64 rows (mma.sync): f16 products over `FP8_CHUNK`-column pieces.
+
+    Each piece of a tile is one fp8 load (predicated off past kv_len: 0 whatever the pool
+    holds) with two users: q k^T reads it from shared memory and converts in the matrix-operand
+    layout (K-major, no transpose), and P V takes it converted in registers and selected
+    against the same mask. The select keeps Triton from moving the conversion behind the
+    layout change (`OptimizeDotOperands` does not hoist through `arith.select`), so V reaches
+    shared memory as f16 and is read with `ldmatrix.trans`; hoisted, the transposed 8-bit
+    operand is read a byte at a time. Accumulators are kept a piece each."""
+    block_m = q_ref.shape[0]
+    table_len = table_ref.shape[0]
+    if d_v % FP8_CHUNK:
+        raise ValueError(f"the fp8 decode kernel needs v_head_dim a multiple of {FP8_CHUNK}, "
+                         f"got {d_v}")
+    n_chunks = d_v // FP8_CHUNK
+    f16 = jnp.float16
+    if q_ref.dtype == f16:
+        scale = lambda x: x  # noqa: E731
+    else:
+        up, down = _f16_row_scales(q_ref, d_v, d_rope)
+        score_scale = score_scale * down[:, None]
+        scale = lambda x: (x.astype(jnp.float32) * up[:, None]).astype(f16)  # noqa: E731
+    q_chunks = [scale(q_ref[:, pl.ds(c * FP8_CHUNK, FP8_CHUNK)]) for c in range(n_chunks)]
+    q_pe = scale(q_ref[:, pl.ds(d_v, d_rope)])
+    eviction = "evict_first" if evict_first else None
+    nt = (((1,), (1,)), ((), ()))
+    nn = (((1,), (0,)), ((), ()))
+
+    def gather(rows_k, in_seq, col0: int, width: int):
+        cols = col0 + lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
+        return pltriton.load(
+            kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, width)), cols],
+            mask=jnp.broadcast_to(in_seq[:, None], (block_kv, width)), other=0.0,
+            eviction_policy=eviction)
+
+    def body(blk, carry):
+        accs, m_i, l_i = carry
+        pos = blk * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+        in_seq = pos < kv_len
+        entry = jnp.minimum(start_entry + pos // page_size, table_len - 1)
+        ids = table_ref[entry]
+        rows_k = jnp.where(in_seq, ids * page_size + pos % page_size, 0)[:, None]
+        pieces, s = [], None
+        for c, q_c in enumerate(q_chunks):
+            pieces.append(gather(rows_k, in_seq, c * FP8_CHUNK, FP8_CHUNK))
+            part = lax.dot_general(q_c, pieces[-1].astype(f16), nt,
+                                   preferred_element_type=jnp.float32)
+            s = part if s is None else s + part
+        k_pe = gather(rows_k, in_seq, d_v, d_rope).astype(f16)
+        s = s + lax.dot_general(q_pe, k_pe, nt, preferred_element_type=jnp.float32)
+        # Select, not multiply: a masked score is -inf, so its P is exactly 0.
+        s = jnp.where(pos[None, :] < limit[:, None], s * score_scale, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        p = p.astype(f16)
+        out = []
+        for acc, k_c in zip(accs, pieces):
+            live = jnp.broadcast_to(in_seq[:, None], k_c.shape)
+            v = jnp.where(live, k_c.astype(f16), 0.0).astype(f16)
+            out.append(acc * alpha[:, None]
+                       + lax.dot_general(p, v, nn, preferred_element_type=jnp.float32))
+        return tuple(out), m_new, l_new
+
+    accs = tuple(jnp.zeros((block_m, FP8_CHUNK), jnp.float32) for _ in range(n_chunks))
+    m_i = jnp.full((block_m,), -jnp.inf, jnp.float32)
+    l_i = jnp.zeros((block_m,), jnp.float32)
+    accs, m_i, l_i = lax.fori_loop(first, last, body, (accs, m_i, l_i))
+
+    has = l_i > 0.0
+    denom = jnp.where(has, l_i, 1.0) / v_scale_ref[0]
+    for c, acc in enumerate(accs):
+        o_ref[:, pl.ds(c * FP8_CHUNK, FP8_CHUNK)] = (acc / denom[:, None]).astype(o_ref.dtype)
+    _store_lse(lse_ref, m_i, l_i, has, final)
 
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
