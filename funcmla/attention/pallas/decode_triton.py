@@ -168,74 +168,43 @@ def _store_lse(lse_ref, m_i, l_i, has, final: bool):
     lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, empty)
 
 
-def _e4m3_words_to_f16(w):
-    """uint16 words of two e4m3 bytes -> (f16 of the low bytes, f16 of the high bytes), each
-    exactly the e4m3 value times 2^-8 (`_WORD_F16_SCALE`): sign to bit 15, the 4 exponent and
-    3 mantissa bits to bits 13..7, so f16's exponent bias (15 against 7) divides by 2^8, for
-    subnormals too. Integer ops only: no conversion instruction, no 8-bit operand layout."""
-    u16 = jnp.uint16
-    lo = (lax.shift_left(w, u16(8)) & u16(0x8000)) | (lax.shift_left(w, u16(7)) & u16(0x3F80))
-    hi = (w & u16(0x8000)) | (lax.shift_right_logical(w, u16(1)) & u16(0x3F80))
-    return (lax.bitcast_convert_type(lo, jnp.float16),
-            lax.bitcast_convert_type(hi, jnp.float16))
-
-
-# The words' f16 values are the e4m3 values times this (`_e4m3_words_to_f16`); the scores and
-# the output take the inverse on their float32 scale.
-_WORD_F16_SCALE = 2.0**-8
-
-
 def _fp8_narrow(q_ref, kv_ref, table_ref, o_ref, lse_ref, v_scale_ref, *, score_scale, first,
                 last, kv_len, start_entry, limit, page_size: int, block_kv: int, d_v: int,
                 d_rope: int, final: bool, evict_first: bool):
     """The fp8 loop below 64 rows (mma.sync): f16 products over `FP8_CHUNK`-column pieces.
 
-    `kv_ref` holds the pool as uint16 words [slots, D / 2] (two e4m3 bytes each). A piece is
-    one 16-bit load (predicated off past kv_len: 0 whatever the pool holds), split by integer
-    ops into two f16 tiles, the even and the odd columns (`_e4m3_words_to_f16`); q is read as
-    the same two column sets, so q k^T is the sum of the two products, and P V gives the even
-    and odd output columns apart, stored interleaved. Operands that trace back to 16-bit loads
-    take Triton's 16-bit matrix-operand layouts (an 8-bit load gives them 8-bit ones, rebuilt
-    by register moves before each mma), and V needs no select: its masked rows load as 0."""
+    Each piece of a tile is one fp8 load (predicated off past kv_len: 0 whatever the pool
+    holds) with two users: q k^T reads it from shared memory and converts in the matrix-operand
+    layout (K-major, no transpose), and P V takes it converted in registers and selected
+    against the same mask. The select keeps Triton from moving the conversion behind the
+    layout change (`OptimizeDotOperands` does not hoist through `arith.select`), so V reaches
+    shared memory as f16 and is read with `ldmatrix.trans`; hoisted, the transposed 8-bit
+    operand is read a byte at a time. Accumulators are kept a piece each."""
     block_m = q_ref.shape[0]
     table_len = table_ref.shape[0]
-    if d_v % FP8_CHUNK or d_rope % 2:
-        raise ValueError(f"the fp8 decode kernel needs v_head_dim a multiple of {FP8_CHUNK} "
-                         f"and an even rope width, got {d_v} and {d_rope}")
+    if d_v % FP8_CHUNK:
+        raise ValueError(f"the fp8 decode kernel needs v_head_dim a multiple of {FP8_CHUNK}, "
+                         f"got {d_v}")
     n_chunks = d_v // FP8_CHUNK
-    words = FP8_CHUNK // 2
     f16 = jnp.float16
-    rows = lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
     if q_ref.dtype == f16:
         scale = lambda x: x  # noqa: E731
     else:
         up, down = _f16_row_scales(q_ref, d_v, d_rope)
         score_scale = score_scale * down[:, None]
         scale = lambda x: (x.astype(jnp.float32) * up[:, None]).astype(f16)  # noqa: E731
-    score_scale = score_scale * (1.0 / _WORD_F16_SCALE)
-
-    def q_cols(col0: int, width: int, parity: int):
-        cols = col0 + parity + 2 * lax.broadcasted_iota(jnp.int32, (block_m, width), 1)
-        return scale(pltriton.load(q_ref.at[jnp.broadcast_to(rows, cols.shape), cols]))
-
-    q_pieces = [(q_cols(c * FP8_CHUNK, words, 0), q_cols(c * FP8_CHUNK, words, 1))
-                for c in range(n_chunks)]
-    q_pe = (q_cols(d_v, d_rope // 2, 0), q_cols(d_v, d_rope // 2, 1))
+    q_chunks = [scale(q_ref[:, pl.ds(c * FP8_CHUNK, FP8_CHUNK)]) for c in range(n_chunks)]
+    q_pe = scale(q_ref[:, pl.ds(d_v, d_rope)])
     eviction = "evict_first" if evict_first else None
     nt = (((1,), (1,)), ((), ()))
     nn = (((1,), (0,)), ((), ()))
 
-    def gather(rows_k, in_seq, word0: int, width: int):
-        cols = word0 + lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
-        w = pltriton.load(
+    def gather(rows_k, in_seq, col0: int, width: int):
+        cols = col0 + lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
+        return pltriton.load(
             kv_ref.at[jnp.broadcast_to(rows_k, (block_kv, width)), cols],
-            mask=jnp.broadcast_to(in_seq[:, None], (block_kv, width)), other=0,
+            mask=jnp.broadcast_to(in_seq[:, None], (block_kv, width)), other=0.0,
             eviction_policy=eviction)
-        return _e4m3_words_to_f16(w)
-
-    def scores(q_pair, k_pair):
-        return (lax.dot_general(q_pair[0], k_pair[0], nt, preferred_element_type=jnp.float32)
-                + lax.dot_general(q_pair[1], k_pair[1], nt, preferred_element_type=jnp.float32))
 
     def body(blk, carry):
         accs, m_i, l_i = carry
@@ -245,11 +214,13 @@ def _fp8_narrow(q_ref, kv_ref, table_ref, o_ref, lse_ref, v_scale_ref, *, score_
         ids = table_ref[entry]
         rows_k = jnp.where(in_seq, ids * page_size + pos % page_size, 0)[:, None]
         pieces, s = [], None
-        for c, q_pair in enumerate(q_pieces):
-            pieces.append(gather(rows_k, in_seq, c * words, words))
-            part = scores(q_pair, pieces[-1])
+        for c, q_c in enumerate(q_chunks):
+            pieces.append(gather(rows_k, in_seq, c * FP8_CHUNK, FP8_CHUNK))
+            part = lax.dot_general(q_c, pieces[-1].astype(f16), nt,
+                                   preferred_element_type=jnp.float32)
             s = part if s is None else s + part
-        s = s + scores(q_pe, gather(rows_k, in_seq, d_v // 2, d_rope // 2))
+        k_pe = gather(rows_k, in_seq, d_v, d_rope).astype(f16)
+        s = s + lax.dot_general(q_pe, k_pe, nt, preferred_element_type=jnp.float32)
         # Select, not multiply: a masked score is -inf, so its P is exactly 0.
         s = jnp.where(pos[None, :] < limit[:, None], s * score_scale, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
@@ -258,24 +229,23 @@ def _fp8_narrow(q_ref, kv_ref, table_ref, o_ref, lse_ref, v_scale_ref, *, score_
         p = jnp.exp2(s - m_safe[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         p = p.astype(f16)
-        out = tuple(acc * alpha[:, None]
-                    + lax.dot_general(p, v, nn, preferred_element_type=jnp.float32)
-                    for acc, v in zip(accs, (v for pair in pieces for v in pair)))
-        return out, m_new, l_new
+        out = []
+        for acc, k_c in zip(accs, pieces):
+            live = jnp.broadcast_to(in_seq[:, None], k_c.shape)
+            v = jnp.where(live, k_c.astype(f16), 0.0).astype(f16)
+            out.append(acc * alpha[:, None]
+                       + lax.dot_general(p, v, nn, preferred_element_type=jnp.float32))
+        return tuple(out), m_new, l_new
 
-    accs = tuple(jnp.zeros((block_m, words), jnp.float32) for _ in range(2 * n_chunks))
+    accs = tuple(jnp.zeros((block_m, FP8_CHUNK), jnp.float32) for _ in range(n_chunks))
     m_i = jnp.full((block_m,), -jnp.inf, jnp.float32)
     l_i = jnp.zeros((block_m,), jnp.float32)
     accs, m_i, l_i = lax.fori_loop(first, last, body, (accs, m_i, l_i))
 
     has = l_i > 0.0
-    denom = jnp.where(has, l_i, 1.0) / (v_scale_ref[0] * (1.0 / _WORD_F16_SCALE))
-    for i, acc in enumerate(accs):
-        c, parity = divmod(i, 2)
-        cols = (c * FP8_CHUNK + parity
-                + 2 * lax.broadcasted_iota(jnp.int32, (block_m, words), 1))
-        pltriton.store(o_ref.at[jnp.broadcast_to(rows, cols.shape), cols],
-                       (acc / denom[:, None]).astype(o_ref.dtype))
+    denom = jnp.where(has, l_i, 1.0) / v_scale_ref[0]
+    for c, acc in enumerate(accs):
+        o_ref[:, pl.ds(c * FP8_CHUNK, FP8_CHUNK)] = (acc / denom[:, None]).astype(o_ref.dtype)
     _store_lse(lse_ref, m_i, l_i, has, final)
 
 
@@ -302,11 +272,6 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     qr = q.reshape(b, rows, d)
     if rows_pad != rows:
         qr = jnp.pad(qr, ((0, 0), (0, rows_pad - rows), (0, 0)))
-
-    narrow_fp8 = scales is not None and block_m < 64
-    if narrow_fp8:  # the fp8 loop below 64 rows reads the pool as uint16 words (a bitcast)
-        kv_pool = lax.bitcast_convert_type(
-            kv_pool.reshape(kv_pool.shape[0], kv_pool.shape[1] // 2, 2), jnp.uint16)
 
     meta = kv.meta_operands()
     kernel = functools.partial(
