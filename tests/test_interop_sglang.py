@@ -431,41 +431,51 @@ def test_pallas_backend_wiring_in_interpret_mode(monkeypatch, batch):
 def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
     """With torch_launcher=True and pallas selected, the backend hands the launcher torch
     tensors: the pool, kv_indptr and kv_indices at the bucketed capacity (a stable shape, so one
-    compiled launcher serves many steps); where the launcher cannot run, the DLPack path runs
+    compiled launcher serves many steps); the launcher is resolved once per (step shapes, layer
+    shapes) and every layer launches it; where the launcher cannot run, the DLPack path runs
     and says why."""
     from funcmla.interop import launcher
 
     monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
-    calls = []
+    builds, calls = [], []
 
-    def fake_torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len,
-                          v_head_dim):
-        calls.append((kv_pool, kv_indptr, kv_indices, s_q, max_kv_len))
-        out = csr_mla_attention_dense(q, kv_pool, torch.arange(q.shape[0] + 1,
-                                                                dtype=torch.int32),
-                                      kv_indptr, kv_indices, sm_scale=sm_scale)
-        return out.to(q.dtype), None
+    def fake_launcher(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len,
+                      v_head_dim):
+        builds.append((tuple(q.shape), tuple(kv_indices.shape), s_q, max_kv_len))
+
+        def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None):
+            calls.append((kv_pool, kv_indptr, kv_indices, s_q, max_kv_len))
+            assert lse is not None and lse.shape == q.shape[:2]  # the backend's scratch
+            out = csr_mla_attention_dense(q, kv_pool, torch.arange(q.shape[0] + 1,
+                                                                    dtype=torch.int32),
+                                          kv_indptr, kv_indices, sm_scale=sm_scale)
+            return out.to(q.dtype), lse
+        return run
 
     monkeypatch.setattr(launcher, "torch_decode_unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(launcher, "torch_decode", fake_torch_decode)
-    rng, b, pool, backend = _setup(18, [37, 0, 140, 9], [1, 1, 1, 1], 16,
+    monkeypatch.setattr(launcher, "torch_decode_launcher", fake_launcher)
+    rng, b, pool, backend = _setup(18, [37, 0, 140, 9], [1, 1, 1, 1], 16, layers=3,
                                    attention_backend="pallas", torch_launcher=True)
     q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
     for step in range(2):
         seq = b.seq_lens + step
         fb = ForwardBatch(ForwardMode.DECODE, 4, b.req_pool_indices, seq, seq, int(seq.sum()))
         backend.init_forward_metadata(fb)
-        out = backend.forward_decode(q, None, None, RadixAttention(H, SCALE), fb,
-                                     save_kv_cache=False)
-        assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
-        kv_pool, kv_indptr, kv_indices, s_q, _ = calls[-1]
-        assert kv_pool.data_ptr() == pool.kv_buffer[0].data_ptr() and s_q == 1
-        assert kv_indices.shape == (256,)  # the capacity bucket, not this step's token count
-        assert kv_indices.data_ptr() == backend.forward_metadata.kv_indices.data_ptr()
-        assert kv_indptr is backend.forward_metadata.kv_indptr
         want = torch_native_mla_decode(q, pool.kv_buffer[0], b.req_to_token, b.req_pool_indices,
                                        seq, sm_scale=SCALE, compute_dtype=torch.float32)
-        assert rel_err(out.view(4, H, 512), want) < 4e-3
+        for layer_id in range(3):
+            out = backend.forward_decode(q, None, None, RadixAttention(H, SCALE, layer_id), fb,
+                                         save_kv_cache=False)
+            assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
+            kv_pool, kv_indptr, kv_indices, s_q, _ = calls[-1]
+            assert kv_pool.data_ptr() == pool.kv_buffer[layer_id].data_ptr() and s_q == 1
+            assert kv_indices.shape == (256,)  # the capacity bucket, not this step's tokens
+            assert kv_indices.data_ptr() == backend.forward_metadata.kv_indices.data_ptr()
+            assert kv_indptr is backend.forward_metadata.kv_indptr
+            if layer_id == 0:
+                assert rel_err(out.view(4, H, 512), want) < 4e-3
+    assert len(calls) == 6
+    assert len(builds) == len(set(builds))  # one build per distinct launcher configuration
     monkeypatch.setattr(launcher, "torch_decode_unsupported_reason",
                         lambda *a: "q is on cpu, not a CUDA device")
     monkeypatch.setattr(backend_select, "_pallas_decode", lambda: __import__(
@@ -476,4 +486,38 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
                         launcher_inputs=(pool.kv_buffer[0], backend.forward_metadata.kv_indptr,
                                          backend._kv_indices_full))
     assert res.via == "jax" and res.launcher_reason == "q is on cpu, not a CUDA device"
-    assert len(calls) == 2
+    assert len(calls) == 6
+
+
+def test_refused_decode_launcher_falls_back_to_mla_attention(monkeypatch):
+    """A launcher the backend cannot build (LauncherUnavailable) is remembered as refused for
+    those shapes, and each call then runs `mla_attention`, which records why."""
+    from funcmla.interop import launcher
+
+    monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
+    monkeypatch.setattr(launcher, "torch_decode_unsupported_reason", lambda *a: None)
+    builds = []
+
+    def refuse(*a, **k):
+        builds.append(1)
+        raise launcher.LauncherUnavailable("no Mosaic GPU compiler here")
+
+    monkeypatch.setattr(launcher, "torch_decode_launcher", refuse)
+    monkeypatch.setattr(launcher, "torch_decode", refuse)
+    monkeypatch.setattr(backend_select, "_pallas_decode", lambda: __import__(
+        "functools").partial(__import__("funcmla.attention.pallas", fromlist=["x"]).mla_decode,
+                             interpret=True))
+    rng, b, pool, backend = _setup(19, [37, 0, 140, 9], [1, 1, 1, 1], 16,
+                                   attention_backend="pallas", torch_launcher=True)
+    q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
+    fb = _fb(ForwardMode.DECODE, b, [1, 1, 1, 1])
+    backend.init_forward_metadata(fb)
+    want = torch_native_mla_decode(q, pool.kv_buffer[0], b.req_to_token, b.req_pool_indices,
+                                   b.seq_lens, sm_scale=SCALE, compute_dtype=torch.float32)
+    for _ in range(2):
+        out = backend.forward_decode(q, None, None, RadixAttention(H, SCALE), fb,
+                                     save_kv_cache=False)
+        assert (backend.last_backend, backend.last_via) == ("pallas", "jax")
+        assert rel_err(out.view(4, H, 512), want) < 8e-3
+    assert False in backend._decode_launchers.values()
+    assert len(builds) == 3  # the backend's resolve once, then mla_attention's try per call

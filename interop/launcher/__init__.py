@@ -49,6 +49,7 @@ from funcmla.interop.launcher.support import TESTED_JAXLIB, jaxlib_unsupported_r
 from funcmla.interop.launcher.torch_entry import (
     register_torch_ops,
     torch_decode,
+    torch_decode_launcher,
     torch_decode_unsupported_reason,
 )
 
@@ -78,6 +79,7 @@ __all__ = [
     "ttir_text",
     "ttir_divisibility",
     "torch_decode",
+    "torch_decode_launcher",
     "torch_decode_unsupported_reason",
     "register_torch_ops",
     "TESTED_JAXLIB",

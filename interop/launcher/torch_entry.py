@@ -77,6 +77,19 @@ def _keyed_launcher(q, kv_pool, x, y, *, sm_scale: float, s_q: int, page_size: i
     return launcher
 
 
+def torch_decode_launcher(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int = 1,
+                          max_kv_len: int | None = None, num_splits: int | None = None,
+                          v_head_dim: int = 512,
+                          kernel: DecodeKernelConfig = DecodeKernelConfig()):
+    """The cached launcher `torch_decode` runs for these tensors' shapes (token CSR), for a
+    caller that launches many calls of one configuration (the layers of a step) and skips the
+    per-call key; call it as `launcher(q, kv_pool, kv_indptr, kv_indices, out=, lse=)`.
+    Raises as `torch_decode` does."""
+    return _keyed_launcher(q, kv_pool, kv_indptr, kv_indices, sm_scale=sm_scale, s_q=s_q,
+                           page_size=1, max_kv_len=max_kv_len, num_splits=num_splits,
+                           v_head_dim=v_head_dim, kernel=kernel)
+
+
 def torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int = 1,
                  max_kv_len: int | None = None, num_splits: int | None = None,
                  v_head_dim: int = 512, out=None, lse=None,

@@ -168,6 +168,7 @@ class FuncMLAAttnBackend:
         self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
         self._req_to_token_jax = to_jax(req_to_token)  # long-lived: imported once
         self._kv_jax: dict = {}
+        self._decode_launchers: dict = {}  # (step shapes, layer shapes) -> launcher or False
         self._fillers: dict = {}
         self._pointers = _PointerStage(self.device)
         self.forward_metadata: ForwardMetadata | None = None
@@ -615,6 +616,10 @@ class FuncMLAAttnBackend:
                                 kv_scale=layer.k_scale)
         else:
             launch = self.torch_launcher and self.attention_backend == "pallas"
+            out = self._launch_decode(q3, layer) if launch and causal else None
+            if out is not None:
+                self.last_backend, self.last_via = "pallas", "launcher"
+                return out.reshape(-1, heads * layer.v_head_dim)
             inputs = ((self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                        self.forward_metadata.kv_indptr, self._kv_indices_full) if launch else None)
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -636,6 +641,48 @@ class FuncMLAAttnBackend:
                                 return_lse=False, use_launcher=launch, launcher_inputs=inputs)
         self.last_backend, self.last_via = res.backend, res.via
         return res.out.reshape(-1, heads * layer.v_head_dim)
+
+    def _launch_decode(self, q3: torch.Tensor, layer: RadixAttention) -> torch.Tensor | None:
+        """out [T, H, v_head_dim] of this layer through the step's cached decode launcher, or
+        None where `mla_attention` decides (an extend, a refusal: it records the reason).
+
+        The launcher depends only on shapes and the step's static bounds, so it is resolved
+        once per (step shapes, layer shapes); every later call costs one dict lookup and one
+        launch (`python -m bench.interop --device cuda`, part 4: host time per step)."""
+        s_q = pallas_route(self._mode, self._jax_meta)[1]
+        kv_indptr, kv_indices = self.forward_metadata.kv_indptr, self._kv_indices_full
+        max_kv = self._max_kv_bound
+        if s_q is None or kv_indices is None:
+            return None
+        pool = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        key = (s_q, kv_indptr.shape, kv_indices.shape, max_kv, q3.shape, q3.dtype, pool.shape,
+               pool.dtype, q3.device, layer.v_head_dim, layer.scaling)
+        entry = self._decode_launchers.get(key)
+        if entry is None:
+            entry = self._resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, s_q=s_q,
+                                                  max_kv=max_kv, layer=layer)
+            self._decode_launchers[key] = entry
+        if entry is False:
+            return None
+        run, lse = entry
+        return run(q3, pool, kv_indptr, kv_indices, lse=lse)[0]
+
+    def _resolve_decode_launcher(self, q3, pool, kv_indptr, kv_indices, *, s_q: int,
+                                 max_kv: int | None, layer: RadixAttention):
+        """(launcher, lse scratch [T, H] float32) for `_launch_decode`, or False where the
+        launcher does not run these inputs (`mla_attention` then runs and says why). The lse
+        scratch is never returned: the backend's attention output is out alone."""
+        if _launcher_reason(q3, (pool, kv_indptr, kv_indices), s_q=s_q) is not None:
+            return False
+        from funcmla.interop import launcher
+
+        try:
+            run = launcher.torch_decode_launcher(q3, pool, kv_indptr, kv_indices,
+                                                 sm_scale=float(layer.scaling), s_q=s_q,
+                                                 max_kv_len=max_kv, v_head_dim=layer.v_head_dim)
+        except launcher.LauncherUnavailable:
+            return False
+        return run, torch.empty(q3.shape[:2], dtype=torch.float32, device=q3.device)
 
     def _aiter_plan(self):
         """The decode work plan of forward_metadata as AITER's persistent kernel reads it (the
