@@ -33,6 +33,9 @@ against the JAX path in the same run, decode and target verify (n=4), batch 1 / 
                              feeds; step61_host_us: host time of a whole eager step (metadata +
                              61 layers' launches); sync_free: no host sync during the step
                              (checked with torch.cuda.set_sync_debug_mode("error")).
+  layer_host_us              (step61_host_us - metadata_host_us) / 61: host time per layer
+                             through the step's cached launcher; `_mla_attention`: the same
+                             with every layer through `mla_attention` (the general entry).
   `--launch-only` runs Part 4 alone. Target: eager and replay <= 60 us at batch 64, flat to 256.
 The hand-off target is at most 30 us whatever the batch. Writes out/interop.json.
 """
@@ -332,6 +335,17 @@ def full_step_rows(device: str, batches: list[int], ctx: int, reps: int,
                    launcher_reason=backend.metadata_launcher_reason)
         row["step61_host_us"] = host_us(step, reps=max(5, reps // 10),
                                         sync=torch.cuda.synchronize)
+        row["metadata_host_us"] = host_us(lambda: backend.init_forward_metadata(fb),
+                                          reps=reps, sync=torch.cuda.synchronize)
+        row["layer_host_us"] = (row["step61_host_us"] - row["metadata_host_us"]) / layers
+        # the same step with every layer through mla_attention (the general entry: route,
+        # fallback and launcher checks per call) instead of the step's cached launcher
+        backend._launch_decode = lambda q3, layer: None
+        row["step61_host_us_mla_attention"] = host_us(step, reps=max(5, reps // 10),
+                                                      sync=torch.cuda.synchronize)
+        row["layer_host_us_mla_attention"] = (row["step61_host_us_mla_attention"]
+                                              - row["metadata_host_us"]) / layers
+        del backend._launch_decode
         backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
         backend.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices,
                                                          fb.seq_lens, None, ForwardMode.DECODE,
@@ -391,8 +405,10 @@ def main(argv=None):
         except Exception as err:  # noqa: BLE001 - recorded: the attention could not run here
             full = [dict(error=f"{type(err).__name__}: {err}"[:400])]
         print_table("decode step: metadata + 61 layers (host) vs the 61 layers' device time",
-                    ["batch", "via", "step host us", "attn device us", "host/device"],
+                    ["batch", "via", "step host us", "layer host us",
+                     "layer host us (mla_attention)", "attn device us", "host/device"],
                     [[r.get("batch"), r.get("via"), r.get("step61_host_us"),
+                      r.get("layer_host_us"), r.get("layer_host_us_mla_attention"),
                       r.get("attn61_device_us"), r.get("step61_host_over_device")]
                      for r in full])
     if args.launch_only:

@@ -268,17 +268,18 @@ def test_auto_dispatch_records_why_the_triton_kernel_runs():
 @needs_lowering
 def test_auto_dispatch_on_a_gpu_backend_follows_mla_decode(monkeypatch):
     # what the extraction trusts is the lowered custom call: with a GPU default backend the
-    # auto dispatch lowers the Mosaic GPU kernel at a batch that fills a quarter of the SMs
+    # auto dispatch lowers the Mosaic GPU kernel from mgpu_min_blocks blocks of 64 rows
     import funcmla.attention.pallas.decode_triton as dt
 
     monkeypatch.setattr(dt.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(L.plan.jax, "default_backend", lambda: "gpu")
     big = L.DecodeLaunchConfig(num_seqs=40, num_heads=128, pool_rows=40 * 256 + 1,
-                               kv_capacity=40 * 256, sm_scale=SCALE)
-    small = dataclasses.replace(big, num_seqs=2, kv_capacity=2 * 256)
+                               kv_capacity=40 * 256, sm_scale=SCALE,
+                               kernel=DecodeKernelConfig(mgpu_min_blocks=4))
+    small = dataclasses.replace(big, num_seqs=1, kv_capacity=256)  # 2 blocks of 64 rows
     assert L.decode_plan(big).kernel == "mgpu"
     got = L.decode_plan(small)
-    assert got.kernel == "triton" and "num_sms / 4" in got.kernel_reason
+    assert got.kernel == "triton" and "mgpu_min_blocks = 4" in got.kernel_reason
 
 
 class _Lowered:

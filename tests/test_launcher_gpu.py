@@ -72,7 +72,7 @@ def _bits(t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,h,s_q,splits,page_size,kernel", [
     (8, 16, 1, 1, 1, "triton"), (4, 16, 1, None, 1, "triton"), (3, 8, 3, None, 1, "triton"),
-    (4, 128, 1, None, 64, "triton"),  # batch below num_sms / 4 row blocks: Triton
+    (1, 128, 1, None, 64, "mgpu"), (4, 128, 1, None, 64, "mgpu"),
     (40, 128, 1, None, 1, "mgpu"), (40, 128, 1, 1, 64, "mgpu"), (24, 64, 2, None, 1, "mgpu")])
 def test_gpu_bit_identical_to_jax(b, h, s_q, splits, page_size, kernel):
     if page_size == 1:

@@ -241,14 +241,15 @@ def test_pseudo_sequence_bound_and_lengths(q_lens, chunk):
 
 
 def test_extend_kernel_rule(monkeypatch):
-    """On a GPU, "auto" runs the Mosaic GPU kernel from EXTEND_MGPU_MIN_BLOCKS 64-row blocks
-    where it takes the shape; explicit choices, interpret mode and fp8 pools keep theirs."""
-    from funcmla.attention.pallas.extend import EXTEND_MGPU_MIN_BLOCKS, extend_kernel_config
+    """On a GPU, "auto" runs the Mosaic GPU kernel from `mgpu_min_blocks` 64-row blocks (the
+    decode rule) where it takes the shape; explicit choices, interpret mode and fp8 pools keep
+    theirs."""
+    from funcmla.attention.pallas.extend import extend_kernel_config
 
-    auto = DecodeKernelConfig()
+    auto = DecodeKernelConfig(mgpu_min_blocks=16)
     assert extend_kernel_config(auto, 128, 1, 100, 64) is auto  # CPU backend
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    n = EXTEND_MGPU_MIN_BLOCKS
+    n = auto.mgpu_min_blocks
     assert extend_kernel_config(auto, 128, 1, n // 2, 64).kernel == "mgpu"  # 2 blocks each
     assert extend_kernel_config(auto, 128, 1, n // 2 - 1, 64) is auto
     assert extend_kernel_config(auto, 16, 4, n, 1).kernel == "mgpu"

@@ -189,8 +189,8 @@ def triton_reason(config: DecodeLaunchConfig) -> str:
     if backend != "gpu":
         return (f"JAX's default backend is {backend}, not a GPU: mla_decode's auto dispatch "
                 "picks the Triton kernel")
-    return ("the batch gives fewer than num_sms / 4 blocks of 64 rows: mla_decode's auto "
-            "dispatch picks the Triton kernel")
+    return (f"the batch gives fewer than mgpu_min_blocks = {config.kernel.mgpu_min_blocks} "
+            "blocks of 64 rows: mla_decode's auto dispatch picks the Triton kernel")
 
 
 def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:

@@ -127,9 +127,9 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     of `kv_dtype` (default q's) at this page size (`DecodeKernelConfig.kernel`); raises for
     kernel="mgpu" on a shape or dtype it does not take.
 
-    "auto" keeps batches of fewer than num_sms / 4 blocks of 64 rows on Triton: there a Mosaic
-    GPU block's fixed cost and launch outweigh its matrix rate (`python -m bench.decode
-    --only "H128 B1 L4096"`). An fp8 pool runs Triton (the Mosaic GPU kernel reads bf16).
+    "auto" keeps batches of fewer than `config.mgpu_min_blocks` blocks of 64 rows on Triton:
+    there a Mosaic GPU block's fixed cost outweighs its matrix rate (`python -m
+    bench.decode_dispatch`). An fp8 pool runs Triton (the Mosaic GPU kernel reads bf16).
     """
     if config.kernel == "triton":
         return "triton", "DecodeKernelConfig.kernel='triton'"
@@ -148,9 +148,10 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     if interpret or jax.default_backend() != "gpu":
         return "triton", "interpret mode or no GPU backend"
     blocks = (q.shape[0] // s_q) * (s_q * q.shape[1] // MGPU_BLOCK_M)
-    if blocks < config.num_sms // 4:
-        return "triton", f"{blocks} blocks of 64 rows < num_sms / 4 = {config.num_sms // 4}"
-    return "mgpu", f"{blocks} blocks of 64 rows >= num_sms / 4 = {config.num_sms // 4}"
+    if blocks < config.mgpu_min_blocks:
+        return "triton", (f"{blocks} blocks of 64 rows < mgpu_min_blocks = "
+                          f"{config.mgpu_min_blocks}")
+    return "mgpu", f"{blocks} blocks of 64 rows >= mgpu_min_blocks = {config.mgpu_min_blocks}"
 
 
 def uses_mgpu(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,

@@ -68,7 +68,12 @@ class DecodeKernelConfig:
                 warp-specialized Mosaic GPU kernel: sm_90a, bf16, s_q * H a multiple of 64, a
                 page size that divides 64 tokens or is a multiple of 64), or "auto" (default):
                 "mgpu" where it applies on a GPU (not interpret mode) and the batch gives at
-                least num_sms / 4 blocks of 64 rows, else "triton" (`api.uses_mgpu`).
+                least `mgpu_min_blocks` blocks of 64 rows, else "triton" (`api.uses_mgpu`).
+    mgpu_min_blocks: the fewest 64-row blocks (sequences x s_q * H / 64; an extend's
+                pseudo-sequences alike) at which "auto" runs the Mosaic GPU kernel. 1: wherever
+                it applies; on the H200 it is faster than Triton at every batch measured, from
+                2 blocks (H128 B1 L4k p64: 15.1 us against 18.3) to 32 (B16: 42.1 against
+                105.9) (`python -m bench.decode_dispatch`).
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
@@ -93,6 +98,7 @@ class DecodeKernelConfig:
     merge_block_d: int | None = None
     kernel: str = "auto"
     partial_dtype: str = "bfloat16"
+    mgpu_min_blocks: int = 1
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -107,7 +113,8 @@ class DecodeKernelConfig:
                                             or self.num_stages <= 0):
             raise ValueError("DecodeKernelConfig.num_stages must be None or a positive int, got "
                              f"{self.num_stages!r}")
-        for name in ("num_sms", "waves", "min_blocks_per_split", "max_splits"):
+        for name in ("num_sms", "waves", "min_blocks_per_split", "max_splits",
+                     "mgpu_min_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DecodeKernelConfig.{name} must be a positive int, got {value!r}")

@@ -37,18 +37,10 @@ from funcmla.layout import PageTable
 from funcmla.segments import cumsum_i32, segment_positions, take_or_fill
 
 __all__ = ["mla_extend", "chunk_tokens", "num_pseudo_seqs", "extend_chunks",
-           "extend_kernel_config", "check_extend_values", "EXTEND_MGPU_MIN_BLOCKS"]
+           "extend_kernel_config", "check_extend_values"]
 
 # Folded query rows the Mosaic GPU kernel's blocks hold (its wgmma M).
 _FILL_ROWS = 64
-# `auto` runs the Mosaic GPU kernel on an extend from this many 64-row blocks (the decode rule
-# waits for num_sms / 4 = 33): an extend's pseudo-sequences share long KV, so the split rule
-# fills the GPU, and Mosaic GPU's matrix rate wins at 16 and 32 blocks (H16 B1 64 tokens over
-# 4k: 36.2 us against Triton's 65.8; H128 B1 16 over 8k: 70.4 against 163.4), while the
-# decode rule's own measurement is at 2 blocks (`python -m bench.extend`).
-EXTEND_MGPU_MIN_BLOCKS = 16
-
-
 def chunk_tokens(num_heads: int, causal: bool = True) -> int:
     """C, the query tokens of one pseudo-sequence: max(1, 64 // H) when causal, so that C * H
     >= 64 folded rows fill a 64-row block (1 at H >= 64, 4 at H = 16); 1 when not causal
@@ -78,13 +70,14 @@ def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
     """The decode config an extend runs with: `config` itself, except that kernel="auto" on
     a GPU becomes "mgpu" where the Mosaic GPU kernel takes the shape (bf16 pool, C * H a
     multiple of 64, the page size) and the pseudo-sequences give at least
-    EXTEND_MGPU_MIN_BLOCKS blocks of 64 rows."""
+    `config.mgpu_min_blocks` blocks of 64 rows (the decode rule: an extend is a decode over
+    its pseudo-sequences)."""
     if config.kernel != "auto" or interpret or jax.default_backend() != "gpu":
         return config
     pool = dtype if kv_dtype is None else kv_dtype
     if mgpu_decode_supported(chunk * num_heads, page_size, head_dim, v_head_dim, pool):
         return config
-    if num_pseudo * (chunk * num_heads // _FILL_ROWS) < EXTEND_MGPU_MIN_BLOCKS:
+    if num_pseudo * (chunk * num_heads // _FILL_ROWS) < config.mgpu_min_blocks:
         return config
     return dataclasses.replace(config, kernel="mgpu")
 
@@ -268,7 +261,7 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
     max_kv_len: static bound on keys per request, for the split rule (token CSR only;
                 default the capacity of kv_indices; a page table implies its width).
     num_splits, config: as `mla_decode` (split count, kernel choice and tiling); "auto" picks
-                the Mosaic GPU kernel from EXTEND_MGPU_MIN_BLOCKS blocks (`extend_kernel_config`).
+                the Mosaic GPU kernel from `mgpu_min_blocks` blocks (`extend_kernel_config`).
 
     Returns out [T, H, v_head_dim] (q.dtype) and lse [T, H] float32 (natural log); a query
     that sees no key gets out 0 and lse +inf. Values are checked where concrete (and under

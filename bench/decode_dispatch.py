@@ -1,0 +1,100 @@
+"""The decode kernels' dispatch rule (`DecodeKernelConfig.mgpu_min_blocks`) measured: each case
+run on the Triton kernel and on the Mosaic GPU kernel in one process, device time per call
+(decode + merge, `bench.decode.bench_case`), at the batch sizes around the rule's threshold.
+
+Cases: 128 heads (s_q 1: 2 blocks of 64 rows per sequence) at batch 1-16 and 16 heads with
+s_q 4 (MTP verify: 1 block per sequence) at batch 4-32, contexts 4k and 16k, page 64 (page 1
+where marked). The rule is right where "auto" picks the faster kernel in every case; the
+table prints each case's blocks, both times and the auto pick.
+
+    python -m bench.decode_dispatch --out out/      # out/decode_dispatch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+
+from funcmla.attention.pallas import DecodeKernelConfig
+
+from .decode import bench_case
+from .timing import environment, write_json
+
+# (heads, batch, ctx, page_size, s_q)
+CASES = (
+    (128, 1, 4096, 64, 1), (128, 2, 4096, 64, 1), (128, 3, 4096, 64, 1),
+    (128, 4, 4096, 64, 1), (128, 8, 4096, 64, 1), (128, 16, 4096, 64, 1),
+    (128, 2, 16384, 64, 1), (128, 8, 16384, 64, 1), (128, 16, 16384, 64, 1),
+    (128, 2, 4096, 1, 1), (128, 16, 4096, 1, 1),
+    (16, 4, 4096, 64, 4), (16, 8, 4096, 64, 4), (16, 32, 4096, 64, 4),
+)
+
+
+def dispatch_rows(cases=CASES, *, reps: int = 3, deadline: float | None = None,
+                  log=print) -> list[dict]:
+    """One row per (case, kernel): device us per call, splits, error vs float32, the blocks of
+    64 rows and what "auto" picks for them."""
+    key = jax.random.PRNGKey(1)
+    auto = DecodeKernelConfig()
+    rows = []
+    for h, b, ctx, page_size, s_q in cases:
+        blocks = b * (s_q * h // 64)
+        pick = "mgpu" if blocks >= auto.mgpu_min_blocks else "triton"
+        for kernel in ("triton", "mgpu"):
+            if deadline is not None and time.perf_counter() > deadline:
+                log(f"H{h} B{b} L{ctx} p{page_size} s_q{s_q} {kernel}: time limit, not run")
+                continue
+            r = bench_case(key, h, b, ctx, page_size, 1.0, reps,
+                           DecodeKernelConfig(kernel=kernel), baseline=False, s_q=s_q)
+            row = dict(heads=h, batch=b, ctx=ctx, page_size=page_size, s_q=s_q, blocks=blocks,
+                       kernel=kernel, auto_pick=pick, time_us=r["time_us"],
+                       num_splits=r["num_splits"], rel_err=r["rel_err"])
+            rows.append(row)
+            log(f"H{h} B{b} L{ctx} p{page_size} s_q{s_q} ({blocks} blocks, auto {pick}) "
+                f"{kernel}: {r['time_us']:.1f} us, {r['num_splits']} splits, "
+                f"err {r['rel_err']:.1e}")
+    return rows
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    """Per case with both kernels timed: the faster kernel and whether "auto" picks it."""
+    by_case: dict[tuple, dict] = {}
+    for r in rows:
+        by_case.setdefault((r["heads"], r["batch"], r["ctx"], r["page_size"], r["s_q"]),
+                           {})[r["kernel"]] = r
+    out = []
+    for case, kernels in by_case.items():
+        if len(kernels) < 2:
+            continue
+        fast = min(kernels.values(), key=lambda r: r["time_us"])
+        out.append(dict(case=case, blocks=fast["blocks"], triton_us=kernels["triton"]["time_us"],
+                        mgpu_us=kernels["mgpu"]["time_us"], faster=fast["kernel"],
+                        auto_pick=fast["auto_pick"], auto_right=fast["kernel"] == fast["auto_pick"]))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds for the cases")
+    args = ap.parse_args(argv)
+    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
+    rows = dispatch_rows(reps=args.reps, deadline=deadline)
+    judged = verdicts(rows)
+    print("case (H, B, ctx, page, s_q) | blocks | triton us | mgpu us | faster | auto")
+    for v in judged:
+        print(f"{v['case']} | {v['blocks']} | {v['triton_us']:.1f} | {v['mgpu_us']:.1f} | "
+              f"{v['faster']} | {v['auto_pick']}{'' if v['auto_right'] else ' (WRONG)'}")
+    path = write_json(os.path.join(args.out, "decode_dispatch.json"),
+                      dict(benchmark="decode_dispatch", env=environment(),
+                           mgpu_min_blocks=DecodeKernelConfig().mgpu_min_blocks, rows=rows,
+                           verdicts=judged))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
