@@ -36,6 +36,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-grid", action="store_true")
     ap.add_argument("--only-grid", action="store_true")
+    ap.add_argument("--grid-only", metavar="REGEX", default=None,
+                    help="grid cases whose name (h128_b1_ctx4k_p64, ...) matches REGEX")
     ap.add_argument("--plot", metavar="JSON", help="plot a saved run's grid and exit")
     args = ap.parse_args(argv)
     if args.plot:
@@ -367,6 +370,8 @@ def main(argv=None) -> int:
                     for page_size in (1, 64):
                         c = cfg(b, h, page_size=page_size, ctx=ctx)
                         name = f"h{h}_b{b}_ctx{ctx // 1024}k_p{page_size}"
+                        if args.grid_only and not re.search(args.grid_only, name):
+                            continue
                         row = {"name": name, "H": h, "B": b, "ctx": ctx, "page": page_size}
                         try:
                             lau = L.decode_launcher(c, dev)
