@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 
 import jax
@@ -28,9 +29,13 @@ CASES = (
     (128, 1, 4096, 64, 1), (128, 2, 4096, 64, 1), (128, 3, 4096, 64, 1),
     (128, 4, 4096, 64, 1), (128, 8, 4096, 64, 1), (128, 16, 4096, 64, 1),
     (128, 2, 16384, 64, 1), (128, 8, 16384, 64, 1), (128, 16, 16384, 64, 1),
-    (128, 2, 4096, 1, 1), (128, 16, 4096, 1, 1),
+    (128, 1, 4096, 1, 1), (128, 2, 4096, 1, 1), (128, 16, 4096, 1, 1),
     (16, 4, 4096, 64, 4), (16, 8, 4096, 64, 4), (16, 32, 4096, 64, 4),
 )
+
+
+def case_name(h: int, b: int, ctx: int, page_size: int, s_q: int) -> str:
+    return f"H{h} B{b} L{ctx} p{page_size} s_q{s_q}"
 
 
 def dispatch_rows(cases=CASES, *, reps: int = 3, deadline: float | None = None,
@@ -45,7 +50,7 @@ def dispatch_rows(cases=CASES, *, reps: int = 3, deadline: float | None = None,
         pick = "mgpu" if blocks >= auto.mgpu_min_blocks else "triton"
         for kernel in ("triton", "mgpu"):
             if deadline is not None and time.perf_counter() > deadline:
-                log(f"H{h} B{b} L{ctx} p{page_size} s_q{s_q} {kernel}: time limit, not run")
+                log(f"{case_name(h, b, ctx, page_size, s_q)} {kernel}: time limit, not run")
                 continue
             r = bench_case(key, h, b, ctx, page_size, 1.0, reps,
                            DecodeKernelConfig(kernel=kernel), baseline=False, s_q=s_q)
@@ -53,7 +58,7 @@ def dispatch_rows(cases=CASES, *, reps: int = 3, deadline: float | None = None,
                        kernel=kernel, auto_pick=pick, time_us=r["time_us"],
                        num_splits=r["num_splits"], rel_err=r["rel_err"])
             rows.append(row)
-            log(f"H{h} B{b} L{ctx} p{page_size} s_q{s_q} ({blocks} blocks, auto {pick}) "
+            log(f"{case_name(h, b, ctx, page_size, s_q)} ({blocks} blocks, auto {pick}) "
                 f"{kernel}: {r['time_us']:.1f} us, {r['num_splits']} splits, "
                 f"err {r['rel_err']:.1e}")
     return rows
@@ -81,9 +86,12 @@ def main(argv=None):
     ap.add_argument("--out", default="out")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=None, help="seconds for the cases")
+    ap.add_argument("--only", metavar="REGEX", default=None,
+                    help="cases whose name (H128 B1 L4096 p64 s_q1, ...) matches REGEX")
     args = ap.parse_args(argv)
     deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
-    rows = dispatch_rows(reps=args.reps, deadline=deadline)
+    cases = [c for c in CASES if args.only is None or re.search(args.only, case_name(*c))]
+    rows = dispatch_rows(cases, reps=args.reps, deadline=deadline)
     judged = verdicts(rows)
     print("case (H, B, ctx, page, s_q) | blocks | triton us | mgpu us | faster | auto")
     for v in judged:
