@@ -615,8 +615,10 @@ class FuncMLAAttnBackend:
                                 kv_scale=layer.k_scale)
         else:
             launch = self.torch_launcher and self.attention_backend == "pallas"
-            inputs = ((self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                       self.forward_metadata.kv_indptr, self._kv_indices_full) if launch else None)
+            pool = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            kv_fp8 = FP8_DTYPES.get(pool.dtype)  # the torch pool's own dtype: no import needed
+            inputs = (pool, self.forward_metadata.kv_indptr, self._kv_indices_full) if launch \
+                else None
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             if capturing:
                 s_q = pallas_route(self._mode, self._jax_meta)[1]
@@ -627,7 +629,7 @@ class FuncMLAAttnBackend:
                         f"the {self.attention_backend!r} backend runs in JAX here ({reason}), "
                         "which a torch CUDA graph cannot capture; capture with the aiter backend "
                         "or the pallas torch launcher, or run eagerly")
-            kv, kv_fp8 = (None, None) if capturing else self._kv_pool_jax(layer.layer_id)
+            kv = None if capturing else self._kv_pool_jax(layer.layer_id)[0]
             res = mla_attention(q3, kv, self._jax_meta, sm_scale=layer.scaling,
                                 v_head_dim=layer.v_head_dim, causal=causal,
                                 backend=self.attention_backend, max_kv_len=self._max_kv_bound,
