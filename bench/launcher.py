@@ -33,8 +33,9 @@ calls captured once, replayed twice with new q and new metadata == uncaptured ca
 layer 0 == the JAX path); misuse (12 kinds raise LauncherArgumentError, outputs untouched).
 
 --host-only (no GPU needed): the launcher's whole host path on CPU tensors, with stand-in
-kernels and the C helper's no-op cuLaunchKernel, for each check/launch variant; what the driver
-adds on a GPU is not in these numbers.
+kernels and the C helper's no-op cuLaunchKernel, for each check/launch variant, and an fp8
+launcher with its scales as floats, as tensors and defaulted; what the driver adds on a GPU is
+not in these numbers.
 
 Usage: python -m bench.launcher [--out out/] [--calls 10000] [--quick] [--host-only]
 """
@@ -146,6 +147,24 @@ def host_only(args) -> int:
             lau(qs[i], kvs[i & 3], x, y, out=outs[i], lse=lses[i])
 
         T[f"launcher_61_layers[{tag}]"] = host_us(layer_call, args.calls, lambda: None)
+    # fp8 pool, one split: the scale operands as floats (their cached device copies) or tensors
+    c = L.DecodeLaunchConfig(num_seqs=32, num_heads=16, pool_rows=32 * 1024 + 64,
+                             kv_capacity=32 * 1024, max_kv_len=1024, num_splits=1,
+                             sm_scale=SCALE, kv_dtype="float8_e4m3fn")
+    kv8 = kv.to(torch.float8_e4m3fn)
+    lau = L.DecodeLauncher(L.decode_plan(c), "cpu", kernel_factory=_StandInKernel,
+                           stream_fn=lambda i: 0,
+                           launch_address=nop if nop is not None else _launch_nop_ctypes())
+    ks, vs = torch.full((1,), 0.03), torch.full((1,), 0.05)
+    T["launcher_fp8_float_scales[s1]"] = host_us(
+        lambda: lau(q, kv8, x, y, out=out, lse=lse, k_scale=0.03, v_scale=0.05), args.calls,
+        lambda: None)
+    T["launcher_fp8_tensor_scales[s1]"] = host_us(
+        lambda: lau(q, kv8, x, y, out=out, lse=lse, k_scale=ks, v_scale=vs), args.calls,
+        lambda: None)
+    T["launcher_fp8_default_scales[s1]"] = host_us(
+        lambda: lau(q, kv8, x, y, out=out, lse=lse), args.calls, lambda: None)
+    RESULTS["info"]["launcher_fp8[s1]"] = {"launch": lau.program.how, "checks": lau.checks}
     for k, v in T.items():
         log(f"{k:40s} {v:9.2f} us")
     save()

@@ -24,8 +24,14 @@ Checks (PASS/FAIL in the JSON):
               program alone, jax's own `_as_torch_gpu_kernel` on the same Mosaic module, and a
               cuda-bindings cuLaunchKernel of the merge kernel.
 
+fp8 (--kv-dtype fp8): the same grid and checks over a float8_e4m3fn pool of the same shapes,
+read with k_scale = v_scale = 0.03 (the Triton kernel at every shape, as mla_decode runs fp8);
+bitwise and host time with the scale as a float and as a device tensor, the graph's layers
+with their own scales, misuse with bad scales; the JAX path reads the pool's uint8 bytes with
+kv_dtype (bitcast inside its jit). Written to launcher_torch_path_fp8_h200.json unless --name.
+
 Usage: python -m bench.torch_path [--out docs/results/] [--reps 30] [--calls 2000]
-       [--skip-grid] [--only-grid]
+       [--skip-grid] [--only-grid] [--kv-dtype bf16|fp8]
        python -m bench.torch_path --plot docs/results/launcher_torch_path_h200.json  (no GPU:
        the grid as a PNG next to the JSON, torch / JAX device time per case)
 """
@@ -45,6 +51,7 @@ import traceback
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from .launch_cases import (  # noqa: E402
+    FP8_SCALE,
     SCALE,
     graph_replay_checks,
     launch_config,
@@ -89,7 +96,8 @@ def plot(path: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/")
-    ap.add_argument("--name", default="launcher_torch_path_h200.json")
+    ap.add_argument("--name", default=None,
+                    help="JSON file name (default launcher_torch_path[_fp8]_h200.json)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-grid", action="store_true")
@@ -97,7 +105,12 @@ def main(argv=None) -> int:
     ap.add_argument("--grid-only", metavar="REGEX", default=None,
                     help="grid cases whose name (h128_b1_ctx4k_p64, ...) matches REGEX")
     ap.add_argument("--plot", metavar="JSON", help="plot a saved run's grid and exit")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="the pool: bf16 (q's dtype) or float8_e4m3fn with k_scale / v_scale")
     args = ap.parse_args(argv)
+    fp8 = args.kv_dtype == "fp8"
+    if args.name is None:
+        args.name = "launcher_torch_path_fp8_h200.json" if fp8 else "launcher_torch_path_h200.json"
     if args.plot:
         log(plot(args.plot))
         return 0
@@ -112,6 +125,7 @@ def main(argv=None) -> int:
     from funcmla.attention.pallas import mla_decode
     from funcmla.interop import _launch
     from funcmla.interop import launcher as L
+    from funcmla.interop.dlpack import to_jax
     from funcmla.layout import PageTable
 
     dev = torch.device("cuda", 0)
@@ -121,11 +135,19 @@ def main(argv=None) -> int:
                 device=torch.cuda.get_device_name(0), jax_backend=jax.default_backend(),
                 route=L.kernel_route(), native_launch=_launch.native_library()[1],
                 mosaic=L.mosaic.mosaic_unavailable_reason() or "MosaicGpuCompile found")
+    pool_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    info.update(kv_dtype=str(pool_dtype), k_scale=FP8_SCALE if fp8 else None)
     log(json.dumps(info, indent=1))
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
 
-    cfg = functools.partial(launch_config, ctx=4096)
+    cfg = functools.partial(launch_config, ctx=4096,
+                            kv_dtype="float8_e4m3fn" if fp8 else None)
+    # the launcher's scale keywords: a float (its device copy, cached) or a device tensor
+    scale_tensor = torch.full((1,), FP8_SCALE, device=dev)
+    sk = dict(k_scale=FP8_SCALE) if fp8 else {}
+    sk_tensor = dict(k_scale=scale_tensor) if fp8 else {}
+    op_scales = (scale_tensor, scale_tensor) if fp8 else ()
 
     def batch(c, *, full=False, seed=0):
         """q, kv_pool, x, y on dev: random lengths (full: every sequence at max length) and a
@@ -141,7 +163,7 @@ def main(argv=None) -> int:
             if b > 1:
                 lens[0] = 0
         q = torch.randn(t, h, c.head_dim, generator=g).to(torch.bfloat16).to(dev)
-        kv = torch.randn(c.pool_rows, c.head_dim, device=dev, generator=gen).to(torch.bfloat16)
+        kv = torch.randn(c.pool_rows, c.head_dim, device=dev, generator=gen).to(pool_dtype)
         if c.page_size == 1:
             indptr = torch.zeros(b + 1, dtype=torch.int32)
             indptr[1:] = torch.cumsum(lens, 0)
@@ -153,18 +175,25 @@ def main(argv=None) -> int:
         table = (torch.randperm(pages - 1, generator=g)[:b * c.max_pages] + 1).int()
         return q, kv, table.view(b, c.max_pages).to(dev), lens.to(dev)
 
-    def jax_fn(c):
+    def jax_fn(c, k_scale=FP8_SCALE):
+        """mla_decode for c under jit; an fp8 pool as its uint8 bytes (`jax_pool`), bitcast
+        inside with kv_dtype and read with k_scale."""
         common = dict(sm_scale=c.sm_scale, s_q=c.s_q, num_splits=c.num_splits, config=c.kernel,
                       v_head_dim=c.v_head_dim)
+        if fp8:
+            common.update(kv_dtype="float8_e4m3fn", k_scale=k_scale)
         if c.page_size == 1:
             return jax.jit(lambda q, kv, x, y: mla_decode(
                 q, kv, kv_indptr=x, kv_indices=y, max_kv_len=c.resolved_max_kv_len, **common))
         return jax.jit(lambda q, kv, x, y: mla_decode(
             q, kv, page_table=PageTable(x, y, c.page_size), **common))
 
-    def jax_path(c, q, kv, x, y):
+    def jax_pool(kv):
+        return to_jax(kv, fp8="bits") if fp8 else jax.dlpack.from_dlpack(kv)
+
+    def jax_path(c, q, kv, x, y, k_scale=FP8_SCALE):
         j = jax.dlpack.from_dlpack
-        out, lse = jax_fn(c)(j(q), j(kv), j(x), j(y))
+        out, lse = jax_fn(c, k_scale)(j(q), jax_pool(kv), j(x), j(y))
         return torch.from_dlpack(out), torch.from_dlpack(lse)
 
     def max_abs(a, b) -> float:
@@ -195,39 +224,52 @@ def main(argv=None) -> int:
     @section("bitwise: torch launcher vs mla_decode")
     def bitwise():
         res = {}
+        forms = {"": sk, "[tensor scale]": sk_tensor} if fp8 else {"": {}}
         for name, c in checks.items():
             lau = launcher(name, c)
             q, kv, x, y = batch(c)
             t, h = c.num_seqs * c.s_q, c.num_heads
-            out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
-            lse = torch.full((t, h), float("nan"), device=dev)
-            lau(q, kv, x, y, out=out, lse=lse)
             ref_out, ref_lse = jax_path(c, q, kv, x, y)
-            sync()
-            r = {"kernel": lau.plan.kernel, "splits": lau.plan.num_splits,
-                 "out_bitwise": same_bits(out, ref_out), "lse_bitwise": same_bits(lse, ref_lse),
-                 "out_max_abs": max_abs(out, ref_out)}
-            r["ok"] = r["out_bitwise"] and r["lse_bitwise"]
-            res[name] = r
-            log(("PASS " if r["ok"] else "FAIL ") + name, r)
+            for form, kw in forms.items():
+                out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+                lse = torch.full((t, h), float("nan"), device=dev)
+                lau(q, kv, x, y, out=out, lse=lse, **kw)
+                sync()
+                r = {"kernel": lau.plan.kernel, "splits": lau.plan.num_splits,
+                     "out_bitwise": same_bits(out, ref_out),
+                     "lse_bitwise": same_bits(lse, ref_lse),
+                     "out_max_abs": max_abs(out, ref_out)}
+                r["ok"] = r["out_bitwise"] and r["lse_bitwise"]
+                res[name + form] = r
+                log(("PASS " if r["ok"] else "FAIL ") + name + form, r)
         RESULTS["checks"]["bitwise"] = res
         RESULTS["verdicts"]["bitwise"] = bool(res) and all(r["ok"] for r in res.values())
-        RESULTS["verdicts"]["mgpu_reached"] = any(r["kernel"] == "mgpu" for r in res.values())
+        kernels = {r["kernel"] for r in res.values()}
+        if fp8:
+            RESULTS["verdicts"]["fp8_runs_triton"] = kernels == {"triton"}
+        else:
+            RESULTS["verdicts"]["mgpu_reached"] = "mgpu" in kernels
 
-    @section("CUDA graph: 61 launcher calls (Mosaic GPU decode + merge) replayed")
+    @section("CUDA graph: 61 launcher calls (" + ("Triton fp8 decode, per-layer scales"
+                                                  if fp8 else "Mosaic GPU decode + merge")
+             + ") replayed")
     def graph61():
         c = checks["b32_h128_ps64"]
         lau = launcher("b32_h128_ps64", c)
         layers = 61
         _, kv0, x, y = batch(c)
-        kvs = [kv0] + [torch.randn_like(kv0, dtype=torch.float32).to(torch.bfloat16)
+        kvs = [kv0] + [torch.randn_like(kv0, dtype=torch.float32).to(pool_dtype)
                        for _ in range(3)]
         t, h = c.num_seqs, c.num_heads
         qs = [torch.randn(t, h, 576, device=dev).to(torch.bfloat16) for _ in range(layers)]
+        # fp8: each layer its own k_scale, a float (its device copy written in the eager
+        # warm-up before the capture) or, every fourth layer, a device tensor
+        scales = [{"k_scale": scale_tensor if i % 4 == 3 else FP8_SCALE * (1 + i / 64)}
+                  for i in range(layers)] if fp8 else None
         res, g = graph_replay_checks(
             lau, qs, [kvs[i % 4] for i in range(layers)], x, y,
             lambda step: batch(c, seed=step + 1)[2:], functools.partial(jax_path, c),
-            sync=sync, log=log)
+            sync=sync, log=log, scales=scales)
         RESULTS["checks"]["graph61"] = res
         RESULTS["verdicts"]["graph61"] = all(all(r.values()) for r in res)
         RESULTS["host_us"]["graph_replay_61"] = host_us(g.replay, 50, sync, warmup=3)
@@ -238,11 +280,12 @@ def main(argv=None) -> int:
         c = checks["b32_h128_ps64"]
         lau = launcher("b32_h128_ps64", c)
         q, kv, x, y = batch(c)
-        ref_out, ref_lse = lau(q, kv, x, y)
-        o1, l1 = torch.ops.funcmla.mla_decode(q, kv, x, y, SCALE, 1, 64, 0, 0, 512)
+        ref_out, ref_lse = lau(q, kv, x, y, **sk_tensor)
+        o1, l1 = torch.ops.funcmla.mla_decode(q, kv, x, y, SCALE, 1, 64, 0, 0, 512, *op_scales)
         o2 = torch.empty_like(ref_out)
         l2 = torch.empty_like(ref_lse)
-        torch.ops.funcmla.mla_decode_out(q, kv, x, y, o2, l2, SCALE, 1, 64, 0, 0, 512)
+        torch.ops.funcmla.mla_decode_out(q, kv, x, y, o2, l2, SCALE, 1, 64, 0, 0, 512,
+                                         *op_scales)
         graphs = []
 
         def backend(gm, example_inputs):
@@ -250,7 +293,8 @@ def main(argv=None) -> int:
             return gm.forward
 
         def step(q, kv, x, y):
-            o, lse = torch.ops.funcmla.mla_decode(q, kv, x, y, SCALE, 1, 64, 0, 0, 512)
+            o, lse = torch.ops.funcmla.mla_decode(q, kv, x, y, SCALE, 1, 64, 0, 0, 512,
+                                                  *op_scales)
             return o * 1, lse
 
         compiled = torch.compile(step, backend=backend, fullgraph=True)
@@ -271,7 +315,7 @@ def main(argv=None) -> int:
         T = RESULTS["host_us"]
         n = args.calls
         T["op_mla_decode_out"] = host_us(lambda: torch.ops.funcmla.mla_decode_out(
-            q, kv, x, y, o2, l2, SCALE, 1, 64, 0, 0, 512), n, sync)
+            q, kv, x, y, o2, l2, SCALE, 1, 64, 0, 0, 512, *op_scales), n, sync)
         del ops
 
     @section("host time per call")
@@ -285,22 +329,30 @@ def main(argv=None) -> int:
             c = checks[name]
             lau = launcher(name, c)
             q, kv, x, y = batch(c)
-            out, lse = lau(q, kv, x, y)
-            T[f"launcher[{name}]"] = host_us(lambda: lau(q, kv, x, y, out=out, lse=lse), n, sync)
-            T[f"launcher_alloc[{name}]"] = host_us(lambda: lau(q, kv, x, y), n, sync)
+            out, lse = lau(q, kv, x, y, **sk)
+            T[f"launcher[{name}]"] = host_us(lambda: lau(q, kv, x, y, out=out, lse=lse, **sk),
+                                            n, sync)
+            if fp8:
+                T[f"launcher_tensor_scale[{name}]"] = host_us(
+                    lambda: lau(q, kv, x, y, out=out, lse=lse, **sk_tensor), n, sync)
+            T[f"launcher_alloc[{name}]"] = host_us(lambda: lau(q, kv, x, y, **sk), n, sync)
             T[f"torch_decode[{name}]"] = host_us(lambda: L.torch_decode(
-                q, kv, x, y, sm_scale=SCALE, out=out, lse=lse), n, sync) \
+                q, kv, x, y, sm_scale=SCALE, out=out, lse=lse, **sk), n, sync) \
                 if c.page_size == 1 else None
             p = lau.program
             stream = torch.cuda.current_stream().cuda_stream
+            scale_ptrs = (scale_tensor.data_ptr(),) * 2 if fp8 else (0, 0)
             p.pack(p.buffer, 0, stream, (1 << len(p.kernels)) - 1, x.data_ptr(), y.data_ptr(),
-                   q.data_ptr(), kv.data_ptr(), out.data_ptr(), lse.data_ptr())
+                   q.data_ptr(), kv.data_ptr(), out.data_ptr(), lse.data_ptr(), *scale_ptrs)
             T[f"program_run[{name}]"] = host_us(lambda: p.run(p.ref), n, sync)
             if lau.plan.kernel == "mgpu":
                 p.struct.mask = 1  # the Mosaic GPU host function alone
                 T[f"mosaic_host_fn[{name}]"] = host_us(lambda: p.run(p.ref), n, sync)
                 p.struct.mask = (1 << len(p.kernels)) - 1
             log(name, {k: v for k, v in T.items() if name in k})
+        if fp8:  # the alternatives below are the Mosaic GPU kernel's and the bf16 merge's
+            log(json.dumps(T, indent=1))
+            return
         # Alternative (a): jax's own torch interop on the same Mosaic module.
         c = checks["b128_h128_ps64_s1"]
         lau = launcher("b128_h128_ps64_s1", c)
@@ -378,14 +430,14 @@ def main(argv=None) -> int:
                             row.update(kernel=lau.plan.kernel, splits=lau.plan.num_splits,
                                        kernel_reason=lau.plan.kernel_reason)
                             q, kv, x, y = batch(c, full=True)
-                            out, lse = lau(q, kv, x, y)
+                            out, lse = lau(q, kv, x, y, **sk)
                             starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
                             ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
                             sync()
                             torch.cuda._sleep(40_000_000)  # ~20 ms: the calls queue behind it
                             for i in range(reps):
                                 starts[i].record()
-                                lau(q, kv, x, y, out=out, lse=lse)
+                                lau(q, kv, x, y, out=out, lse=lse, **sk)
                                 ends[i].record()
                             sync()
                             row["torch_us"] = statistics.median(
@@ -395,13 +447,13 @@ def main(argv=None) -> int:
                             torch.cuda._sleep(40_000_000)
                             starts[0].record()
                             for i in range(reps):
-                                lau(q, kv, x, y, out=out, lse=lse)
+                                lau(q, kv, x, y, out=out, lse=lse, **sk)
                             ends[0].record()
                             sync()
                             row["torch_loop_us"] = starts[0].elapsed_time(ends[0]) * 1e3 / reps
                             j = jax.dlpack.from_dlpack
                             fn = jax_fn(c)
-                            ja = (j(q), j(kv), j(x), j(y))
+                            ja = (j(q), jax_pool(kv), j(x), j(y))
                             jo = fn(*ja)
                             jax.block_until_ready(jo)
                             row["bitwise"] = (same_bits(torch.from_dlpack(jo[0]), out)
@@ -419,13 +471,19 @@ def main(argv=None) -> int:
                         launchers.pop(name, None)
                         torch.cuda.empty_cache()
 
-    @section("misuse: LauncherArgumentError before any launch (Mosaic GPU launcher)")
+    @section("misuse: LauncherArgumentError before any launch (" + ("fp8 Triton" if fp8 else
+                                                                     "Mosaic GPU") + " launcher)")
     def misuse():
         c = checks["b32_h128_ps64"]
         lau = launcher("b32_h128_ps64", c)
         q, kv, x, y = batch(c)
-        res = misuse_checks(lau, q, kv, x, y, {"table_int64": dict(x=x.long()),
-                                               "lengths_cpu": dict(y=y.cpu())}, sync=sync)
+        extra = {"table_int64": dict(x=x.long()), "lengths_cpu": dict(y=y.cpu())}
+        if fp8:
+            extra.update(k_scale_float64=dict(k_scale=scale_tensor.double()),
+                         k_scale_cpu=dict(k_scale=scale_tensor.cpu()),
+                         v_scale_negative=dict(v_scale=-1.0),
+                         kv_pool_bf16=dict(kv=kv.to(torch.bfloat16)))
+        res = misuse_checks(lau, q, kv, x, y, extra, sync=sync)
         RESULTS["checks"]["misuse"] = res
         RESULTS["verdicts"]["misuse"] = all(r["ok"] for r in res.values())
         log({k: v["ok"] for k, v in res.items()})

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
+import weakref
 from typing import Any
 
 import jax
@@ -37,7 +39,7 @@ import torch
 from funcmla.attention.kv_quant import check_kv_scale_values
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.interop import aiter_dispatch
-from funcmla.interop.dlpack import to_jax, to_torch
+from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 
 __all__ = [
     "BACKENDS",
@@ -155,13 +157,60 @@ def _rows(kv_pool):
     return kv_pool.reshape(kv_pool.shape[0], kv_pool.shape[-1])
 
 
-def _scale_array(kv_scale) -> jax.Array:
-    """kv_scale (a float, or a float32 array of shape () / [1]) as a float32 scalar array,
-    checked positive and finite here (inside the jitted calls it is a traced value)."""
+def _host_scale(kv_scale):
+    """kv_scale with its value read where it is on the host, never from a device: a real or a
+    CPU torch tensor -> a float, checked positive and finite (`check_kv_scale_values`); a torch
+    tensor on a device (SGLang's `layer.k_scale`) is returned as it is, its dtype and shape
+    checked (float32, () or [1]) and its value the caller's contract (reading it would be a
+    device sync); a JAX array is returned as it is, its value checked where it is concrete and
+    on the CPU. Raises TypeError / ValueError naming kv_scale."""
     if isinstance(kv_scale, torch.Tensor):
-        kv_scale = float(kv_scale)  # SGLang's per-layer scale tensor (one value)
-    check_kv_scale_values(kv_scale=kv_scale)
-    return jnp.asarray(kv_scale, jnp.float32).reshape(())
+        if kv_scale.dtype != torch.float32:
+            raise TypeError(f"kv_scale must be float32, got {kv_scale.dtype}")
+        if tuple(kv_scale.shape) not in ((), (1,)):
+            raise ValueError(f"kv_scale must have shape () or [1] (one scale per layer), got "
+                             f"{tuple(kv_scale.shape)}")
+        if kv_scale.device.type != "cpu":
+            return kv_scale
+        kv_scale = float(kv_scale.reshape(()))  # a host tensor: no device sync
+    if isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool):
+        check_kv_scale_values(kv_scale=kv_scale)
+        return float(kv_scale)
+    if isinstance(kv_scale, jax.Array) and not isinstance(kv_scale, jax.core.Tracer) and all(
+            d.platform == "cpu" for d in kv_scale.devices()):
+        check_kv_scale_values(kv_scale=kv_scale)
+    return kv_scale
+
+
+def launcher_scale(kv_scale):
+    """kv_scale as the torch launcher takes it (`_host_scale`; None stays None, a JAX array
+    becomes a torch tensor: the launcher reads torch tensors)."""
+    if kv_scale is None:
+        return None
+    scale = _host_scale(kv_scale)
+    return to_torch(scale) if isinstance(scale, jax.Array) else scale
+
+
+# Device scale tensors imported into JAX, by id, with a weak reference (a dead or reused id is a
+# miss): one DLPack import per layer's scale, not one per call.
+_IMPORTED_SCALES: dict[int, tuple[weakref.ref, int, jax.Array]] = {}
+
+
+def _scale_array(kv_scale) -> jax.Array:
+    """kv_scale (`_host_scale`) as a float32 array for the jitted calls (where it is a traced
+    value): a float or a JAX array as a scalar, a device torch tensor as a zero-copy alias of
+    its own shape () or [1] (imported once per tensor; it sees later in-place writes)."""
+    kv_scale = _host_scale(kv_scale)
+    if not isinstance(kv_scale, torch.Tensor):
+        return jnp.asarray(kv_scale, jnp.float32).reshape(())
+    hit = _IMPORTED_SCALES.get(id(kv_scale))
+    if hit is not None and hit[0]() is kv_scale and hit[1] == kv_scale.data_ptr():
+        return hit[2]
+    x = to_jax(kv_scale.detach())
+    key = id(kv_scale)
+    _IMPORTED_SCALES[key] = (weakref.ref(kv_scale, lambda _r, key=key: _IMPORTED_SCALES.pop(
+        key, None)), kv_scale.data_ptr(), x)
+    return x
 
 
 def _fp8_args(kv_fp8_dtype, kv_scale) -> dict:
@@ -253,7 +302,10 @@ def mla_attention(
     max_kv_len: static bound on KV tokens per request for the JAX backends (bucket it to few
                 values to limit recompiles); None means the kv_indices capacity.
     plan, num_kv_splits, q_scale: AITER only (see aiter_dispatch.mla_decode).
-    kv_scale:   AITER's kv_scale; on the JAX backends, the dequant scale of an fp8 pool.
+    kv_scale:   AITER's kv_scale; on the JAX backends and the launcher, the dequant scale of an
+                fp8 pool: a float, or a float32 tensor / array of shape () or [1]. A device
+                tensor (SGLang's `layer.k_scale`) is read by the kernel, never by the host (no
+                sync); values known on the host are checked positive and finite.
     mode:       "decode" | "extend" | "target_verify" | "draft_extend"; defaults to `meta.mode`
                 (torch metadata with SGLang's fields has none: pass it). It picks the kernel.
     kv_fp8_dtype: JAX backends: `kv_pool` holds the uint8 bytes of an fp8 cache of this JAX
@@ -265,9 +317,11 @@ def mla_attention(
     use_launcher, launcher_inputs: pallas with a torch q: launch the kernel straight on torch
                 tensors through `funcmla.interop.launcher` (no DLPack; capturable in a torch
                 CUDA graph), with launcher_inputs = (kv_pool, kv_indptr, kv_indices) torch
-                tensors (kv_indices of a static capacity: a launcher is built per shape). Where
-                the launcher cannot run, the DLPack + jit path runs on `kv_pool` / `meta` and
-                `launcher_reason` says why.
+                tensors (kv_indices of a static capacity: a launcher is built per shape). An
+                fp8 pool (torch.float8_e4m3fn, or uint8 bytes with kv_fp8_dtype, viewed as
+                fp8 at no cost) runs there too, with kv_scale. Where the launcher cannot run,
+                the DLPack + jit path runs on `kv_pool` / `meta` and `launcher_reason` says
+                why.
     The output dtype is q's dtype; lse is float32.
     """
     name = select_backend(backend)
@@ -282,14 +336,17 @@ def mla_attention(
     if name == "pallas":
         fallback = _pallas_fallback(q, kv_fp8_dtype)
     if name == "pallas" and fallback is None and use_launcher:
+        launcher_inputs = _launcher_pool_view(launcher_inputs, kv_fp8_dtype)
         launcher_reason = _launcher_reason(q, launcher_inputs, s_q=s_q, kv_fp8_dtype=kv_fp8_dtype)
         if launcher_reason is None:
             from funcmla.interop import launcher
 
+            fp8_pool = launcher_inputs[0].dtype in _TORCH_FP8
+            scale = launcher_scale(kv_scale) if fp8_pool else None
             try:  # building a launcher can still refuse (e.g. no Mosaic GPU compiler): say why
                 out, lse = launcher.torch_decode(q, *launcher_inputs, sm_scale=float(sm_scale),
                                                  s_q=s_q, max_kv_len=max_kv_len,
-                                                 v_head_dim=v_head_dim)
+                                                 v_head_dim=v_head_dim, k_scale=scale)
             except launcher.LauncherUnavailable as err:
                 launcher_reason = f"the launcher is unavailable: {err}"
             else:
@@ -315,8 +372,7 @@ def mla_attention(
                               sm_scale=float(sm_scale), v_head_dim=v_head_dim, causal=causal,
                               max_kv_len=max_kv_len, out_dtype=jnp.dtype(qj.dtype),
                               kv_fp8_dtype=None if kv_fp8_dtype is None
-                              else jnp.dtype(kv_fp8_dtype),
-                              kv_scale=None if kv_scale is None else _scale_array(kv_scale))
+                              else jnp.dtype(kv_fp8_dtype), kv_scale=scale)
         ran = "reference"
     if not return_lse:
         lse = None
@@ -326,18 +382,36 @@ def mla_attention(
     return AttentionResult(out, lse, ran, fallback, launcher_reason=launcher_reason)
 
 
+# torch's fp8 dtypes, by JAX dtype name (a uint8 pool of fp8 bytes is viewed as one of them).
+_TORCH_FP8_BY_NAME = {jnp.dtype(v).name: k for k, v in FP8_DTYPES.items()}
+_TORCH_FP8 = frozenset(FP8_DTYPES)
+
+
+def _launcher_pool_view(launcher_inputs, kv_fp8_dtype):
+    """launcher_inputs with a uint8 pool of fp8 bytes (kv_fp8_dtype names their format) viewed
+    as that torch fp8 dtype (no copy); unchanged otherwise."""
+    if kv_fp8_dtype is None or launcher_inputs is None or len(launcher_inputs) != 3:
+        return launcher_inputs
+    pool = launcher_inputs[0]
+    if isinstance(pool, torch.Tensor) and pool.dtype == torch.uint8:
+        fp8 = _TORCH_FP8_BY_NAME.get(jnp.dtype(kv_fp8_dtype).name)
+        if fp8 is not None:
+            return (pool.view(fp8),) + tuple(launcher_inputs[1:])
+    return launcher_inputs
+
+
 def _launcher_reason(q, launcher_inputs, *, s_q: int | None = 1,
                      kv_fp8_dtype=None) -> str | None:
     """None if the torch launcher can run q with (kv_pool, kv_indptr, kv_indices) as a decode
-    of s_q queries per request (`pallas_route`; None: an extend), else why not."""
+    of s_q queries per request (`pallas_route`; None: an extend), else why not. kv_fp8_dtype:
+    the format of a uint8 pool's fp8 bytes (`_launcher_pool_view`)."""
     if s_q is None:
         return ("the launcher runs decode-shaped calls (causal, s_q <= "
                 f"{PALLAS_MAX_S_Q} queries per request); extend runs mla_extend through "
                 "DLPack + jit")
-    if kv_fp8_dtype is not None:
-        return "the launcher runs bf16 / f16 pools; an fp8 pool runs through DLPack + jit"
     if launcher_inputs is None or len(launcher_inputs) != 3:
         return "the launcher needs launcher_inputs=(kv_pool, kv_indptr, kv_indices)"
+    launcher_inputs = _launcher_pool_view(launcher_inputs, kv_fp8_dtype)
     try:
         from funcmla.interop import launcher
     except ImportError as err:

@@ -59,6 +59,24 @@ def _rows(**kw):
     return lambda: mla_decode_rows(_q(), _pool(), kv, sm_scale=SCALE, interpret=True, **kw)
 
 
+def _attention(kv_scale):
+    """`mla_attention` (reference backend) over a uint8 pool of fp8 bytes with a torch
+    kv_scale made by `kv_scale(torch)`."""
+    def call():
+        import torch
+
+        from funcmla.interop.backend_select import mla_attention
+        from funcmla.metadata import decode_metadata
+
+        meta = decode_metadata(jnp.arange(8, dtype=jnp.int32).reshape(2, 4), jnp.array([0, 1]),
+                               jnp.array([4, 4]), capacity=8)
+        return mla_attention(_q(), _pool(jnp.uint8), meta, sm_scale=SCALE, backend="reference",
+                             mode="decode", kv_fp8_dtype=FP8, kv_scale=kv_scale(torch),
+                             max_kv_len=4)
+
+    return call
+
+
 CASES = [
     BadInput("fp8.reference_pool_e5m2", _reference(_pool(jnp.float8_e5m2)), TypeError,
              ("kv_pool", "float8_e5m2")),
@@ -112,4 +130,13 @@ CASES = [
              TypeError, ("kv_dtype", "float8_e5m2")),
     BadInput("fp8.decode_kv_dtype_on_fp8_pool", _decode(kv_dtype="float8_e4m3fn"), TypeError,
              ("kv_dtype", "float8_e4m3fn")),
+    BadInput("fp8.attention_kv_scale_tensor_dtype",
+             _attention(lambda torch: torch.ones(1, dtype=torch.float64)), TypeError,
+             (r"kv_scale must be float32", r"torch\.float64"), needs=("torch",)),
+    BadInput("fp8.attention_kv_scale_tensor_shape", _attention(lambda torch: torch.ones(2)),
+             ValueError, (r"kv_scale must have shape \(\) or \[1\]", r"\(2,\)"),
+             needs=("torch",)),
+    BadInput("fp8.attention_kv_scale_host_tensor_value",
+             _attention(lambda torch: torch.tensor([-1.0])), ValueError,
+             (r"kv_scale=\[-1.0\]", r"positive finite float"), needs=("torch",)),
 ]

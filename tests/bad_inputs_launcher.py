@@ -15,11 +15,13 @@ from tests.bad_input import BadInput
 
 SCALE = MLADims().sm_scale
 _CFG = dict(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32, sm_scale=SCALE)
+_FP8 = "float8_e4m3fn"
 
 
-@functools.lru_cache(maxsize=1)
-def _launcher():
-    """(launcher, good inputs): token CSR, 2 sequences x 16 heads, stand-in kernels."""
+@functools.lru_cache(maxsize=2)
+def _launcher(kv_dtype: str | None = None):
+    """(launcher, good inputs): token CSR, 2 sequences x 16 heads, stand-in kernels; a pool of
+    q's dtype, or of `kv_dtype`."""
     import ctypes
 
     import torch
@@ -37,27 +39,28 @@ def _launcher():
             return {"name": self.call.name}
 
     nop = _launch.launch_function_type(lambda *a: 0)
-    cfg = L.DecodeLaunchConfig(**_CFG)
+    cfg = L.DecodeLaunchConfig(**_CFG, kv_dtype=kv_dtype)
     lau = L.DecodeLauncher(L.decode_plan(cfg), "cpu", kernel_factory=Kernel,
                            stream_fn=lambda i: 0,
                            launch_address=ctypes.cast(nop, ctypes.c_void_p).value)
     lau._keep = nop
     q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
-    kv = torch.zeros(64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(64, 576, dtype=getattr(torch, kv_dtype or "bfloat16"))
     x = torch.zeros(3, dtype=torch.int32)
     y = torch.zeros(32, dtype=torch.int32)
     return lau, dict(q=q, kv=kv, x=x, y=y, out=torch.zeros(2, 16, 512, dtype=torch.bfloat16),
                      lse=torch.zeros(2, 16))
 
 
-def _call(**bad):
-    """The launcher called with its good inputs, `bad` replacing some (values: functions of
-    the good inputs)."""
-    lau, good = _launcher()
-    args = dict(good)
-    for name, make in bad.items():
-        args[name] = make(good)
-    return lau(args["q"], args["kv"], args["x"], args["y"], out=args["out"], lse=args["lse"])
+def _call(kv_dtype=None, **bad):
+    """The launcher (of a `kv_dtype` pool) called with its good inputs, `bad` replacing some or
+    adding k_scale / v_scale (values: functions of the good inputs)."""
+    lau, good = _launcher(kv_dtype)
+    args = dict(good, k_scale=lambda g: None, v_scale=lambda g: None)
+    args.update(bad)
+    args = {k: v(good) if callable(v) else v for k, v in args.items()}
+    return lau(args["q"], args["kv"], args["x"], args["y"], out=args["out"], lse=args["lse"],
+               k_scale=args["k_scale"], v_scale=args["v_scale"])
 
 
 def _misaligned(t):
@@ -73,9 +76,22 @@ def _err(name):
     return {"argument": LauncherArgumentError, "unavailable": LauncherUnavailable}[name]
 
 
-def _argument_case(name, bad, match):
-    return BadInput(f"launcher.{name}", lambda: _call(**bad), _err("argument"), match,
+def _argument_case(name, bad, match, kv_dtype=None):
+    return BadInput(f"launcher.{name}", lambda: _call(kv_dtype, **bad), _err("argument"), match,
                     needs=("torch",))
+
+
+def _fp8_case(name, bad, match):
+    return _argument_case(name, bad, match, kv_dtype=_FP8)
+
+
+def _torch(fn):
+    def make(good):
+        import torch
+
+        return fn(torch, good)
+
+    return make
 
 
 def _config(**kw):
@@ -90,10 +106,14 @@ def _plan(**kw):
     return decode_plan(_config(**kw))
 
 
-def _mgpu_on_16_heads():
+def _mgpu_config():
     from funcmla.attention.pallas import DecodeKernelConfig
 
-    return _plan(kernel=DecodeKernelConfig(kernel="mgpu"))
+    return DecodeKernelConfig(kernel="mgpu")
+
+
+def _mgpu_on_16_heads():
+    return _plan(kernel=_mgpu_config())
 
 
 def _untested_jaxlib():
@@ -130,6 +150,36 @@ def _route():
     return kernel_route("cuda")
 
 
+def _torch_decode_pool(dtype_name: str):
+    import torch
+
+    from funcmla.interop.launcher import torch_decode
+
+    pool = torch.zeros(64, 576, dtype=torch.float8_e4m3fn).view(getattr(torch, dtype_name))
+    return torch_decode(torch.zeros(2, 16, 576, dtype=torch.bfloat16), pool,
+                        torch.zeros(3, dtype=torch.int32), torch.zeros(32, dtype=torch.int32),
+                        sm_scale=SCALE)
+
+
+def _new_float_in_capture():
+    import torch
+
+    from funcmla.interop.launcher import scales
+
+    with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
+        return scales.FloatScales(torch.device("cuda", 0)).tensor("k_scale", 0.75)
+
+
+def _float_scales_full():
+    from funcmla.interop.launcher import scales
+
+    with mock.patch.object(scales, "MAX_FLOAT_SCALES", 2):
+        kept = scales.FloatScales("cpu")
+        kept.tensor("k_scale", 2.0)
+        kept.tensor("k_scale", 2.5)
+        return kept.tensor("v_scale", 3.0)
+
+
 CASES: list[BadInput] = [
     _argument_case("q_dtype", {"q": lambda g: g["q"].float()}, (r"\bq\b", r"float32")),
     _argument_case("q_shape", {"q": lambda g: g["q"][:1]},
@@ -163,4 +213,32 @@ CASES: list[BadInput] = [
     BadInput("launcher.torch_decode_cpu", _torch_decode_on_cpu, _err("unavailable"),
              (r"\bq is on cpu", r"not a CUDA device"), needs=("torch",)),
     BadInput("launcher.route", _route, ValueError, (r"compile route", r"'cuda'")),
+    BadInput("launcher.config_kv_dtype", lambda: _config(kv_dtype="float8_e5m2"), ValueError,
+             (r"DecodeLaunchConfig.kv_dtype", r"got 'float8_e5m2'")),
+    BadInput("launcher.fp8_mgpu", lambda: _plan(kv_dtype=_FP8, kernel=_mgpu_config()),
+             _err("unavailable"), (r"kernel='mgpu'", r"float8_e4m3fn is not bfloat16")),
+    _fp8_case("fp8_pool_dtype", {"kv": _torch(lambda torch, g: g["kv"].to(torch.bfloat16))},
+              (r"kv_pool must be torch.float8_e4m3fn", r"got torch.bfloat16")),
+    _fp8_case("k_scale_dtype", {"k_scale": _torch(lambda torch, g: torch.ones(1).double())},
+              (r"k_scale must be torch.float32", r"got torch.float64")),
+    _fp8_case("v_scale_shape", {"v_scale": _torch(lambda torch, g: torch.ones(2))},
+              (r"v_scale has shape \[2\]", r"takes \[\] or \[1\]")),
+    _fp8_case("k_scale_alignment", {"k_scale": _torch(lambda torch, g: torch.ones(9)[1:2])},
+              (r"k_scale data pointer", r"not 32-byte aligned")),
+    _fp8_case("k_scale_value", {"k_scale": -1.0},
+              (r"k_scale=\[-1.0\]", r"positive finite float")),
+    _fp8_case("v_scale_type", {"v_scale": "0.5"},
+              (r"v_scale must be a float or a float32 torch tensor", r"got str")),
+    _argument_case("scale_on_bf16_pool", {"k_scale": 0.5},
+                   (r"k_scale applies to an fp8 kv_pool", r"pool is bfloat16")),
+    BadInput("launcher.k_scale_new_in_capture", _new_float_in_capture, _err("argument"),
+             (r"k_scale=0.75", r"during a CUDA graph capture"), needs=("torch",)),
+    BadInput("launcher.float_scales_full", _float_scales_full, _err("argument"),
+             (r"v_scale=3.0", r"2 distinct float scales are already kept"), needs=("torch",)),
+    BadInput("launcher.torch_decode_pool_e5m2", lambda: _torch_decode_pool("float8_e5m2"),
+             _err("unavailable"), (r"kv_pool is torch.float8_e5m2",
+                                   r"float8_e4m3fn fp8 pools only"), needs=("torch",)),
+    BadInput("launcher.torch_decode_pool_uint8", lambda: _torch_decode_pool("uint8"),
+             _err("unavailable"), (r"kv_pool is torch.uint8",
+                                   r"view\(torch.float8_e4m3fn\)"), needs=("torch",)),
 ]

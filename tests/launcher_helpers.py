@@ -55,3 +55,18 @@ def _lowering_available() -> str | None:
 needs_lowering = pytest.mark.skipif(_lowering_available() is not None,
                                     reason="no Pallas Triton lowering for CUDA on this install")
 
+
+
+FP8 = "float8_e4m3fn"
+
+
+def fp8_config(h: int, page_size: int, b: int = 4, ctx: int = 256, **kw):
+    """An fp8-pool DecodeLaunchConfig: `b` sequences of up to `ctx` tokens, a token CSR
+    (page_size 1) or a page table of ctx // page_size pages per sequence."""
+    if page_size == 1:
+        return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=b * ctx + 64,
+                                    kv_capacity=b * ctx, max_kv_len=ctx, sm_scale=SCALE,
+                                    kv_dtype=FP8, **kw)
+    return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=b * ctx + 4 * page_size,
+                                kv_capacity=b * ctx // page_size, sm_scale=SCALE,
+                                page_size=page_size, kv_dtype=FP8, **kw)

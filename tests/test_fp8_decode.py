@@ -237,16 +237,44 @@ def test_uint8_bytes_with_kv_dtype_equal_the_fp8_pool():
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_b))
 
 
-def test_launcher_names_the_fp8_route():
-    """The torch launcher runs bf16 / f16 pools; for an fp8 pool it says where fp8 runs."""
+def test_launcher_takes_e4m3fn_pools_and_names_other_formats():
+    """The torch launcher reads float8_e4m3fn pools (then its other checks apply: here the CPU
+    device refuses); another fp8 format, or uint8 bytes, gets a reason naming what it reads."""
     torch = pytest.importorskip("torch")
     from funcmla.interop.launcher.torch_entry import torch_decode_unsupported_reason
 
     q = torch.zeros(2, 16, D, dtype=torch.bfloat16)
     pool = torch.zeros(64, D, dtype=torch.float8_e4m3fn)
     ind = torch.zeros(3, dtype=torch.int32)
-    why = torch_decode_unsupported_reason(q, pool, ind, ind)
-    assert "float8_e4m3fn" in why and "mla_decode" in why
+    assert torch_decode_unsupported_reason(q, pool, ind, ind) == "q is on cpu, not a CUDA device"
+    why = torch_decode_unsupported_reason(q, pool.view(torch.float8_e5m2), ind, ind)
+    assert "torch.float8_e5m2" in why and "float8_e4m3fn fp8 pools only" in why
+    why = torch_decode_unsupported_reason(q, pool.view(torch.uint8), ind, ind)
+    assert "torch.uint8" in why and "kv_pool.view(torch.float8_e4m3fn)" in why
+    why = torch_decode_unsupported_reason(q, pool.view(torch.float16).view(64, D // 2), ind, ind)
+    assert "must be q's dtype (torch.bfloat16) or torch.float8_e4m3fn" in why
+
+
+def test_mla_attention_hands_the_launcher_an_fp8_view_and_reads_host_scales_only():
+    """backend_select: a uint8 pool of fp8 bytes with kv_fp8_dtype reaches the launcher's
+    checks as its float8_e4m3fn view (the same memory), without kv_fp8_dtype it is refused
+    naming the view to take; a host scale tensor is read as a float (a device one never is:
+    tests/test_launcher_gpu.py)."""
+    torch = pytest.importorskip("torch")
+    from funcmla.interop import backend_select as bs
+
+    q = torch.zeros(2, 16, D, dtype=torch.bfloat16)
+    bits = torch.zeros(64, D, dtype=torch.uint8)
+    ind = torch.zeros(3, dtype=torch.int32)
+    view = bs._launcher_pool_view((bits, ind, ind), FP8)
+    assert view[0].dtype == torch.float8_e4m3fn and view[0].data_ptr() == bits.data_ptr()
+    assert bs._launcher_pool_view((bits, ind, ind), None)[0] is bits
+    assert bs._launcher_reason(q, (bits, ind, ind), kv_fp8_dtype=FP8) == (
+        "q is on cpu, not a CUDA device")
+    assert "kv_pool is torch.uint8" in bs._launcher_reason(q, (bits, ind, ind))
+    assert bs._host_scale(torch.tensor([0.375])) == 0.375
+    got = bs._scale_array(torch.tensor(0.375))
+    assert got.shape == () and got.dtype == jnp.float32 and float(got) == 0.375
 
 
 def test_per_layer_scales_share_one_program_in_mla_attention():

@@ -443,7 +443,8 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
                       v_head_dim):
         builds.append((tuple(q.shape), tuple(kv_indices.shape), s_q, max_kv_len))
 
-        def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None):
+        def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None, k_scale=None):
+            assert k_scale is None  # a bf16 pool takes no scale
             calls.append((kv_pool, kv_indptr, kv_indices, s_q, max_kv_len))
             assert lse is not None and lse.shape == q.shape[:2]  # the backend's scratch
             out = csr_mla_attention_dense(q, kv_pool, torch.arange(q.shape[0] + 1,
@@ -521,3 +522,54 @@ def test_refused_decode_launcher_falls_back_to_mla_attention(monkeypatch):
         assert rel_err(out.view(4, H, 512), want) < 8e-3
     assert False in backend._decode_launchers.values()
     assert len(builds) == 3  # the backend's resolve once, then mla_attention's try per call
+
+
+def test_torch_launcher_path_takes_fp8_pools_with_the_layer_scale(monkeypatch):
+    """An fp8 pool (stored as uint8, read as float8_e4m3fn) reaches the launcher too: the
+    backend hands it the pool's fp8 view and the layer's k_scale (a float, or a host tensor
+    read as a float; a device tensor would be passed as it is), and the output equals SGLang's
+    algorithm over the dequantized pool."""
+    from funcmla.interop import launcher
+
+    monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
+    calls = []
+
+    def fake_launcher(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len,
+                      v_head_dim):
+        def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None, k_scale=None):
+            calls.append((kv_pool, k_scale))
+            deq = kv_pool.float() * k_scale
+            out = csr_mla_attention_dense(q.float(), deq, torch.arange(q.shape[0] + 1,
+                                                                       dtype=torch.int32),
+                                          kv_indptr, kv_indices, sm_scale=sm_scale)
+            return out.to(q.dtype), lse
+        return run
+
+    monkeypatch.setattr(launcher, "torch_decode_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(launcher, "torch_decode_launcher", fake_launcher)
+    rng = np.random.default_rng(19)
+    b = random_paged_batch(rng, prefix_lens=[37, 0, 140, 9], extend_lens=[1, 1, 1, 1],
+                           page_size=16, max_context_len=MAX_CTX, pool_size=8, num_pages=255)
+    pool = MLATokenToKVPool(b.num_slots - 16, 16, torch.float8_e4m3fn, 1)
+    pool.kv_buffer[0].copy_(torch.from_numpy(rng.standard_normal(pool.kv_buffer[0].shape)
+                                             .astype(np.float32)).to(torch.float8_e4m3fn)
+                            .view(torch.uint8))
+    backend = FuncMLAAttnBackend(b.req_to_token, pool, page_size=16,
+                                 attention_backend="pallas", torch_launcher=True)
+    q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
+    fb = ForwardBatch(ForwardMode.DECODE, 4, b.req_pool_indices, b.seq_lens, b.seq_lens,
+                      int(b.seq_lens.sum()))
+    backend.init_forward_metadata(fb)
+    fp8_view = pool.get_key_buffer(0)
+    for k_scale, passed in ((0.375, 0.375), (torch.tensor([1.5]), 1.5)):
+        layer = RadixAttention(H, SCALE, k_scale=k_scale)
+        out = backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
+        assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
+        kv_pool, got_scale = calls[-1]
+        assert kv_pool.dtype == torch.float8_e4m3fn
+        assert kv_pool.data_ptr() == pool.kv_buffer[0].data_ptr()
+        assert type(got_scale) is float and got_scale == passed
+        want = torch_native_mla_decode(q, fp8_view.float() * passed,
+                                       b.req_to_token, b.req_pool_indices, b.seq_lens,
+                                       sm_scale=SCALE, compute_dtype=torch.float32)
+        assert rel_err(out.view(4, H, 512), want) < 4e-3

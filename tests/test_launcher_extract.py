@@ -13,7 +13,8 @@ import pytest
 
 from funcmla.attention.pallas import DecodeKernelConfig
 from funcmla.interop import launcher as L
-from tests.launcher_helpers import PTX, SCALE, _field, _lowering_available, needs_lowering
+from tests.launcher_helpers import (FP8, PTX, SCALE, _field, _lowering_available, fp8_config,
+                                    needs_lowering)
 
 
 # ----------------------------------------------------------------------------- protobuf
@@ -359,3 +360,138 @@ def test_mosaic_compiler_absent_here_says_why():
     assert "MosaicGpuCompile" in why
     with pytest.raises(L.LauncherUnavailable, match="MosaicGpuCompile"):
         L.mosaic.mosaic_library()
+
+
+# ----------------------------------------------------------------------------- fp8 pools
+@needs_lowering
+@pytest.mark.parametrize("h,page_size", [(16, 1), (16, 64), (128, 1), (128, 64)])
+def test_fp8_plan_reads_the_triton_kernel_with_scale_operands(h, page_size):
+    """An fp8 configuration lowers mla_decode with a float8_e4m3fn pool and two float32 [1]
+    scale operands: the Triton kernel at every shape (128 heads too, where a bf16 pool can take
+    the Mosaic GPU kernel), with the fp8 tiling and the split rule's count for it, and every
+    operand traced back to the launcher input it views."""
+    from funcmla.attention.pallas.api import decode_num_splits
+    from funcmla.attention.pallas.decode_common import fp8_triton_config
+
+    b, ctx = 4, 256
+    cfg = fp8_config(h, page_size, b, ctx)
+    plan = L.decode_plan(cfg)
+    dec = plan.decode
+    block_m = min(64, h)
+    kc = fp8_triton_config(DecodeKernelConfig(), h)
+    assert isinstance(dec, L.TritonCall) and plan.kernel == "triton"
+    assert "float8_e4m3fn" in plan.kernel_reason and "every shape" in plan.kernel_reason
+    assert dec.name == f"mla_decode_ps{page_size}_m{block_m}_kv64_fp8"
+    assert (dec.num_warps, dec.num_stages) == (8, 5 if h == 16 else 1)
+    assert plan.num_splits == decode_num_splits(kc, b, h, ctx, mgpu=False)
+    assert dec.grid == (h // block_m, plan.num_splits, b)
+    cap = b * ctx // page_size
+    meta = ((b + 1,) if page_size == 1 else (b,), "i32")
+    assert dec.operands == (meta, ((cap,), "i32"), ((b, h, 576), "bf16"),
+                            ((cfg.pool_rows, 576), "f8E4M3FN"), ((1,), "f32"), ((1,), "f32"))
+    index = ("kv_indptr", "kv_indices") if page_size == 1 else ("lengths", "page_table")
+    assert plan.decode_inputs == index + ("q", "kv_pool", "k_scale", "v_scale")
+    assert dec.sources == ((2, 3) if page_size == 1 else (3, 2)) + (0, 1, 4, 5)
+    fn, avals = plan.source
+    assert [(a.shape, str(a.dtype)) for a in avals[1:2] + avals[4:]] == [
+        ((cfg.pool_rows, 576), FP8), ((1,), "float32"), ((1,), "float32")]
+
+
+def test_config_kv_dtype_rules():
+    kw = dict(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32, sm_scale=SCALE)
+    fp8 = L.DecodeLaunchConfig(kv_dtype=FP8, **kw)
+    assert fp8.fp8 and fp8.pool_dtype == FP8
+    same = L.DecodeLaunchConfig(kv_dtype="bfloat16", **kw)  # q's own dtype: stored as None
+    assert same == L.DecodeLaunchConfig(**kw) and not same.fp8 and same.pool_dtype == "bfloat16"
+    for bad in ("float8_e5m2", "uint8", "float16"):
+        with pytest.raises(ValueError, match=rf"DecodeLaunchConfig.kv_dtype must be None .*"
+                                             rf"got '{bad}'"):
+            L.DecodeLaunchConfig(kv_dtype=bad, **kw)
+
+
+_REAL_JAX_PATH = L.plan.jax_path
+
+
+def _pool_words_path(cfg, view):
+    """A JAX path for `cfg` (fp8, one split) whose Pallas call reads the pool through `view`
+    (applied inside an inner jit, as `decode_call` would), with operands in mla_decode's order
+    and results of its shapes; the kernel body only writes its outputs."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b, rows, d, dv = cfg.num_seqs, cfg.rows_pad, cfg.head_dim, cfg.v_head_dim
+
+    def kernel(indptr_ref, table_ref, q_ref, pool_ref, ks_ref, vs_ref, o_ref, lse_ref):
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        lse_ref[...] = jnp.zeros(lse_ref.shape, lse_ref.dtype)
+
+    @jax.jit
+    def inner(q, kv_pool, kv_indptr, kv_indices, k_scale, v_scale):
+        pool = view(kv_pool)
+        full = lambda shape: pl.BlockSpec(shape, lambda i, j, k: (0,) * len(shape))  # noqa
+        return pl.pallas_call(
+            kernel, grid=(1, 1, b),
+            in_specs=[full(kv_indptr.shape), full(kv_indices.shape),
+                      pl.BlockSpec((None, rows, d), lambda i, j, k: (k, i, 0)), full(pool.shape),
+                      full((1,)), full((1,))],
+            out_specs=[pl.BlockSpec((None, None, rows, dv), lambda i, j, k: (k, j, i, 0)),
+                       pl.BlockSpec((None, None, rows), lambda i, j, k: (k, j, i))],
+            out_shape=[jax.ShapeDtypeStruct((b, 1, rows, dv), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((b, 1, rows), jnp.float32)],
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+            name="pool_words",
+        )(kv_indptr, kv_indices, q.reshape(b, rows, d), pool, k_scale, v_scale)
+
+    return inner, _REAL_JAX_PATH(cfg)[1]
+
+
+@needs_lowering
+def test_pool_bitcast_in_front_of_the_kernel_is_wired_to_the_pool(monkeypatch):
+    """The fp8 pool bitcast to uint16 [slots, 288] inside the JAX path (the same bytes) before
+    the Pallas call: the plan traces the operand back through the bitcast, the reshape and the
+    inner jit to the launcher's pool, and the launcher passes the pool's own pointer there.
+    A computed operand (a slice of the pool: other bytes) is refused."""
+    import jax.numpy as jnp
+    from jax import lax
+    import torch
+
+    from tests.test_launcher_launch import _FakeKernel, _Recorder
+
+    cfg = fp8_config(16, 1, b=2, ctx=64, num_splits=1)
+    slots = cfg.pool_rows
+
+    def words(pool):
+        return lax.bitcast_convert_type(pool.reshape(slots, 288, 2), jnp.uint16)
+
+    L.plan._decode_plan.cache_clear()
+    try:
+        monkeypatch.setattr(L.plan, "jax_path", lambda c: _pool_words_path(c, words))
+        plan = L.decode_plan(cfg)
+        assert plan.decode.name == "pool_words"
+        assert plan.decode.operands[3] == ((slots, 288), "ui16") and plan.decode.sources[3] == 1
+        assert plan.decode_inputs == ("kv_indptr", "kv_indices", "q", "kv_pool", "k_scale",
+                                      "v_scale")
+        rec = _Recorder()
+        lau = L.DecodeLauncher(plan, "cpu",
+                               kernel_factory=lambda c, i, a: _FakeKernel(c, i, a, rec.num_params),
+                               stream_fn=lambda i: 1, launch_address=rec.address)
+        q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+        kv = torch.zeros(slots, 576, dtype=torch.float8_e4m3fn)
+        indptr, indices = torch.zeros(3, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
+        ks = torch.full((1,), 0.25)
+        out, lse = lau(q, kv, indptr, indices, k_scale=ks, v_scale=0.5)
+        params = rec.launches[0][5]
+        assert params[:5] == (indptr.data_ptr(), indices.data_ptr(), q.data_ptr(), kv.data_ptr(),
+                              ks.data_ptr())
+        v_copy = lau._scales(0.5, None)[0]  # the float's device copy
+        assert params[5] == v_copy.data_ptr() and v_copy.item() == 0.5
+        assert params[6:8] == (out.data_ptr(), lse.data_ptr())
+
+        L.plan._decode_plan.cache_clear()
+        monkeypatch.setattr(L.plan, "jax_path",
+                            lambda c: _pool_words_path(c, lambda p: words(p)[1:]))
+        with pytest.raises(L.LauncherUnavailable, match="operand 3 .* is computed"):
+            L.decode_plan(cfg)
+    finally:
+        L.plan._decode_plan.cache_clear()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from funcmla.attention.pallas import DecodeKernelConfig
 from funcmla.interop import _containers, _launch
 from funcmla.interop import launcher as L
-from tests.launcher_helpers import PTX, SCALE, _field, needs_lowering
+from tests.launcher_helpers import PTX, SCALE, _field, fp8_config, needs_lowering
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -236,7 +236,7 @@ def _fake_launcher(cfg, native=None, c_checks=True):
 def _cpu_inputs(cfg):
     t = cfg.num_seqs * cfg.s_q
     q = torch.zeros(t, cfg.num_heads, 576, dtype=torch.bfloat16)
-    kv = torch.zeros(cfg.pool_rows, 1, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(cfg.pool_rows, 1, 576, dtype=getattr(torch, cfg.pool_dtype))
     if cfg.page_size == 1:
         return (q, kv, torch.zeros(cfg.num_seqs + 1, dtype=torch.int32),
                 torch.zeros(cfg.kv_capacity, dtype=torch.int32))
@@ -381,6 +381,107 @@ def test_misuse_raises_and_never_launches(c_checks):
     lau(q, kv.view(64, 576), indptr, indices)  # another accepted pool view: launches
     lau(q, kv, indptr, indices)  # and back
     assert len(rec.launches) == 4
+
+
+# ----------------------------------------------------------------------------- fp8 scales
+@needs_lowering
+@pytest.mark.parametrize("h,page_size,native,c_checks", [
+    (16, 1, True, True), (16, 64, True, False), (128, 1, False, False)])
+def test_fp8_launcher_wires_scale_tensors_and_float_copies(h, page_size, native, c_checks):
+    """The decode kernel's scale operands get the scale tensors' pointers, or a float's device
+    copy (holding the float; one per distinct value, reused); v_scale defaults to k_scale,
+    k_scale to 1. The merge and the other operands are wired as for a bf16 pool."""
+    if native and _launch.native_reason() is not None:
+        pytest.skip(_launch.native_reason())
+    cfg = fp8_config(h, page_size)
+    lau, rec = _fake_launcher(cfg, native, c_checks)
+    q, kv, x, y = _cpu_inputs(cfg)
+    assert kv.dtype == torch.float8_e4m3fn
+    ks, vs = torch.tensor(0.3), torch.full((1,), 0.7)
+    split = lau.plan.num_splits > 1
+
+    def scale_params(**kw):
+        out, lse = lau(q, kv, x, y, **kw)
+        dec = rec.launches[-2 if split else -1][5]
+        meta, table = (x, y) if page_size == 1 else (y, x)
+        assert dec[:4] == (meta.data_ptr(), table.data_ptr(), q.data_ptr(), kv.data_ptr())
+        outs = (lau._o_part.data_ptr(), lau._lse_part.data_ptr()) if split else (
+            out.data_ptr(), lse.data_ptr())
+        assert dec[6:] == outs + (0, 0)
+        if split:
+            assert rec.launches[-1][5] == outs + (out.data_ptr(), lse.data_ptr(), 0, 0)
+        return dec[4:6]
+
+    assert scale_params(k_scale=ks, v_scale=vs) == (ks.data_ptr(), vs.data_ptr())
+    k_ptr, v_ptr = scale_params(k_scale=0.25, v_scale=0.5)
+    copies = {t.data_ptr(): t for t in lau._scales.floats.cache.values()}
+    assert copies[k_ptr].item() == 0.25 and copies[v_ptr].item() == 0.5
+    assert copies[k_ptr].dtype == torch.float32 and copies[k_ptr].shape == (1,)
+    n = len(copies)
+    assert scale_params(k_scale=0.25, v_scale=0.5) == (k_ptr, v_ptr)  # cached: no new copy
+    assert scale_params(k_scale=np.float32(0.25)) == (k_ptr, k_ptr)  # v_scale = k_scale
+    assert len(lau._scales.floats.cache) == n
+    one, _ = scale_params()
+    assert one == lau._scales.one.data_ptr() and lau._scales.one.item() == 1.0
+    assert scale_params(v_scale=vs) == (one, vs.data_ptr())
+
+
+@needs_lowering
+@pytest.mark.parametrize("c_checks", [True, False])
+def test_fp8_scale_misuse_raises_and_never_launches(c_checks):
+    cfg = fp8_config(16, 1)
+    lau, rec = _fake_launcher(cfg, c_checks=c_checks)
+    q, kv, x, y = _cpu_inputs(cfg)
+    spare = torch.zeros(16)
+    cases = {
+        r"k_scale must be torch.float32, got torch.float64": dict(k_scale=torch.ones(1).double()),
+        r"v_scale has shape \[2\]; the compiled configuration takes \[\] or \[1\]":
+            dict(v_scale=torch.ones(2)),
+        r"k_scale data pointer .* not 32-byte aligned": dict(k_scale=spare[1:2]),
+        r"k_scale=\[-1.0\] must be a positive finite float": dict(k_scale=-1.0),
+        r"v_scale=\[0.0\] must be a positive finite float": dict(v_scale=0.0),
+        r"k_scale=\[inf\] must be": dict(k_scale=1e39),  # beyond float32
+        r"v_scale=\[nan\] must be": dict(v_scale=float("nan")),
+        r"k_scale must be a float or a float32 torch tensor .* got str": dict(k_scale="0.5"),
+        r"v_scale must be a float or a float32 torch tensor .* got bool": dict(v_scale=True),
+        r"kv_pool must be torch.float8_e4m3fn, got torch.bfloat16":
+            dict(kv=kv.to(torch.bfloat16)),
+    }
+    for match, change in cases.items():
+        kw = {"kv": kv, **change}
+        pool = kw.pop("kv")
+        with pytest.raises(L.LauncherArgumentError, match=match):
+            lau(q, pool, x, y, **kw)
+    assert rec.launches == []
+    bf16, brec = _fake_launcher(L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64,
+                                                     kv_capacity=32, sm_scale=SCALE))
+    with pytest.raises(L.LauncherArgumentError, match="v_scale applies to an fp8 kv_pool; this "
+                                                      "launcher's pool is bfloat16"):
+        bf16(*_cpu_inputs(bf16.config), v_scale=torch.ones(1))
+    assert brec.launches == []
+
+
+def test_float_scales_keep_one_copy_per_value_and_refuse_a_new_one_in_capture(monkeypatch):
+    from funcmla.interop.launcher import scales as S
+
+    fs = S.FloatScales("cpu")
+    a = fs.tensor("k_scale", 0.125)
+    assert fs.tensor("v_scale", 0.125) is a and a.item() == 0.125 and a.device.type == "cpu"
+    # a device's copies under a stream capture: a known value is served, a new one refused
+    cuda = S.FloatScales(torch.device("cuda", 0))
+    cuda.cache[0.5] = a
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert cuda.tensor("k_scale", 0.5) is a
+    with pytest.raises(L.LauncherArgumentError, match=r"k_scale=0.75 is a float the launcher "
+                                                      r"has not seen before, passed during a CUDA "
+                                                      r"graph capture"):
+        cuda.tensor("k_scale", 0.75)
+    monkeypatch.setattr(S, "MAX_FLOAT_SCALES", 2)
+    fs.tensor("k_scale", 2.0)
+    with pytest.raises(L.LauncherArgumentError, match=r"v_scale=3.0: 2 distinct float scales "
+                                                      r"are already kept on cpu"):
+        fs.tensor("v_scale", 3.0)
+    assert S.float_scales("cpu") is S.float_scales(torch.device("cpu"))
 
 
 @needs_lowering

@@ -79,3 +79,35 @@ def test_torch_compile_fullgraph_sees_one_op():
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("funcmla.mla_decode" in t for t in targets) == 1, targets
     assert got[0].shape == (T, H) and got[1].shape == (T, H)
+
+
+class _Fp8Step(torch.nn.Module):
+    def forward(self, q, kv, a, b, k_scale, v_scale):
+        out, lse = torch.ops.funcmla.mla_decode(q, kv, a, b, SCALE, 2, 1, 0, 0, 512,
+                                                k_scale=k_scale, v_scale=v_scale)
+        return out, lse
+
+
+def test_fp8_scales_are_optional_tensor_arguments_of_the_ops():
+    """The ops take an fp8 pool's k_scale / v_scale as optional trailing tensors (calls without
+    them are unchanged); the fakes give the same outputs and torch.export keeps one op node
+    with the scales as its inputs."""
+    L.register_torch_ops()
+    schema = str(torch.ops.funcmla.mla_decode.default._schema)
+    assert schema.endswith("int v_head_dim, Tensor? k_scale=None, Tensor? v_scale=None) -> "
+                           "(Tensor, Tensor)")
+    q, _, a, b = _inputs(1)
+    kv = torch.empty(POOL, 576, dtype=torch.float8_e4m3fn)
+    ks, vs = torch.empty(1), torch.empty(())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out, lse = torch.ops.funcmla.mla_decode(q, kv, a, b, SCALE, 2, 1, 0, 0, 512, ks, vs)
+        assert out.shape == (T, H, 512) and out.dtype == torch.bfloat16 and lse.shape == (T, H)
+        o, s = torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H)
+        assert torch.ops.funcmla.mla_decode_out(q, kv, a, b, o, s, SCALE, 2, 1, 0, 0, 512,
+                                                k_scale=ks) is None
+    ep = torch.export.export(_Fp8Step(), (q, kv, a, b, ks, vs))
+    calls = [n for n in ep.graph.nodes if n.op == "call_function"
+             and "funcmla" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["funcmla.mla_decode.default"]
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    assert tuple(calls[0].args[10:]) == tuple(placeholders[4:6])

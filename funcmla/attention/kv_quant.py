@@ -90,6 +90,7 @@ def check_kv_scale_values(**scales) -> None:
     for name, value in scales.items():
         if value is None or isinstance(value, jax.core.Tracer):
             continue
-        arr = np.asarray(value, np.float32).reshape(-1)
+        with np.errstate(over="ignore"):  # beyond float32: inf, refused below
+            arr = np.asarray(value, np.float32).reshape(-1)
         if not (np.isfinite(arr).all() and (arr > 0).all()):
             raise ValueError(f"{name}={arr.tolist()} must be a positive finite float")

@@ -6,13 +6,16 @@ split), on `torch.cuda.current_stream()`, with one foreign call per step, so a t
 captures it. Design, invariants, knobs and H200 numbers: docs/torch_launcher.md.
 
 Modules, in the order a launcher is built:
-  extract      the JAX path lowered for CUDA (no GPU): `TritonCall` / `MosaicCall` per kernel.
-  plan         `DecodeLaunchConfig` (static shapes) -> `DecodePlan` (the kernels, checked against
-               the shapes the launcher wires; `kernel_reason` says why Triton where it is).
+  extract      the JAX path lowered for CUDA (no GPU): `TritonCall` / `MosaicCall` per kernel,
+               each operand traced back to the input whose bytes it is.
+  plan         `DecodeLaunchConfig` (static shapes, the pool's dtype) -> `DecodePlan` (the
+               kernels, checked against the buffers the launcher wires; `kernel_reason` says
+               why Triton where it is).
   compile      Triton kernels -> cubin: XLA's own (route "xla") or the `triton` package's.
   mosaic       Mosaic GPU kernels -> jaxlib's compiled module and host launch function.
   load         cubins into the device's primary context.
   checks       `TensorSpec`: what each tensor must be.
+  scales       an fp8 pool's k_scale / v_scale: tensors by pointer, floats as device copies.
   decode       `DecodeLauncher` / `PagedDecodeLauncher`: the launch program and its checks.
   torch_entry  `torch_decode` and the torch op `torch.ops.funcmla.mla_decode`.
   support      the jaxlib versions the extraction was tested on.
@@ -45,6 +48,7 @@ from funcmla.interop.launcher.extract import (
 from funcmla.interop.launcher.load import LoadedKernel
 from funcmla.interop.launcher.mosaic import MosaicKernel
 from funcmla.interop.launcher.plan import DecodeLaunchConfig, DecodePlan, decode_plan
+from funcmla.interop.launcher.scales import FloatScales, ScaleOperands
 from funcmla.interop.launcher.support import TESTED_JAXLIB, jaxlib_unsupported_reason
 from funcmla.interop.launcher.torch_entry import (
     register_torch_ops,
@@ -69,6 +73,8 @@ __all__ = [
     "DecodeLaunchConfig",
     "DecodePlan",
     "decode_plan",
+    "FloatScales",
+    "ScaleOperands",
     "compile_plan",
     "kernel_route",
     "DecodeLauncher",

@@ -9,11 +9,12 @@ from typing import Callable
 
 from funcmla.interop.launcher.checks import TensorSpec
 from funcmla.interop.launcher.compile import compile_plan
-from funcmla.interop.launcher.errors import LauncherUnavailable
+from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.load import LoadedKernel
 from funcmla.interop.launcher.extract import MosaicCall
 from funcmla.interop.launcher.mosaic import MosaicKernel
 from funcmla.interop.launcher.plan import DecodeLaunchConfig, DecodePlan, decode_plan
+from funcmla.interop.launcher.scales import ScaleOperands
 from funcmla.interop.launcher.support import jaxlib_unsupported_reason
 
 
@@ -40,17 +41,18 @@ def launcher_unavailable_reason(device=None) -> str | None:
 
 
 # Pointer slots of a decode program (interop/_launch.py). Per call: the two index tensors in
-# argument order (x, y), q, kv_pool, out, lse. Fixed: scratch buffers and a null pointer.
-_X, _Y, _Q, _KV, _OUT, _LSE = range(6)
+# argument order (x, y), q, kv_pool, out, lse, and an fp8 pool's k_scale, v_scale (0 for other
+# pools: no kernel reads them). Fixed: scratch buffers and a null pointer.
+_X, _Y, _Q, _KV, _OUT, _LSE, _KS, _VS = range(8)
+_PER_CALL = 8
 _BAD_ARGUMENT = -1  # = _launch.BAD_ARGUMENT: a check in C refused an argument
-_OPART, _LPART, _QPAD, _OUTPAD, _LSEPAD, _NULL = range(6, 12)
+_OPART, _LPART, _QPAD, _OUTPAD, _LSEPAD, _NULL = range(8, 14)
 
 
 class _DecodeLauncherBase:
     """Shared body of the decode launchers (see `DecodeLauncher`)."""
 
     _x_name = _y_name = ""
-    _x_decode_operand = 0  # which decode operand (0: start/lens meta, 1: table) x feeds
 
     def __init__(self, plan: DecodePlan, device, *, kernel_factory: Callable | None = None,
                  stream_fn: Callable[[int], int] | None = None, launch_address: int | None = None,
@@ -97,6 +99,8 @@ class _DecodeLauncherBase:
         self.merge = (kernel_factory(plan.merge, device_index, arch)
                       if plan.merge is not None else None)
         tdt = getattr(torch, c.dtype)
+        self._kv_dtype = getattr(torch, c.pool_dtype)
+        self._scales = ScaleOperands(device) if c.fp8 else None
         b, t, h, dv = c.num_seqs, c.num_seqs * c.s_q, c.num_heads, c.v_head_dim
         s, rp, r = plan.num_splits, plan.rows_pad, c.rows
         self.padded = rp != r
@@ -117,16 +121,16 @@ class _DecodeLauncherBase:
             self._lse_pad = torch.empty(b, rp, dtype=torch.float32, device=dev)
             fixed.update({_QPAD: self._q_pad.data_ptr(), _OUTPAD: self._out_pad.data_ptr(),
                           _LSEPAD: self._lse_pad.data_ptr()})
-        meta, table = (_X, _Y) if self._x_decode_operand == 0 else (_Y, _X)
         out_slot = _OUTPAD if self.padded else _OUT
         lse_slot = _LSEPAD if self.padded else _LSE
-        dec_params = [meta, table, _QPAD if self.padded else _Q, _KV,
-                      _OPART if split else out_slot, _LPART if split else lse_slot]
+        dec_params = self._input_slots(plan) + [_OPART if split else out_slot,
+                                                _LPART if split else lse_slot]
         kernels = [self._program_kernel(self.decode, dec_params)]
         if split:
             kernels.append(self._program_kernel(self.merge, [_OPART, _LPART, out_slot,
                                                              lse_slot]))
-        self.program = _launch.LaunchProgram(kernels, 6, fixed, launch_address, native=native)
+        self.program = _launch.LaunchProgram(kernels, _PER_CALL, fixed, launch_address,
+                                             native=native)
         p = self.program
         self._hot = (p.pack, p.buffer, (1 << len(kernels)) - 1, p.run, p.ref)
         self._lock = threading.Lock()
@@ -135,6 +139,22 @@ class _DecodeLauncherBase:
         self._specs_setup(torch, tdt, device_index)
         self._checked_hot = None
         self.checks = self._enable_c_checks(torch)
+
+    def _input_slots(self, plan: DecodePlan) -> list[int]:
+        """The slot of each decode operand, from the plan's `decode_inputs` (which launcher
+        input's bytes each operand is)."""
+        slots = {"q": _Q, "q_pad": _QPAD, "kv_pool": _KV, self._x_name: _X, self._y_name: _Y,
+                 "k_scale": _KS, "v_scale": _VS}
+        if len(plan.decode_inputs) != len(plan.decode.operands) or not set(
+                plan.decode_inputs) <= set(slots):
+            raise LauncherUnavailable(
+                f"{plan.decode.name}: operands wired to {plan.decode_inputs}; this launcher has "
+                f"the inputs {sorted(slots)} for {len(plan.decode.operands)} operands")
+        if ("q_pad" in plan.decode_inputs) != self.padded:
+            raise LauncherUnavailable(
+                f"{plan.decode.name}: operands wired to {plan.decode_inputs}, but q is "
+                f"{'' if self.padded else 'not '}padded for these rows")
+        return [slots[name] for name in plan.decode_inputs]
 
     def _enable_c_checks(self, torch) -> str:
         """Move the per-call tensor checks into the C helper where it can read torch tensors
@@ -149,15 +169,18 @@ class _DecodeLauncherBase:
         if api is None:
             return f"python ({how})"
         codes = {}
-        for dtype in (self._dtype, torch.int32, torch.float32):
+        for dtype in (self._dtype, self._kv_dtype, torch.int32, torch.float32):
             got = _launch.describe(api, torch.empty(1, dtype=dtype, device=self.device))
             if got is None:
                 return "python (the shim cannot read a tensor on this device)"
             codes[dtype] = got[:3]
         mask = self.align - 1
         specs = []
-        for spec in (self.x_spec, self.y_spec, self.q_spec, self.kv_spec, self.out_spec,
-                     self.lse_spec):  # slot order: _X, _Y, _Q, _KV, _OUT, _LSE
+        checked = [self.x_spec, self.y_spec, self.q_spec, self.kv_spec, self.out_spec,
+                   self.lse_spec]  # slot order: _X, _Y, _Q, _KV, _OUT, _LSE[, _KS, _VS]
+        if self._scales is not None:
+            checked += [self.k_scale_spec, self.v_scale_spec]
+        for spec in checked:
             dtype_code, device_type, device_index = codes[spec.dtype]
             specs.append((dtype_code, device_type, device_index, mask, sorted(spec.shapes)))
         self.program.enable_checks(api, specs)
@@ -187,7 +210,9 @@ class _DecodeLauncherBase:
             pages = c.pool_rows // page_size
             pool_shapes += [(pages, page_size, d), (pages, page_size, 1, d)]
         self.q_spec = TensorSpec("q", tdt, [(t, h, d)], di, a)
-        self.kv_spec = TensorSpec("kv_pool", tdt, pool_shapes, di, a)
+        self.kv_spec = TensorSpec("kv_pool", self._kv_dtype, pool_shapes, di, a)
+        self.k_scale_spec = TensorSpec("k_scale", torch.float32, [(), (1,)], di, a)
+        self.v_scale_spec = TensorSpec("v_scale", torch.float32, [(), (1,)], di, a)
         self.x_spec = TensorSpec(self._x_name, torch.int32, [self._x_shape()], di, a)
         self.y_spec = TensorSpec(self._y_name, torch.int32, [self._y_shape()], di, a)
         self.out_spec = TensorSpec("out", tdt, [self._out_shape], di, a)
@@ -197,8 +222,9 @@ class _DecodeLauncherBase:
 
     def _set_fast(self, kv_shape) -> None:
         c = self.config
-        self._fast = (self._dtype, self._i32, self._f32, torch_size(kv_shape), self.device_index,
-                      self.align - 1, torch_size((c.num_seqs * c.s_q, c.num_heads, c.head_dim)),
+        self._fast = (self._dtype, self._kv_dtype, self._i32, self._f32, torch_size(kv_shape),
+                      self.device_index, self.align - 1,
+                      torch_size((c.num_seqs * c.s_q, c.num_heads, c.head_dim)),
                       torch_size(self._x_shape()), torch_size(self._y_shape()),
                       torch_size(self._out_shape), torch_size(self._lse_shape))
 
@@ -206,11 +232,24 @@ class _DecodeLauncherBase:
         """The per-argument checks (raise LauncherArgumentError naming the argument)."""
         ptrs = (self.q_spec.pointer(q), self.kv_spec.pointer(kv_pool), self.x_spec.pointer(x),
                 self.y_spec.pointer(y), self.out_spec.pointer(out), self.lse_spec.pointer(lse))
-        if tuple(kv_pool.shape) != tuple(self._fast[3]):  # another accepted pool view
+        if tuple(kv_pool.shape) != tuple(self._fast[4]):  # another accepted pool view
             self._set_fast(tuple(kv_pool.shape))
         return ptrs
 
-    def _call(self, q, kv_pool, x, y, out, lse):
+    def _scale_tensors(self, k_scale, v_scale):
+        """(k, v) scale tensors of an fp8 launcher (`ScaleOperands`), (None, None) otherwise;
+        raises LauncherArgumentError for a scale given to a launcher whose pool is not fp8."""
+        if self._scales is not None:
+            return self._scales(k_scale, v_scale)
+        if k_scale is not None or v_scale is not None:
+            name = "k_scale" if k_scale is not None else "v_scale"
+            raise LauncherArgumentError(
+                f"{name} applies to an fp8 kv_pool; this launcher's pool is "
+                f"{self.config.pool_dtype} (DecodeLaunchConfig.kv_dtype=None)")
+        return None, None
+
+    def _call(self, q, kv_pool, x, y, out, lse, k_scale=None, v_scale=None):
+        ks, vs = self._scale_tensors(k_scale, v_scale)
         hot = self._checked_hot
         if hot is not None:  # checks and launches in one foreign call (C helper + torch shim)
             try:
@@ -220,6 +259,7 @@ class _DecodeLauncherBase:
                     lse = self._empty(self._lse_shape, dtype=self._f32, device=self.device)
                 cq, ck, cx, cy = q._cdata, kv_pool._cdata, x._cdata, y._cdata
                 co, cl = out._cdata, lse._cdata
+                cks, cvs = (0, 0) if ks is None else (ks._cdata, vs._cdata)
             except AttributeError:  # not a torch tensor: the Python checks say which
                 hot = None
             if hot is not None:
@@ -227,7 +267,7 @@ class _DecodeLauncherBase:
                 stream = self._stream(self.device_index)
                 with self._lock:
                     try:
-                        pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl)
+                        pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl, cks, cvs)
                     except (struct.error, TypeError):  # a subclass's _cdata is no address
                         rc = _BAD_ARGUMENT
                     else:
@@ -237,10 +277,10 @@ class _DecodeLauncherBase:
                 if rc >= 0:
                     return out, lse
                 # a check failed in C (nothing launched): the Python checks name the argument
-        return self._call_python(q, kv_pool, x, y, out, lse)
+        return self._call_python(q, kv_pool, x, y, out, lse, ks, vs)
 
-    def _call_python(self, q, kv_pool, x, y, out, lse):
-        dt, i32, f32, kvs, di, m, qs, xs, ys, os_, ls = self._fast
+    def _call_python(self, q, kv_pool, x, y, out, lse, ks=None, vs=None):
+        dt, kdt, i32, f32, kvs, di, m, qs, xs, ys, os_, ls = self._fast
         try:
             if out is None:
                 out = self._empty(os_, dtype=dt, device=self.device)
@@ -248,7 +288,7 @@ class _DecodeLauncherBase:
                 lse = self._empty(ls, dtype=f32, device=self.device)
             pq, pk, px, py = q.data_ptr(), kv_pool.data_ptr(), x.data_ptr(), y.data_ptr()
             po, pl = out.data_ptr(), lse.data_ptr()
-            ok = (q.dtype is dt and kv_pool.dtype is dt and x.dtype is i32 and y.dtype is i32
+            ok = (q.dtype is dt and kv_pool.dtype is kdt and x.dtype is i32 and y.dtype is i32
                   and out.dtype is dt and lse.dtype is f32
                   and q.shape == qs and kv_pool.shape == kvs and x.shape == xs and y.shape == ys
                   and out.shape == os_ and lse.shape == ls
@@ -262,13 +302,16 @@ class _DecodeLauncherBase:
             ok = False
         if not ok:
             pq, pk, px, py, po, pl = self._checked(q, kv_pool, x, y, out, lse)
+        pks = pvs = 0
+        if ks is not None:
+            pks, pvs = self.k_scale_spec.pointer(ks), self.v_scale_spec.pointer(vs)
         if self.padded:
             c = self.config
             self._q_pad[:, :c.rows].copy_(q.view(c.num_seqs, c.rows, -1))
         stream = self._stream(di)
         pack, buf, mask, run, ref = self._hot
         with self._lock:
-            pack(buf, 0, stream, mask, px, py, pq, pk, po, pl)
+            pack(buf, 0, stream, mask, px, py, pq, pk, po, pl, pks, pvs)
             rc = run(ref)
             if rc:
                 self._launch_failed(rc, mask, ref)
@@ -311,14 +354,17 @@ class DecodeLauncher(_DecodeLauncherBase):
 
     __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576]), kv_indptr int32
     [B+1] (tokens), kv_indices int32 [kv_capacity] (token slots), out=None [T, H, 512],
-    lse=None float32 [T, H]) -> (out, lse), written on torch's current stream: the decode
-    kernel `mla_decode` picks (Mosaic GPU or Triton; `plan.kernel`), then the merge kernel when
-    the configuration splits the KV (one foreign call). out/lse are allocated (torch.empty)
-    unless given; give them for the fastest call. Results equal `mla_decode` on the same inputs
-    bit for bit (Triton kernels on the "xla" route).
+    lse=None float32 [T, H], k_scale=None, v_scale=None) -> (out, lse), written on torch's
+    current stream: the decode kernel `mla_decode` picks (Mosaic GPU or Triton; `plan.kernel`),
+    then the merge kernel when the configuration splits the KV (one foreign call). out/lse are
+    allocated (torch.empty) unless given; give them for the fastest call. Results equal
+    `mla_decode` on the same inputs bit for bit (Triton kernels on the "xla" route).
+    k_scale / v_scale: an fp8 pool's (DecodeLaunchConfig.kv_dtype) per-layer scales, each a
+    float or a float32 tensor of shape () or [1] on the launcher's device (v_scale defaults to
+    k_scale, k_scale to 1; `funcmla.interop.launcher.scales`); an error for other pools.
     """
 
-    _x_name, _y_name, _x_decode_operand = "kv_indptr", "kv_indices", 0
+    _x_name, _y_name = "kv_indptr", "kv_indices"
 
     def _x_shape(self):
         return (self.config.num_seqs + 1,)
@@ -326,8 +372,9 @@ class DecodeLauncher(_DecodeLauncherBase):
     def _y_shape(self):
         return (self.config.kv_capacity,)
 
-    def __call__(self, q, kv_pool, kv_indptr, kv_indices, *, out=None, lse=None):
-        return self._call(q, kv_pool, kv_indptr, kv_indices, out, lse)
+    def __call__(self, q, kv_pool, kv_indptr, kv_indices, *, out=None, lse=None, k_scale=None,
+                 v_scale=None):
+        return self._call(q, kv_pool, kv_indptr, kv_indices, out, lse, k_scale, v_scale)
 
 
 class PagedDecodeLauncher(_DecodeLauncherBase):
@@ -336,11 +383,11 @@ class PagedDecodeLauncher(_DecodeLauncherBase):
 
     __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576],
     [pool_rows / page_size, page_size, 576], [pool_rows / page_size, page_size, 1, 576]),
-    page_table int32 [B, max_pages] (page ids), lengths int32 [B] (tokens), out=None, lse=None)
-    -> (out, lse).
+    page_table int32 [B, max_pages] (page ids), lengths int32 [B] (tokens), out=None, lse=None,
+    k_scale=None, v_scale=None) -> (out, lse).
     """
 
-    _x_name, _y_name, _x_decode_operand = "page_table", "lengths", 1
+    _x_name, _y_name = "page_table", "lengths"
 
     def _x_shape(self):
         return (self.config.num_seqs, self.config.max_pages)
@@ -348,8 +395,9 @@ class PagedDecodeLauncher(_DecodeLauncherBase):
     def _y_shape(self):
         return (self.config.num_seqs,)
 
-    def __call__(self, q, kv_pool, page_table, lengths, *, out=None, lse=None):
-        return self._call(q, kv_pool, page_table, lengths, out, lse)
+    def __call__(self, q, kv_pool, page_table, lengths, *, out=None, lse=None, k_scale=None,
+                 v_scale=None):
+        return self._call(q, kv_pool, page_table, lengths, out, lse, k_scale, v_scale)
 
 
 def _current_raw_stream_fn(torch):

@@ -3,7 +3,9 @@
 Each Pallas call is one XLA custom call in the CUDA lowering: `__gpu$xla.gpu.triton` (Triton IR,
 jax 0.10.2 / 0.11.2), `triton_kernel_call_ffi` (PTX in a protobuf, older jaxlibs) or
 `mosaic_gpu_v2` (a serialized Mosaic GPU MLIR module). `extract_kernel_calls` returns them in
-program order as `TritonCall` / `MosaicCall`.
+program order as `TritonCall` / `MosaicCall`, each operand with its source: the parameter of the
+lowered function whose bytes it is (followed back through reshapes, bitcasts and calls), so a
+launcher wires a parameter's pointer to every operand that views it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class TritonCall:
     ptx / ttir: exactly one is set (ttir: MLIR bytecode of the Triton module, jaxlib <= 0.10.2).
     operands / results: ((shape, dtype name), ...) in the kernel's parameter order.
     shared_mem_bytes: dynamic shared memory per block (None until compiled from ttir).
+    sources: per operand, the index of the lowered function's parameter whose bytes it is, or
+    None for a computed value; () where the call was not read from a lowered module.
     """
 
     name: str
@@ -39,11 +43,12 @@ class TritonCall:
     ptr_divisibility: tuple[int, ...]
     ptx: str | None = None
     ttir: bytes | None = None
+    sources: tuple[int | None, ...] = ()
 
     def summary(self) -> dict:
         return {"name": self.name, "grid": self.grid, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "shared_mem_bytes": self.shared_mem_bytes,
-                "operands": self.operands, "results": self.results,
+                "operands": self.operands, "results": self.results, "sources": self.sources,
                 "form": "ptx" if self.ptx is not None else "ttir"}
 
 
@@ -119,17 +124,18 @@ class MosaicCall:
     module: the serialized Mosaic GPU MLIR module (bytecode, after Mosaic's serde pass) that
     jaxlib compiles into device code and a host launch function; kernel_hash: its SHA-256 as
     XLA keys it. operands / results: ((shape, dtype name), ...) in the buffer order the host
-    launch function takes (operands, then results)."""
+    launch function takes (operands, then results); sources: as `TritonCall.sources`."""
 
     name: str
     module: bytes
     kernel_hash: bytes
     operands: tuple[tuple[tuple[int, ...], str], ...]
     results: tuple[tuple[tuple[int, ...], str], ...]
+    sources: tuple[int | None, ...] = ()
 
     def summary(self) -> dict:
         return {"name": self.name, "form": "mosaic_gpu", "module_bytes": len(self.module),
-                "operands": self.operands, "results": self.results}
+                "operands": self.operands, "results": self.results, "sources": self.sources}
 
 
 _MOSAIC_TARGETS = ("mosaic_gpu_v2",)
@@ -140,7 +146,7 @@ _MOSAIC_KEYS = {"kernel_hash", "module", "use_custom_barrier", "uses_xla_collect
                 "skip_device_barrier"}
 
 
-def _mosaic_call(op, config, operands, results) -> MosaicCall:
+def _mosaic_call(op, config, operands, results, sources) -> MosaicCall:
     from jax._src.lib.mlir import ir
 
     keys = {a.name for a in ir.DictAttr(config)} if config is not None \
@@ -165,7 +171,7 @@ def _mosaic_call(op, config, operands, results) -> MosaicCall:
     hash_attr = _dict_get(config, "kernel_hash")
     kernel_hash = _attr_bytes(hash_attr) if hash_attr is not None else b""
     return MosaicCall(name=_mosaic_kernel_name(module), module=module, kernel_hash=kernel_hash,
-                      operands=operands, results=results)
+                      operands=operands, results=results, sources=sources)
 
 
 def _mosaic_kernel_name(module: bytes) -> str:
@@ -190,6 +196,7 @@ def extract_kernel_calls(lowered) -> list[TritonCall | MosaicCall]:
     module = lowered.compiler_ir("stablehlo")
     calls = []
     with module.context:
+        graph = _CallGraph(module)
         for op in _walk(module.operation):
             if op.operation.name != "stablehlo.custom_call":
                 continue
@@ -197,9 +204,10 @@ def extract_kernel_calls(lowered) -> list[TritonCall | MosaicCall]:
             target = ir.StringAttr(attrs["call_target_name"]).value
             operands = tuple(_type_sig(v) for v in op.operation.operands)
             results = tuple(_type_sig(v) for v in op.operation.results)
+            sources = tuple(graph.source(v) for v in op.operation.operands)
             config = attrs["mhlo.backend_config"] if "mhlo.backend_config" in attrs else None
             if target in _MOSAIC_TARGETS:
-                calls.append(_mosaic_call(op, config, operands, results))
+                calls.append(_mosaic_call(op, config, operands, results, sources))
             elif target == "triton_kernel_call_ffi":
                 if config is None:
                     config = attrs["backend_config"]
@@ -209,7 +217,7 @@ def extract_kernel_calls(lowered) -> list[TritonCall | MosaicCall]:
                     name=p["name"], grid=p["grid"], num_warps=p["num_warps"], num_stages=None,
                     num_ctas=p["num_ctas"], shared_mem_bytes=p["shared_mem_bytes"],
                     operands=operands, results=results,
-                    ptr_divisibility=p["ptr_divisibility"], ptx=p["ptx"]))
+                    ptr_divisibility=p["ptr_divisibility"], ptx=p["ptx"], sources=sources))
             elif target == "__gpu$xla.gpu.triton":
                 geti = lambda k: int(ir.IntegerAttr(_dict_get(config, k)).value)  # noqa: E731
                 ttir = _attr_bytes(_dict_get(config, "ir"))
@@ -222,8 +230,93 @@ def extract_kernel_calls(lowered) -> list[TritonCall | MosaicCall]:
                     grid=(geti("grid_x"), geti("grid_y"), geti("grid_z")),
                     num_warps=geti("num_warps"), num_stages=geti("num_stages"), num_ctas=1,
                     shared_mem_bytes=None, operands=operands, results=results,
-                    ptr_divisibility=divisibility, ttir=ttir))
+                    ptr_divisibility=divisibility, ttir=ttir, sources=sources))
     return calls
+
+
+# Ops whose result holds exactly the bytes of their operand, in the same order: a row-major
+# reshape, and a bitcast to another element type (a trailing dimension appears or disappears
+# where the widths differ).
+_SAME_BYTES = ("stablehlo.reshape", "stablehlo.bitcast_convert")
+
+
+def _operation(x):
+    return getattr(x, "operation", x)
+
+
+def _downcast(ir, value):
+    """(BlockArgument, None), (None, OpResult) or (None, None) for an MLIR value, across the
+    bindings' versions (a cast constructor, or `maybe_downcast`)."""
+    for kind in (ir.BlockArgument, ir.OpResult):
+        if isinstance(value, kind):
+            return (value, None) if kind is ir.BlockArgument else (None, value)
+    for kind in (ir.BlockArgument, ir.OpResult):
+        try:
+            cast = kind(value)
+        except (ValueError, TypeError):
+            continue
+        return (cast, None) if kind is ir.BlockArgument else (None, cast)
+    return None, None
+
+
+class _CallGraph:
+    """The functions of a lowered module and their call sites, to follow a value back to the
+    public function's parameters (`source`)."""
+
+    def __init__(self, module):
+        from jax._src.lib.mlir import ir
+
+        self._ir = ir
+        self.funcs, self.calls, self.entry = {}, {}, None
+        for op in module.body.operations:
+            op = _operation(op)
+            if op.name != "func.func":
+                continue
+            name = ir.StringAttr(op.attributes["sym_name"]).value
+            self.funcs[name] = op
+            public = ("sym_visibility" not in op.attributes
+                      or ir.StringAttr(op.attributes["sym_visibility"]).value == "public")
+            if public and (self.entry is None or name == "main"):
+                self.entry = name
+        for op in _walk(module.operation):
+            op = _operation(op)
+            if op.name == "func.call":
+                callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+                self.calls.setdefault(callee, []).append(op)
+
+    def source(self, value, limit: int = 256) -> int | None:
+        """The index of the entry function's parameter whose bytes `value` is, following
+        `_SAME_BYTES` ops, arguments of functions called from one place, and results of calls;
+        None for anything else (a computed value, a function called from several places)."""
+        ir = self._ir
+        for _ in range(limit):
+            arg, result = _downcast(ir, value)
+            if arg is not None:
+                func = _operation(arg.owner.owner)
+                if func.name != "func.func":
+                    return None  # an argument of a region inside an op (a loop body)
+                name = ir.StringAttr(func.attributes["sym_name"]).value
+                if name == self.entry:
+                    return arg.arg_number
+                sites = self.calls.get(name, [])
+                if len(sites) != 1:
+                    return None
+                value = sites[0].operands[arg.arg_number]
+                continue
+            if result is None:
+                return None
+            op = _operation(result.owner)
+            if op.name in _SAME_BYTES:
+                value = op.operands[0]
+            elif op.name == "func.call":
+                callee = self.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+                if callee is None:
+                    return None
+                ret = _operation(list(callee.regions[0].blocks[0].operations)[-1])
+                value = ret.operands[result.result_number]
+            else:
+                return None
+        return None
 
 
 def lower_for_cuda(fn: Callable, *avals) -> Any:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
+from funcmla.attention.pallas import KV_FP8_DTYPE, DecodeKernelConfig, mla_decode
 from funcmla.attention.pallas.decode_common import num_row_blocks
 from funcmla.interop.launcher.checks import _SHORT_DTYPES
 from funcmla.interop.launcher.errors import LauncherUnavailable
@@ -20,6 +22,8 @@ from funcmla.layout import PageTable, check_page_size
 
 
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Pool dtypes other than q's: the fp8 format the decode kernels read (with k_scale / v_scale).
+_KV_DTYPES = {KV_FP8_DTYPE.name: KV_FP8_DTYPE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +38,11 @@ class DecodeLaunchConfig:
     max_kv_len:  token CSR only: static bound on KV tokens per request for the split rule;
                  None: kv_capacity (as `mla_decode`). Page tables imply max_pages * page_size.
     num_splits:  split-KV count; None: what `mla_decode` picks (its split rule).
+    dtype:       q's (and out's) dtype, "bfloat16" or "float16".
+    kv_dtype:    the pool's dtype: None (q's dtype), or "float8_e4m3fn" for an fp8 pool read
+                 with per-call k_scale / v_scale (float32 operands of the kernel; the Triton
+                 kernel at every shape, as `mla_decode` runs fp8 pools). q's own dtype name is
+                 stored as None.
     """
 
     num_seqs: int
@@ -49,6 +58,7 @@ class DecodeLaunchConfig:
     dtype: str = "bfloat16"
     kernel: DecodeKernelConfig = DecodeKernelConfig()
     page_size: int = 1
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("num_seqs", "num_heads", "pool_rows", "kv_capacity", "s_q", "head_dim",
@@ -74,9 +84,25 @@ class DecodeLaunchConfig:
         if self.dtype not in _JNP_DTYPES:
             raise ValueError(f"DecodeLaunchConfig.dtype must be one of {sorted(_JNP_DTYPES)}, "
                              f"got {self.dtype!r}")
+        if self.kv_dtype == self.dtype:
+            object.__setattr__(self, "kv_dtype", None)  # one key per configuration
+        if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
+            raise ValueError(f"DecodeLaunchConfig.kv_dtype must be None (q's dtype, "
+                             f"{self.dtype!r}) or one of {sorted(_KV_DTYPES)}, got "
+                             f"{self.kv_dtype!r}")
         if not isinstance(self.kernel, DecodeKernelConfig):
             raise TypeError(f"DecodeLaunchConfig.kernel must be a DecodeKernelConfig, got "
                             f"{type(self.kernel).__name__}")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the pool is fp8 (read with k_scale / v_scale)."""
+        return self.kv_dtype is not None
+
+    @property
+    def pool_dtype(self) -> str:
+        """The pool's dtype name (kv_dtype, else q's dtype)."""
+        return self.kv_dtype or self.dtype
 
     @property
     def rows(self) -> int:
@@ -110,7 +136,10 @@ class DecodePlan:
     order (merge only when num_splits > 1): the decode is a `MosaicCall` where `mla_decode`
     picks the Mosaic GPU kernel, else a `TritonCall`; kernel_reason: None for Mosaic GPU, else
     why the JAX path runs the Triton kernel for these shapes; source: (the jitted JAX path,
-    its input avals), which the "xla" route compiles."""
+    its input avals), which the "xla" route compiles. decode_inputs: per decode operand, the
+    launcher input whose bytes it is (`input_names`; "q_pad": the launcher's zero-padded copy
+    of q), read from the operand's source in the lowering, so an operand that is a reshape or
+    bitcast of an input (the same bytes) is wired to that input's pointer."""
 
     config: DecodeLaunchConfig
     num_splits: int
@@ -118,6 +147,7 @@ class DecodePlan:
     merge: TritonCall | None
     source: tuple = dataclasses.field(compare=False, repr=False)
     kernel_reason: str | None = None
+    decode_inputs: tuple[str, ...] = ()
 
     @property
     def calls(self) -> tuple[TritonCall | MosaicCall, ...]:
@@ -143,31 +173,44 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
+def input_names(config: DecodeLaunchConfig) -> tuple[str, ...]:
+    """The launcher's inputs in `jax_path`'s parameter order: q, kv_pool, the two index
+    tensors (kv_indptr, kv_indices or page_table, lengths), then k_scale, v_scale for an fp8
+    pool."""
+    index = ("kv_indptr", "kv_indices") if config.page_size == 1 else ("page_table", "lengths")
+    return ("q", "kv_pool") + index + (("k_scale", "v_scale") if config.fp8 else ())
+
+
 def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     """(fn, avals): `mla_decode` for `config` as a function of the launcher's inputs, in the
-    launcher's argument order (q, kv_pool, kv_indptr, kv_indices) or (q, kv_pool, page_table,
-    lengths)."""
+    order of `input_names`: (q, kv_pool, kv_indptr, kv_indices) or (q, kv_pool, page_table,
+    lengths), then (k_scale, v_scale) float32 [1] for an fp8 pool."""
     c = config
     dt = _JNP_DTYPES[c.dtype]
     b, t, i32 = c.num_seqs, c.num_seqs * c.s_q, jnp.int32
     q = _sds((t, c.num_heads, c.head_dim), dt)
-    pool = _sds((c.pool_rows, c.head_dim), dt)
+    pool = _sds((c.pool_rows, c.head_dim), _KV_DTYPES[c.kv_dtype] if c.fp8 else dt)
+    scales = (_sds((1,), jnp.float32), _sds((1,), jnp.float32)) if c.fp8 else ()
     # The kernel choice is mla_decode's own (DecodeKernelConfig.kernel, "auto" by default), so
     # the launcher runs the kernel the JAX path runs for these shapes in this process.
     common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
                   config=c.kernel, v_head_dim=c.v_head_dim)
     if c.page_size == 1:
-        def csr(q, kv_pool, kv_indptr, kv_indices):
+        def csr(q, kv_pool, kv_indptr, kv_indices, *scale):
             return mla_decode(q, kv_pool, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                              max_kv_len=c.max_kv_len, **common)
+                              max_kv_len=c.max_kv_len, **common, **_scale_args(scale))
 
-        return csr, (q, pool, _sds((b + 1,), i32), _sds((c.kv_capacity,), i32))
+        return csr, (q, pool, _sds((b + 1,), i32), _sds((c.kv_capacity,), i32)) + scales
 
-    def paged(q, kv_pool, page_table, lengths):
+    def paged(q, kv_pool, page_table, lengths, *scale):
         return mla_decode(q, kv_pool, page_table=PageTable(page_table, lengths, c.page_size),
-                          **common)
+                          **common, **_scale_args(scale))
 
-    return paged, (q, pool, _sds((b, c.max_pages), i32), _sds((b,), i32))
+    return paged, (q, pool, _sds((b, c.max_pages), i32), _sds((b,), i32)) + scales
+
+
+def _scale_args(scale: tuple) -> dict:
+    return dict(zip(("k_scale", "v_scale"), scale))
 
 
 def triton_reason(config: DecodeLaunchConfig) -> str:
@@ -178,6 +221,9 @@ def triton_reason(config: DecodeLaunchConfig) -> str:
     c = config
     if c.kernel.kernel == "triton":
         return "DecodeKernelConfig.kernel='triton'"
+    if c.fp8:
+        return (f"kv_pool is {c.kv_dtype}: mla_decode runs fp8 pools on the Triton kernel at "
+                "every shape (the Mosaic GPU kernel reads bf16 pools)")
     why = mgpu_decode_supported(c.rows, c.page_size, c.head_dim, c.v_head_dim,
                                 _JNP_DTYPES[c.dtype])
     if why is not None:
@@ -210,22 +256,18 @@ def _decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
     try:
         calls = extract_kernel_calls(lower_for_cuda(fn, *avals))
     except ValueError as err:  # e.g. kernel="mgpu" on a shape the Mosaic GPU kernel refuses
-        raise LauncherUnavailable(f"mla_decode does not lower for {c}: {err}") from err
+        raise LauncherUnavailable(f"mla_decode does not lower: {err} (for {c})") from err
     dname = _SHORT_DTYPES[c.dtype]
-    meta = ((b + 1,), "i32") if c.page_size == 1 else ((b,), "i32")
-    mosaic = bool(calls) and isinstance(calls[0], MosaicCall)
+    if not calls:
+        raise LauncherUnavailable(f"the JAX path of {c} has no Pallas kernel call")
+    mosaic = isinstance(calls[0], MosaicCall)
     # Both kernels take q as [B, rows, D] (the s_q tokens of a sequence are consecutive, so
     # this is q's own memory); rows = s_q * H for Mosaic GPU (a multiple of its 64-row block),
     # rows_pad (s_q * H padded to the Triton row block) for Triton.
     rows = c.rows if mosaic else rp
-    q_in = ((b, rows, d), dname)
-    want_in = (meta, ((c.kv_capacity,), "i32"), q_in, ((c.pool_rows, d), dname))
-    if not calls or calls[0].operands != want_in:
-        raise LauncherUnavailable(
-            "the JAX path's decode kernel is not the one this launcher wires: got "
-            f"{[(k.name, k.operands) for k in calls]}, expected operands {want_in} "
-            "(funcmla.attention.pallas changed its pallas_call)")
     decode = calls[0]
+    inputs = _wired_inputs(c, decode, avals, q_pad=((b, rows, d), dname) if rows != c.rows
+                           else None)
     splits = decode.results[0][0][1] if mosaic else decode.grid[1]
     o_dtype = dname if splits == 1 else _SHORT_DTYPES[c.kernel.partial_dtype]
     want_out = (((b, splits, rows, dv), o_dtype), ((b, splits, rows), "f32"))
@@ -240,4 +282,50 @@ def _decode_plan(config: DecodeLaunchConfig) -> DecodePlan:
             f"{[(k.name, k.operands, k.results) for k in calls]}, expected decode -> "
             f"{want_out}" + (f", then a merge {want_merge}" if splits > 1 else ""))
     return DecodePlan(c, splits, decode, calls[1] if splits > 1 else None, (fn, avals),
-                      kernel_reason=None if mosaic else triton_reason(c))
+                      kernel_reason=None if mosaic else triton_reason(c), decode_inputs=inputs)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a tensor of MLIR element type `dtype` ("bf16", "f8E4M3FN", "ui16", ...)."""
+    m = re.match(r"(?:b?f|u?i)(\d+)", dtype)
+    if m is None or int(m.group(1)) % 8:
+        raise LauncherUnavailable(f"a kernel operand of element type {dtype}: not wired by the "
+                                  "launcher")
+    return math.prod(shape) * int(m.group(1)) // 8
+
+
+def _wired_inputs(c: DecodeLaunchConfig, call: TritonCall | MosaicCall, avals: tuple,
+                  q_pad: tuple | None) -> tuple[str, ...]:
+    """The launcher input feeding each operand of the decode call (see
+    `DecodePlan.decode_inputs`): an operand whose source is a parameter of the JAX path must
+    hold all of that parameter's bytes; the only computed operand taken is the zero-padded q
+    (`q_pad`: its (shape, dtype)), which the launcher copies into its own buffer. Every input
+    must reach the kernel. Raises LauncherUnavailable otherwise."""
+    names = input_names(c)
+    needed = (set(names) - {"q"}) | {"q_pad"} if q_pad is not None else set(names)
+    got: list[str] = []
+    why = None
+    if len(call.sources) != len(call.operands):
+        why = "its operands' sources were not read"
+    for i, (sig, src) in enumerate(zip(call.operands, call.sources)):
+        if why is not None:
+            break
+        if src is None:
+            if sig != q_pad or "q_pad" in got:
+                why = f"operand {i} {sig} is computed in the JAX path, not an input's bytes"
+            got.append("q_pad")
+            continue
+        aval = avals[src]
+        want = math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+        if _nbytes(*sig) != want:
+            why = (f"operand {i} {sig} views {names[src]} {tuple(aval.shape)} "
+                   f"{jnp.dtype(aval.dtype).name} but holds {_nbytes(*sig)} of its {want} bytes")
+        got.append(names[src])
+    if why is None and set(got) != needed:
+        why = f"it reads {sorted(set(got))}; the launcher wires {sorted(needed)}"
+    if why is not None:
+        raise LauncherUnavailable(
+            f"the JAX path's decode kernel {call.name} is not the one this launcher wires: "
+            f"{why} (operands {call.operands}, sources {call.sources}; "
+            "funcmla.attention.pallas changed its pallas_call)")
+    return tuple(got)

@@ -10,12 +10,14 @@ from funcmla.interop.launcher.plan import DecodeLaunchConfig
 
 _TORCH_KEYED: dict[tuple, object] = {}
 _FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+_KV_FP8 = "float8_e4m3fn"  # the fp8 pool format the launcher reads (DecodeLaunchConfig.kv_dtype)
 
 
 def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | None:
     """None if `torch_decode` can run these inputs, else why not (the caller then falls back to
-    the DLPack + jit path). Checks kinds only (torch CUDA tensors, bf16/f16 q and pool, int32
-    metadata) and the launcher's availability; shapes and layout are checked by the call."""
+    the DLPack + jit path). Checks kinds only (torch CUDA tensors, bf16/f16 q, a pool of q's
+    dtype or float8_e4m3fn, int32 metadata) and the launcher's availability; shapes, layout
+    and scales are checked by the call."""
     try:
         import torch
     except ImportError:
@@ -25,12 +27,18 @@ def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | 
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             return f"{name} is not a torch.Tensor ({type(t).__name__})"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q ({q.dtype}) must be bf16 or f16"
     fp8 = {getattr(torch, n) for n in _FP8_NAMES if hasattr(torch, n)}
-    if kv_pool.dtype in fp8 and q.dtype in (torch.bfloat16, torch.float16):
-        return (f"kv_pool is {kv_pool.dtype}: the launcher runs bf16 / f16 pools; an fp8 pool "
-                "runs through the DLPack + jit path (mla_decode with k_scale / v_scale)")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv_pool.dtype != q.dtype:
-        return f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must both be bf16 or f16"
+    if kv_pool.dtype in fp8 and kv_pool.dtype != getattr(torch, _KV_FP8):
+        return (f"kv_pool is {kv_pool.dtype}: the launcher (as the Pallas kernels) reads "
+                f"torch.{_KV_FP8} fp8 pools only")
+    if kv_pool.dtype == torch.uint8:
+        return (f"kv_pool is torch.uint8: view fp8 bytes as torch.{_KV_FP8} "
+                f"(kv_pool.view(torch.{_KV_FP8}), no copy)")
+    if kv_pool.dtype not in (q.dtype, getattr(torch, _KV_FP8)):
+        return (f"kv_pool ({kv_pool.dtype}) must be q's dtype ({q.dtype}) or "
+                f"torch.{_KV_FP8}")
     if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
         return "kv_indptr and kv_indices must be int32"
     for name, t in tensors:
@@ -45,8 +53,8 @@ def _keyed_launcher(q, kv_pool, x, y, *, sm_scale: float, s_q: int, page_size: i
     """The cached launcher for these tensors' static configuration (x, y: kv_indptr and
     kv_indices at page size 1, else page_table [B, max_pages] and lengths [B])."""
     key = (tuple(q.shape), kv_pool.shape[0], kv_pool.shape[-1], tuple(x.shape), tuple(y.shape),
-           q.dtype, float(sm_scale), s_q, page_size, max_kv_len, num_splits, v_head_dim, kernel,
-           q.get_device())
+           q.dtype, kv_pool.dtype, float(sm_scale), s_q, page_size, max_kv_len, num_splits,
+           v_head_dim, kernel, q.get_device())
     launcher = _TORCH_KEYED.get(key)
     if launcher is not None:
         return launcher
@@ -71,7 +79,8 @@ def _keyed_launcher(q, kv_pool, x, y, *, sm_scale: float, s_q: int, page_size: i
         num_seqs=b, num_heads=q.shape[1], pool_rows=kv_pool.shape[0], kv_capacity=capacity,
         sm_scale=float(sm_scale), s_q=s_q, max_kv_len=max_kv_len if page_size == 1 else None,
         num_splits=num_splits, head_dim=q.shape[2], v_head_dim=v_head_dim,
-        dtype=str(q.dtype).removeprefix("torch."), kernel=kernel, page_size=page_size)
+        dtype=str(q.dtype).removeprefix("torch."), kernel=kernel, page_size=page_size,
+        kv_dtype=str(kv_pool.dtype).removeprefix("torch."))
     launcher = decode_launcher(config, q.device)
     _TORCH_KEYED[key] = launcher
     return launcher
@@ -93,19 +102,22 @@ def torch_decode_launcher(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float,
 def torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int = 1,
                  max_kv_len: int | None = None, num_splits: int | None = None,
                  v_head_dim: int = 512, out=None, lse=None,
-                 kernel: DecodeKernelConfig = DecodeKernelConfig()):
+                 kernel: DecodeKernelConfig = DecodeKernelConfig(), k_scale=None, v_scale=None):
     """`mla_decode` on torch CUDA tensors through the launcher of their static configuration
-    (derived from the shapes; built once per configuration and cached).
+    (derived from the shapes and dtypes; built once per configuration and cached).
 
-    q [B*s_q, H, D], kv_pool [rows, D] / [rows, 1, D], kv_indptr int32 [B+1], kv_indices int32
-    [capacity] -> (out [B*s_q, H, v_head_dim], lse float32 [B*s_q, H]).
+    q [B*s_q, H, D], kv_pool [rows, D] / [rows, 1, D] of q's dtype or float8_e4m3fn,
+    kv_indptr int32 [B+1], kv_indices int32 [capacity] -> (out [B*s_q, H, v_head_dim],
+    lse float32 [B*s_q, H]). k_scale / v_scale: an fp8 pool's scales (floats or float32
+    device tensors of shape () or [1]; `DecodeLauncher`).
     Raises LauncherUnavailable where the launcher cannot run (see
     `torch_decode_unsupported_reason`), LauncherArgumentError for misuse.
     """
     launcher = _keyed_launcher(q, kv_pool, kv_indptr, kv_indices, sm_scale=sm_scale, s_q=s_q,
                                page_size=1, max_kv_len=max_kv_len, num_splits=num_splits,
                                v_head_dim=v_head_dim, kernel=kernel)
-    return launcher(q, kv_pool, kv_indptr, kv_indices, out=out, lse=lse)
+    return launcher(q, kv_pool, kv_indptr, kv_indices, out=out, lse=lse, k_scale=k_scale,
+                    v_scale=v_scale)
 
 
 _REGISTERED: dict[str, object] = {}
@@ -115,14 +127,16 @@ def register_torch_ops() -> dict[str, object]:
     """Register the launcher as torch ops (idempotent) and return them by name:
 
     torch.ops.funcmla.mla_decode(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size,
-        max_kv_len, num_splits, v_head_dim) -> (out, lse)
+        max_kv_len, num_splits, v_head_dim, k_scale=None, v_scale=None) -> (out, lse)
     torch.ops.funcmla.mla_decode_out(q, kv_pool, index_a, index_b, out, lse, ...same) -> ()
         (writes out / lse in place)
 
     index_a / index_b: kv_indptr / kv_indices at page_size 1, else page_table / lengths;
-    max_kv_len / num_splits: 0 for None. Each has a fake implementation (shapes only), so
-    torch.compile and piecewise CUDA graphs trace them as one opaque op; the real one is the
-    cached launcher (one foreign call). The default `DecodeKernelConfig` applies."""
+    max_kv_len / num_splits: 0 for None; k_scale / v_scale: an fp8 pool's scales as float32
+    tensors of shape () or [1] (optional, last: calls without them are unchanged). Each has a
+    fake implementation (shapes only), so torch.compile and piecewise CUDA graphs trace them
+    as one opaque op; the real one is the cached launcher (one foreign call). The default
+    `DecodeKernelConfig` applies."""
     if _REGISTERED:
         return _REGISTERED
     import torch
@@ -133,20 +147,20 @@ def register_torch_ops() -> dict[str, object]:
                                v_head_dim=v_head_dim, kernel=DecodeKernelConfig())
 
     statics = "float sm_scale, int s_q, int page_size, int max_kv_len, int num_splits, " \
-              "int v_head_dim"
+              "int v_head_dim, Tensor? k_scale=None, Tensor? v_scale=None"
 
     @torch.library.custom_op("funcmla::mla_decode", mutates_args=(), device_types="cuda",
                              schema=f"(Tensor q, Tensor kv_pool, Tensor index_a, Tensor index_b, "
                                     f"{statics}) -> (Tensor, Tensor)")
     def mla_decode_op(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len,
-                      num_splits, v_head_dim):
+                      num_splits, v_head_dim, k_scale=None, v_scale=None):
         run = launcher(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len,
                        num_splits, v_head_dim)
-        return run(q, kv_pool, index_a, index_b)
+        return run(q, kv_pool, index_a, index_b, k_scale=k_scale, v_scale=v_scale)
 
     @mla_decode_op.register_fake
     def _(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len, num_splits,
-          v_head_dim):
+          v_head_dim, k_scale=None, v_scale=None):
         t, h = q.shape[0], q.shape[1]
         return q.new_empty((t, h, v_head_dim)), q.new_empty((t, h), dtype=torch.float32)
 
@@ -155,14 +169,14 @@ def register_torch_ops() -> dict[str, object]:
                              schema=f"(Tensor q, Tensor kv_pool, Tensor index_a, Tensor index_b, "
                                     f"Tensor(a!) out, Tensor(b!) lse, {statics}) -> ()")
     def mla_decode_out_op(q, kv_pool, index_a, index_b, out, lse, sm_scale, s_q, page_size,
-                          max_kv_len, num_splits, v_head_dim):
+                          max_kv_len, num_splits, v_head_dim, k_scale=None, v_scale=None):
         run = launcher(q, kv_pool, index_a, index_b, sm_scale, s_q, page_size, max_kv_len,
                        num_splits, v_head_dim)
-        run(q, kv_pool, index_a, index_b, out=out, lse=lse)
+        run(q, kv_pool, index_a, index_b, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
 
     @mla_decode_out_op.register_fake
     def _(q, kv_pool, index_a, index_b, out, lse, sm_scale, s_q, page_size, max_kv_len,
-          num_splits, v_head_dim):
+          num_splits, v_head_dim, k_scale=None, v_scale=None):
         return None
 
     _REGISTERED.update(mla_decode=mla_decode_op, mla_decode_out=mla_decode_out_op)

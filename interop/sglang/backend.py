@@ -24,8 +24,8 @@ import torch
 
 from funcmla.compile_cache import enable_compilation_cache
 from funcmla.interop.aiter_dispatch import AiterWorkPlan
-from funcmla.interop.backend_select import (_launcher_reason, mla_attention, pallas_route,
-                                            select_backend)
+from funcmla.interop.backend_select import (_launcher_reason, launcher_scale, mla_attention,
+                                            pallas_route, select_backend)
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.sglang import host_checks as hc
 from funcmla.interop.sglang.buckets import Buckets
@@ -620,8 +620,10 @@ class FuncMLAAttnBackend:
             if out is not None:
                 self.last_backend, self.last_via = "pallas", "launcher"
                 return out.reshape(-1, heads * layer.v_head_dim)
-            inputs = ((self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                       self.forward_metadata.kv_indptr, self._kv_indices_full) if launch else None)
+            pool = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            kv_fp8 = FP8_DTYPES.get(pool.dtype)  # the torch pool's own dtype: no import needed
+            inputs = (pool, self.forward_metadata.kv_indptr, self._kv_indices_full) if launch \
+                else None
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             if capturing:
                 s_q = pallas_route(self._mode, self._jax_meta)[1]
@@ -632,7 +634,7 @@ class FuncMLAAttnBackend:
                         f"the {self.attention_backend!r} backend runs in JAX here ({reason}), "
                         "which a torch CUDA graph cannot capture; capture with the aiter backend "
                         "or the pallas torch launcher, or run eagerly")
-            kv, kv_fp8 = (None, None) if capturing else self._kv_pool_jax(layer.layer_id)
+            kv = None if capturing else self._kv_pool_jax(layer.layer_id)[0]
             res = mla_attention(q3, kv, self._jax_meta, sm_scale=layer.scaling,
                                 v_head_dim=layer.v_head_dim, causal=causal,
                                 backend=self.attention_backend, max_kv_len=self._max_kv_bound,
@@ -664,14 +666,17 @@ class FuncMLAAttnBackend:
             self._decode_launchers[key] = entry
         if entry is False:
             return None
-        run, lse = entry
+        run, lse, fp8 = entry
+        if fp8:  # the layer's scale: a float (one cached device copy) or a device tensor
+            return run(q3, pool, kv_indptr, kv_indices, lse=lse,
+                       k_scale=launcher_scale(layer.k_scale))[0]
         return run(q3, pool, kv_indptr, kv_indices, lse=lse)[0]
 
     def _resolve_decode_launcher(self, q3, pool, kv_indptr, kv_indices, *, s_q: int,
                                  max_kv: int | None, layer: RadixAttention):
-        """(launcher, lse scratch [T, H] float32) for `_launch_decode`, or False where the
-        launcher does not run these inputs (`mla_attention` then runs and says why). The lse
-        scratch is never returned: the backend's attention output is out alone."""
+        """(launcher, lse scratch [T, H] float32, fp8 pool?) for `_launch_decode`, or False
+        where the launcher does not run these inputs (`mla_attention` then runs and says why).
+        The lse scratch is never returned: the backend's attention output is out alone."""
         if _launcher_reason(q3, (pool, kv_indptr, kv_indices), s_q=s_q) is not None:
             return False
         from funcmla.interop import launcher
@@ -682,7 +687,8 @@ class FuncMLAAttnBackend:
                                                  max_kv_len=max_kv, v_head_dim=layer.v_head_dim)
         except launcher.LauncherUnavailable:
             return False
-        return run, torch.empty(q3.shape[:2], dtype=torch.float32, device=q3.device)
+        return (run, torch.empty(q3.shape[:2], dtype=torch.float32, device=q3.device),
+                pool.dtype in FP8_DTYPES)
 
     def _aiter_plan(self):
         """The decode work plan of forward_metadata as AITER's persistent kernel reads it (the
