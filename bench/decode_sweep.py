@@ -6,7 +6,7 @@ For each case (heads, batch, ctx, page size) the data (pool copies, q, metadata)
 reference are made once; then every candidate (DecodeKernelConfig, num_splits) is
 
   * compiled as one jit of `n` `mla_decode` calls on distinct (q, pool copy) pairs and timed by
-    wall clock (median of `--reps`, as bench/decode.py does);
+    wall clock (median of `--reps`, as `bench.decode` does);
   * checked: the first call's output against the float32 reference (relative error, lse error);
   * profiled: all candidates of a case run once more inside one jax.profiler trace, separated by
     a marker kernel; per candidate the median CUPTI duration of the decode kernel and of the
@@ -14,7 +14,7 @@ reference are made once; then every candidate (DecodeKernelConfig, num_splits) i
     kernel end of one jit run / n: the device time a caller of n back-to-back calls sees,
     host gaps included).
 
-Also: the HBM copy ceiling (as bench/decode.py) and the per-launch host floor (a jit of 32
+Also: the HBM copy ceiling (`bench.copy_ceiling`) and the per-launch host floor (a jit of 32
 launches of a tiny Pallas kernel). Writes sweep.json under --out after every case.
 
     python -m bench.decode_sweep --out out/ --time-limit 250
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -34,21 +33,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from .decode import (
-    MARK,
-    D,
-    DV,
-    SM_SCALE,
-    _marker_jit,
-    _ref_fn,
-    device_stats,
-    hbm_ceiling,
-    log,
-    make_case,
-    rel_err,
-    torch_copy_ceiling,
-    trace_device_events,
-)
+from .copy_ceiling import hbm_ceiling, torch_copy_ceiling
+from .decode_data import D, DV, SM_SCALE, make_case, pool_copies_and_calls
+from .decode_reference import f32_reference, rel_err
+from .decode_timing import MARK, device_stats, marker_jit, trace_device_events
+from .report import log
+from .timing import wall_times_s
 from funcmla.attention.pallas import DecodeKernelConfig, mla_decode
 from funcmla.attention.pallas.decode_common import (
     choose_num_splits,
@@ -79,20 +69,15 @@ def segment_stats(evs, n_calls: int, runs: int) -> dict:
 
 
 def _mark(x):
-    return _marker_jit(x, INTERPRET)
+    return marker_jit(x, INTERPRET)
 
 
 def host_floor(n=32, reps=5) -> float:
     """Wall seconds per launch of a jit of n tiny Pallas launches (the host's dispatch floor)."""
     xs = [jnp.full((16, 128), float(i), jnp.float32) for i in range(n)]
     f = jax.jit(lambda a: [_mark(x) for x in a])
-    jax.block_until_ready(f(xs))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(xs))
-        ts.append((time.perf_counter() - t0) / n)
-    return statistics.median(ts)
+    ts = wall_times_s(lambda: jax.block_until_ready(f(xs)), reps=reps, warmup=1)
+    return statistics.median([t / n for t in ts])
 
 
 def _bitwise_runs(jf, args, want, got, repeat: int) -> dict:
@@ -111,10 +96,9 @@ def _bitwise_runs(jf, args, want, got, repeat: int) -> dict:
 
 def run_case(key, h, b, ctx, page_size, variants, reps, ceiling, deadline, prof_runs: int = 2):
     kv_bytes = b * ctx * D * 2
-    copies = int(min(32, max(1, math.ceil(256e6 / kv_bytes))))
-    n = max(copies, 32 if kv_bytes < 64e6 else 8)
+    copies, n = pool_copies_and_calls(kv_bytes)
     pools, qs, meta, slot_mat = make_case(key, b, h, ctx, page_size, 1, copies, n)
-    ref_o, ref_l = _ref_fn(qs[0], pools[0], slot_mat, 1)
+    ref_o, ref_l = f32_reference(qs[0], pools[0], slot_mat, 1)
     args = [(qs[i], pools[i % copies], meta) for i in range(n)]
     mkl = dict(max_kv_len=ctx) if page_size == 1 else {}
     nbytes = kv_bytes + qs[0].size * 2 + b * h * DV * 2
@@ -152,11 +136,8 @@ def run_case(key, h, b, ctx, page_size, variants, reps, ceiling, deadline, prof_
                 r["bitwise_vs_first"] = _bitwise_runs(jf, args, first_res[ns_eff], res,
                                                       repeat=6)
             del res, o, lse
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(jf(args))
-                ts.append((time.perf_counter() - t0) / n)
+            ts = [t / n for t in wall_times_s(lambda jf=jf: jax.block_until_ready(jf(args)),
+                                              reps=reps, warmup=0)]
             t = statistics.median(ts)
             r.update(wall_us=t * 1e6, wall_us_min=min(ts) * 1e6, wall_us_max=max(ts) * 1e6,
                      wall_pct_ceiling=100 * nbytes / t / ceiling)

@@ -43,7 +43,8 @@ from funcmla.attention.reference import mla_attention_reference
 from funcmla.config import MLADims
 from funcmla.layout import PageTable
 
-from .decode import log, profile_timings, time_calls
+from .decode_timing import profile_timings, time_calls
+from .report import log
 from .timing import environment, write_json
 
 __all__ = ["ExtendCase", "default_cases", "extend_rows", "bench_extend_case", "main",

@@ -14,9 +14,11 @@ from typing import Callable
 import jax
 
 
-def median_time_s(fn: Callable[[], object], *, reps: int = 20, warmup: int = 2,
-                  min_time_s: float = 0.0) -> float:
-    """Median wall time of `fn()` (which must block until its result is ready)."""
+def wall_times_s(fn: Callable[[], object], *, reps: int = 20, warmup: int = 2,
+                 min_time_s: float = 0.0) -> list[float]:
+    """Wall time of each timed `fn()` call (which must block until its result is ready), after
+    `warmup` untimed ones: `reps` calls, more while `min_time_s` has not passed (at most
+    10 * reps)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -27,7 +29,13 @@ def median_time_s(fn: Callable[[], object], *, reps: int = 20, warmup: int = 2,
         times.append(time.perf_counter() - t0)
         if len(times) >= 10 * reps:
             break
-    return statistics.median(times)
+    return times
+
+
+def median_time_s(fn: Callable[[], object], *, reps: int = 20, warmup: int = 2,
+                  min_time_s: float = 0.0) -> float:
+    """Median wall time of `fn()` (which must block until its result is ready)."""
+    return statistics.median(wall_times_s(fn, reps=reps, warmup=warmup, min_time_s=min_time_s))
 
 
 def environment() -> dict:
