@@ -130,3 +130,28 @@ def test_mha_extend_records_why_the_reference_ran():
     assert backend.last_backend == "reference"
     assert "AITER" in backend.last_fallback_reason
     assert rel_err(out, want) < 8e-3
+
+
+def test_fp8_prefix_rows_scale_without_a_host_read(monkeypatch):
+    """An fp8 latent pool's prefix rows are dequantized by the layer's k_scale: a tensor scale
+    multiplies as a tensor (never read on the host: no device sync on a GPU) and gives the
+    float scale's bits; both equal float32 dequantization followed by kv_b_proj."""
+    rng = np.random.default_rng(5)
+    layer = _layer(4, rng)
+    rows = torch.from_numpy(rng.standard_normal((9, 576)).astype(np.float32)).to(
+        torch.float8_e4m3fn)
+    k_f, v_f = mx._decompress(rows, layer.kv_b_proj, 4, torch.bfloat16, 0.375)
+
+    def no_host_read(self, *a):
+        raise AssertionError("k_scale was read on the host")
+
+    monkeypatch.setattr(torch.Tensor, "__float__", no_host_read)
+    monkeypatch.setattr(torch.Tensor, "item", no_host_read)
+    k_t, v_t = mx._decompress(rows, layer.kv_b_proj, 4, torch.bfloat16, torch.tensor([0.375]))
+    monkeypatch.undo()
+    assert torch.equal(k_t, k_f) and torch.equal(v_t, v_f)
+    lat = (rows.float() * 0.375).bfloat16()
+    with torch.no_grad():
+        kv = layer.kv_b_proj(lat[:, :512]).view(9, 4, 256)
+    assert torch.equal(v_f, kv[..., 128:])
+    assert torch.equal(k_f[..., 128:], lat[:, None, 512:].expand(9, 4, 64))

@@ -64,9 +64,14 @@ def _heads(x: torch.Tensor, name: str, heads: int, d: int) -> torch.Tensor:
 def _decompress(pool_rows: torch.Tensor, kv_b_proj, heads: int, dtype, k_scale):
     """k [N, H, 192] and v [N, H, 128] from latent rows [N, 576] (AITER's MLA-MHA prefix
     path): kv_b_proj of the 512 compressed columns, the 64 rope columns broadcast."""
-    rows = pool_rows.to(dtype)
     if pool_rows.dtype in FP8_DTYPES and k_scale is not None:
-        rows = rows * float(k_scale)
+        # a tensor scale (SGLang's layer.k_scale, on the device) multiplies as a tensor: its
+        # value is never read on the host (no sync); a float the same way, in float32
+        scale = (k_scale.reshape(()).float() if isinstance(k_scale, torch.Tensor)
+                 else float(k_scale))
+        rows = (pool_rows.float() * scale).to(dtype)
+    else:
+        rows = pool_rows.to(dtype)
     kvc, k_pe = rows[:, :-_ROPE], rows[:, -_ROPE:]
     with torch.no_grad():  # inference: the result crosses DLPack, which refuses grad tensors
         kv = kv_b_proj(kvc.contiguous())
