@@ -266,6 +266,8 @@ def test_chunk_rule():
     assert chunk_tokens(16, causal=False) == 1
 
 
+@pytest.mark.slow  # 10 s cold; the fast set reaches mla_extend through mla_attention in
+# tests/test_interop_sglang.py::test_pallas_backend_wiring_in_interpret_mode
 def test_through_mla_attention_on_a_ragged_batch(monkeypatch):
     """`mla_attention(backend="pallas")` runs the extend kernel path (interpret mode here) on a
     ragged extend batch, a target-verify of 6 draft tokens and a non-causal decode: no

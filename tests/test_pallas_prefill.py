@@ -227,6 +227,7 @@ _PQ, _PK = 18, 36
 _PROP = make(np.random.default_rng(11), 2, [_PQ], [_PK], extra_q=0, extra_kv=0)
 
 
+@pytest.mark.slow  # every example is a new trace (16 s cold); test_merge_empty_sides stays fast
 @settings(max_examples=6)
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=3))
 def test_merge_property_any_prefix_split(lens):
