@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from funcmla.attention.pallas.api import KV_FP8_DTYPE, _mla_decode_kv, pool_scales
+from funcmla.attention.pallas.api import (KV_FP8_DTYPE, _mla_decode_kv, kernel_choice,
+                                          pool_scales)
 from funcmla.attention.pallas.decode_common import MAX_POOL_ROWS, DecodeKernelConfig, KVRows
-from funcmla.attention.pallas.decode_mgpu import mgpu_decode_supported
 from funcmla.checks import _first, check_indptr, check_queries_fit
 from funcmla.guards import enforce, should_check
 from funcmla.layout import PageTable
@@ -70,16 +70,14 @@ def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
     """The decode config an extend runs with: `config` itself, except that kernel="auto" on
     a GPU becomes "mgpu" where the Mosaic GPU kernel takes the shape (bf16 pool, C * H a
     multiple of 64, the page size) and the pseudo-sequences give at least
-    `config.mgpu_min_blocks` blocks of 64 rows (the decode rule: an extend is a decode over
-    its pseudo-sequences)."""
-    if config.kernel != "auto" or interpret or jax.default_backend() != "gpu":
+    `config.mgpu_min_blocks` blocks of 64 rows: `api.kernel_choice` over the pseudo-sequences
+    (an extend is a decode of s_q = C over them)."""
+    if config.kernel != "auto":
         return config
-    pool = dtype if kv_dtype is None else kv_dtype
-    if mgpu_decode_supported(chunk * num_heads, page_size, head_dim, v_head_dim, pool):
-        return config
-    if num_pseudo * (chunk * num_heads // _FILL_ROWS) < config.mgpu_min_blocks:
-        return config
-    return dataclasses.replace(config, kernel="mgpu")
+    q = jax.ShapeDtypeStruct((num_pseudo * chunk, num_heads, head_dim), dtype)
+    pick, _ = kernel_choice(config, q, page_size, chunk, v_head_dim=v_head_dim,
+                            interpret=interpret, kv_dtype=kv_dtype)
+    return dataclasses.replace(config, kernel="mgpu") if pick == "mgpu" else config
 
 
 def extend_chunks(qo_indptr: jax.Array, req_start: jax.Array, req_kv_lens: jax.Array, *,
