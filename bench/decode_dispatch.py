@@ -18,8 +18,10 @@ import re
 import time
 
 import jax
+import jax.numpy as jnp
 
 from funcmla.attention.pallas import DecodeKernelConfig
+from funcmla.attention.pallas.api import kernel_choice
 
 from .decode import bench_case
 from .timing import environment, write_json
@@ -43,11 +45,11 @@ def dispatch_rows(cases=CASES, *, reps: int = 3, deadline: float | None = None,
     """One row per (case, kernel): device us per call, splits, error vs float32, the blocks of
     64 rows and what "auto" picks for them."""
     key = jax.random.PRNGKey(1)
-    auto = DecodeKernelConfig()
     rows = []
     for h, b, ctx, page_size, s_q in cases:
         blocks = b * (s_q * h // 64)
-        pick = "mgpu" if blocks >= auto.mgpu_min_blocks else "triton"
+        q = jax.ShapeDtypeStruct((b * s_q, h, 576), jnp.bfloat16)
+        pick = kernel_choice(DecodeKernelConfig(), q, page_size, s_q)[0]
         for kernel in ("triton", "mgpu"):
             if deadline is not None and time.perf_counter() > deadline:
                 log(f"{case_name(h, b, ctx, page_size, s_q)} {kernel}: time limit, not run")
