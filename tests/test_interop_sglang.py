@@ -428,6 +428,26 @@ def test_pallas_backend_wiring_in_interpret_mode(monkeypatch, batch):
     assert rel_err(res.out.view(batch, H, 512), want) < 8e-3
 
 
+def _stand_in_launcher(builds: list, calls: list):
+    """A stand-in for `launcher.torch_decode_launcher`: records each build (q shape, capacity,
+    s_q, max_kv_len) and each call (pool, kv_indptr, kv_indices, s_q, max_kv_len, k_scale), and
+    computes the decode with the dense torch restatement (an fp8 pool dequantized by k_scale);
+    the lse it is handed must be the backend's [T, H] scratch."""
+    def build(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_head_dim):
+        builds.append((tuple(q.shape), tuple(kv_indices.shape), s_q, max_kv_len))
+
+        def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None, k_scale=None):
+            calls.append((kv_pool, kv_indptr, kv_indices, s_q, max_kv_len, k_scale))
+            assert lse is not None and lse.shape == q.shape[:2]
+            kv = kv_pool if k_scale is None else kv_pool.float() * k_scale
+            out = csr_mla_attention_dense(q.to(kv.dtype), kv,
+                                          torch.arange(q.shape[0] + 1, dtype=torch.int32),
+                                          kv_indptr, kv_indices, sm_scale=sm_scale)
+            return out.to(q.dtype), lse
+        return run
+    return build
+
+
 def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
     """With torch_launcher=True and pallas selected, the backend hands the launcher torch
     tensors: the pool, kv_indptr and kv_indices at the bucketed capacity (a stable shape, so one
@@ -438,23 +458,8 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
 
     monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
     builds, calls = [], []
-
-    def fake_launcher(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len,
-                      v_head_dim):
-        builds.append((tuple(q.shape), tuple(kv_indices.shape), s_q, max_kv_len))
-
-        def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None, k_scale=None):
-            assert k_scale is None  # a bf16 pool takes no scale
-            calls.append((kv_pool, kv_indptr, kv_indices, s_q, max_kv_len))
-            assert lse is not None and lse.shape == q.shape[:2]  # the backend's scratch
-            out = csr_mla_attention_dense(q, kv_pool, torch.arange(q.shape[0] + 1,
-                                                                    dtype=torch.int32),
-                                          kv_indptr, kv_indices, sm_scale=sm_scale)
-            return out.to(q.dtype), lse
-        return run
-
     monkeypatch.setattr(launcher, "torch_decode_unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(launcher, "torch_decode_launcher", fake_launcher)
+    monkeypatch.setattr(launcher, "torch_decode_launcher", _stand_in_launcher(builds, calls))
     rng, b, pool, backend = _setup(18, [37, 0, 140, 9], [1, 1, 1, 1], 16, layers=3,
                                    attention_backend="pallas", torch_launcher=True)
     q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
@@ -468,7 +473,8 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
             out = backend.forward_decode(q, None, None, RadixAttention(H, SCALE, layer_id), fb,
                                          save_kv_cache=False)
             assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
-            kv_pool, kv_indptr, kv_indices, s_q, _ = calls[-1]
+            kv_pool, kv_indptr, kv_indices, s_q, _, k_scale = calls[-1]
+            assert k_scale is None  # a bf16 pool takes no scale
             assert kv_pool.data_ptr() == pool.kv_buffer[layer_id].data_ptr() and s_q == 1
             assert kv_indices.shape == (256,)  # the capacity bucket, not this step's tokens
             assert kv_indices.data_ptr() == backend.forward_metadata.kv_indices.data_ptr()
@@ -533,20 +539,8 @@ def test_torch_launcher_path_takes_fp8_pools_with_the_layer_scale(monkeypatch):
 
     monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
     calls = []
-
-    def fake_launcher(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len,
-                      v_head_dim):
-        def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None, k_scale=None):
-            calls.append((kv_pool, k_scale))
-            deq = kv_pool.float() * k_scale
-            out = csr_mla_attention_dense(q.float(), deq, torch.arange(q.shape[0] + 1,
-                                                                       dtype=torch.int32),
-                                          kv_indptr, kv_indices, sm_scale=sm_scale)
-            return out.to(q.dtype), lse
-        return run
-
     monkeypatch.setattr(launcher, "torch_decode_unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(launcher, "torch_decode_launcher", fake_launcher)
+    monkeypatch.setattr(launcher, "torch_decode_launcher", _stand_in_launcher([], calls))
     rng = np.random.default_rng(19)
     b = random_paged_batch(rng, prefix_lens=[37, 0, 140, 9], extend_lens=[1, 1, 1, 1],
                            page_size=16, max_context_len=MAX_CTX, pool_size=8, num_pages=255)
@@ -565,7 +559,7 @@ def test_torch_launcher_path_takes_fp8_pools_with_the_layer_scale(monkeypatch):
         layer = RadixAttention(H, SCALE, k_scale=k_scale)
         out = backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
         assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
-        kv_pool, got_scale = calls[-1]
+        kv_pool, *_, got_scale = calls[-1]
         assert kv_pool.dtype == torch.float8_e4m3fn
         assert kv_pool.data_ptr() == pool.kv_buffer[0].data_ptr()
         assert type(got_scale) is float and got_scale == passed
