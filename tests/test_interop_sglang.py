@@ -436,14 +436,21 @@ def _stand_in_launcher(builds: list, calls: list):
     def build(q, kv_pool, kv_indptr, kv_indices, *, sm_scale, s_q, max_kv_len, v_head_dim):
         builds.append((tuple(q.shape), tuple(kv_indices.shape), s_q, max_kv_len))
 
+        t, h, d = built = tuple(q.shape)
+
         def run(q, kv_pool, kv_indptr, kv_indices, out=None, lse=None, k_scale=None):
+            # the launcher's contract: q and out as [T, H, D] or [T, H * D], out written
             calls.append((kv_pool, kv_indptr, kv_indices, s_q, max_kv_len, k_scale))
-            assert lse is not None and lse.shape == q.shape[:2]
+            assert tuple(q.shape) in (built, (t, h * d)) and q.is_contiguous()
+            assert lse is not None and lse.shape == (t, h)
+            assert out is not None and tuple(out.shape) in ((t, h, v_head_dim),
+                                                            (t, h * v_head_dim))
             kv = kv_pool if k_scale is None else kv_pool.float() * k_scale
-            out = csr_mla_attention_dense(q.to(kv.dtype), kv,
-                                          torch.arange(q.shape[0] + 1, dtype=torch.int32),
+            got = csr_mla_attention_dense(q.view(t, h, d).to(kv.dtype), kv,
+                                          torch.arange(t + 1, dtype=torch.int32),
                                           kv_indptr, kv_indices, sm_scale=sm_scale)
-            return out.to(q.dtype), lse
+            out.copy_(got.to(out.dtype).view(out.shape))
+            return out, lse
         return run
     return build
 
@@ -494,6 +501,52 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
                                          backend._kv_indices_full))
     assert res.via == "jax" and res.launcher_reason == "q is on cpu, not a CUDA device"
     assert len(calls) == 6
+
+
+def test_layer_launch_is_resolved_once_per_step_and_layer(monkeypatch):
+    """Each layer resolves its launch once per step; later calls of it in the step launch
+    directly (q as [T, H * 576] or [T, H, 576], out [T, H * 512] either way, written by the
+    launcher); a new step, another layer object with the same id, or torch_launcher turned off
+    does not reuse it."""
+    from funcmla.interop import launcher
+
+    monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
+    builds, calls = [], []
+    monkeypatch.setattr(launcher, "torch_decode_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(launcher, "torch_decode_launcher", _stand_in_launcher(builds, calls))
+    monkeypatch.setattr(backend_select, "_pallas_decode", lambda: __import__(
+        "functools").partial(__import__("funcmla.attention.pallas", fromlist=["x"]).mla_decode,
+                             interpret=True))
+    rng, b, pool, backend = _setup(21, [37, 0, 140, 9], [1, 1, 1, 1], 16, layers=2,
+                                   attention_backend="pallas", torch_launcher=True)
+    resolved = []
+    real = backend._layer_decode_launch
+    monkeypatch.setattr(backend, "_layer_decode_launch",
+                        lambda q, layer: resolved.append(layer.layer_id) or real(q, layer))
+    q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
+    layers = [RadixAttention(H, SCALE, layer_id) for layer_id in range(2)]
+    fb = _fb(ForwardMode.DECODE, b, [1, 1, 1, 1])
+    want = [torch_native_mla_decode(q, pool.kv_buffer[i], b.req_to_token, b.req_pool_indices,
+                                    b.seq_lens, sm_scale=SCALE, compute_dtype=torch.float32)
+            for i in range(2)]
+    for step in range(2):
+        backend.init_forward_metadata(fb)
+        for qq in (q.view(4, H * 576), q, q.view(4, H * 576)):
+            for i, layer in enumerate(layers):
+                out = backend.forward_decode(qq, None, None, layer, fb, save_kv_cache=False)
+                assert out.shape == (4, H * 512) and out.dtype == q.dtype
+                assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
+                assert calls[-1][0].data_ptr() == pool.kv_buffer[i].data_ptr()
+                assert rel_err(out.view(4, H, 512), want[i]) < 4e-3
+        assert resolved == [0, 1] * (step + 1), resolved  # once per layer and step
+    assert len(calls) == 12 and len(builds) == 1  # one launcher for both layers' shapes
+    twin = RadixAttention(H, SCALE, 0)  # same id, another layer object: resolved for itself
+    backend.forward_decode(q, None, None, twin, fb, save_kv_cache=False)
+    assert resolved[-1] == 0 and len(resolved) == 5
+    backend.torch_launcher = False  # read on every call
+    out = backend.forward_decode(q, None, None, layers[1], fb, save_kv_cache=False)
+    assert backend.last_via == "jax" and len(calls) == 13
+    assert rel_err(out.view(4, H, 512), want[1]) < 8e-3
 
 
 def test_refused_decode_launcher_falls_back_to_mla_attention(monkeypatch):

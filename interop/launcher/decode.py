@@ -209,13 +209,14 @@ class _DecodeLauncherBase:
         if page_size > 1 and c.pool_rows % page_size == 0:
             pages = c.pool_rows // page_size
             pool_shapes += [(pages, page_size, d), (pages, page_size, 1, d)]
-        self.q_spec = TensorSpec("q", tdt, [(t, h, d)], di, a)
+        # q and out also as [T, H * D]: the same bytes, as SGLang's layers hand them over
+        self.q_spec = TensorSpec("q", tdt, [(t, h, d), (t, h * d)], di, a)
         self.kv_spec = TensorSpec("kv_pool", self._kv_dtype, pool_shapes, di, a)
         self.k_scale_spec = TensorSpec("k_scale", torch.float32, [(), (1,)], di, a)
         self.v_scale_spec = TensorSpec("v_scale", torch.float32, [(), (1,)], di, a)
         self.x_spec = TensorSpec(self._x_name, torch.int32, [self._x_shape()], di, a)
         self.y_spec = TensorSpec(self._y_name, torch.int32, [self._y_shape()], di, a)
-        self.out_spec = TensorSpec("out", tdt, [self._out_shape], di, a)
+        self.out_spec = TensorSpec("out", tdt, [self._out_shape, (t, h * c.v_head_dim)], di, a)
         self.lse_spec = TensorSpec("lse", torch.float32, [self._lse_shape], di, a)
         self._i32, self._f32 = torch.int32, torch.float32
         self._set_fast(pool_shapes[0])
@@ -352,9 +353,10 @@ def torch_size(shape):
 class DecodeLauncher(_DecodeLauncherBase):
     """`mla_decode` on torch tensors for one static configuration (token CSR, page size 1).
 
-    __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576]), kv_indptr int32
-    [B+1] (tokens), kv_indices int32 [kv_capacity] (token slots), out=None [T, H, 512],
-    lse=None float32 [T, H], k_scale=None, v_scale=None) -> (out, lse), written on torch's
+    __call__(q [T, H, 576] (or [T, H * 576]), kv_pool [pool_rows, 576] (or [pool_rows, 1,
+    576]), kv_indptr int32 [B+1] (tokens), kv_indices int32 [kv_capacity] (token slots),
+    out=None [T, H, 512] (or [T, H * 512]), lse=None float32 [T, H], k_scale=None,
+    v_scale=None) -> (out, lse), written on torch's
     current stream: the decode kernel `mla_decode` picks (Mosaic GPU or Triton; `plan.kernel`),
     then the merge kernel when the configuration splits the KV (one foreign call). out/lse are
     allocated (torch.empty) unless given; give them for the fastest call. Results equal
@@ -381,7 +383,7 @@ class PagedDecodeLauncher(_DecodeLauncherBase):
     """`mla_decode(page_table=...)` on torch tensors for one static configuration (page size
     > 1; FlashMLA-style block table).
 
-    __call__(q [T, H, 576], kv_pool [pool_rows, 576] (or [pool_rows, 1, 576],
+    __call__(q [T, H, 576] (or [T, H * 576]), kv_pool [pool_rows, 576] (or [pool_rows, 1, 576],
     [pool_rows / page_size, page_size, 576], [pool_rows / page_size, page_size, 1, 576]),
     page_table int32 [B, max_pages] (page ids), lengths int32 [B] (tokens), out=None, lse=None,
     k_scale=None, v_scale=None) -> (out, lse).

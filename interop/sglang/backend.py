@@ -171,6 +171,7 @@ class FuncMLAAttnBackend:
         self._decode_launchers: dict = {}  # (step shapes, layer shapes) -> launcher or False
         self._fillers: dict = {}
         self._pointers = _PointerStage(self.device)
+        self._layer_launch: dict = {}  # this step's layer id -> (layer, launch or None)
         self.forward_metadata: ForwardMetadata | None = None
         self._jax_meta = None
         self._mode: str | None = None
@@ -585,6 +586,17 @@ class FuncMLAAttnBackend:
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
+    @property
+    def forward_metadata(self) -> ForwardMetadata | None:
+        """This step's metadata (SGLang's field); every step init sets it, which also forgets
+        the previous step's per-layer launches (`_launch_decode`)."""
+        return self._forward_metadata
+
+    @forward_metadata.setter
+    def forward_metadata(self, fm: ForwardMetadata | None) -> None:
+        self._forward_metadata = fm
+        self._layer_launch = {}
+
     # ---- attention -------------------------------------------------------------------------
     def _kv_pool_jax(self, layer_id: int):
         """(JAX alias of the layer's KV buffer, its fp8 dtype or None), imported once per
@@ -598,6 +610,11 @@ class FuncMLAAttnBackend:
         return cached[1], cached[2]
 
     def _attend(self, q, layer: RadixAttention, causal: bool) -> torch.Tensor:
+        entry = self._layer_launch.get(layer.layer_id)  # this step's launch of this layer
+        if entry is not None and entry[0] is layer and causal and self.torch_launcher \
+                and self.attention_backend == "pallas":
+            self.last_backend, self.last_via = "pallas", "launcher"
+            return entry[1](q)
         if self.forward_metadata is None:
             raise RuntimeError("call init_forward_metadata (or a CUDA-graph init) first")
         heads = layer.tp_q_head_num
@@ -605,6 +622,12 @@ class FuncMLAAttnBackend:
             if q.numel():
                 raise ValueError(f"an IDLE step got q with {q.shape[0]} rows; it must be empty")
             return q.new_empty((0, heads * layer.v_head_dim))
+        launch = self.torch_launcher and self.attention_backend == "pallas"
+        if launch and causal:
+            out = self._launch_decode(q, layer)
+            if out is not None:
+                self.last_backend, self.last_via = "pallas", "launcher"
+                return out
         q3 = q.reshape(-1, heads, layer.qk_head_dim)
         if self.attention_backend == "aiter":
             res = mla_attention(q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
@@ -615,11 +638,6 @@ class FuncMLAAttnBackend:
                                 q_scale=layer.k_scale if q.dtype in FP8_DTYPES else None,
                                 kv_scale=layer.k_scale)
         else:
-            launch = self.torch_launcher and self.attention_backend == "pallas"
-            out = self._launch_decode(q3, layer) if launch and causal else None
-            if out is not None:
-                self.last_backend, self.last_via = "pallas", "launcher"
-                return out.reshape(-1, heads * layer.v_head_dim)
             pool = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             kv_fp8 = FP8_DTYPES.get(pool.dtype)  # the torch pool's own dtype: no import needed
             inputs = (pool, self.forward_metadata.kv_indptr, self._kv_indices_full) if launch \
@@ -644,21 +662,35 @@ class FuncMLAAttnBackend:
         self.last_backend, self.last_via = res.backend, res.via
         return res.out.reshape(-1, heads * layer.v_head_dim)
 
-    def _launch_decode(self, q3: torch.Tensor, layer: RadixAttention) -> torch.Tensor | None:
-        """out [T, H, v_head_dim] of this layer through the step's cached decode launcher, or
-        None where `mla_attention` decides (an extend, a refusal: it records the reason).
+    def _launch_decode(self, q: torch.Tensor, layer: RadixAttention) -> torch.Tensor | None:
+        """out [T, H * v_head_dim] of this layer through the step's decode launcher, or None
+        where `mla_attention` decides (an extend, a refusal: it records the reason).
 
-        The launcher depends only on shapes and the step's static bounds, so it is resolved
-        once per (step shapes, layer shapes); every later call costs one dict lookup and one
-        launch (`python -m bench.interop --device cuda`, part 4: host time per step)."""
+        q: [T, H, qk_head_dim] or [T, H * qk_head_dim], as SGLang's layers pass it. The launch
+        is resolved once per step and layer (the launcher itself once per (step shapes, layer
+        shapes)); every later call of the layer in the step costs one dict lookup, the output's
+        allocation and one launch (`python -m bench.interop --device cuda`, part 4: host time
+        per layer). A layer the launcher refuses is resolved again on each call, by
+        `mla_attention`, which records the reason."""
+        launch = self._layer_decode_launch(q, layer)
+        if launch is None:
+            return None
+        self._layer_launch[layer.layer_id] = (layer, launch)  # `_attend` calls it from now on
+        return launch(q)
+
+    def _layer_decode_launch(self, q: torch.Tensor, layer: RadixAttention):
+        """q -> out [T, H * v_head_dim] for this step and layer (the step's cached launcher on
+        the layer's pool), or None where the launcher does not run it."""
         s_q = pallas_route(self._mode, self._jax_meta)[1]
         kv_indptr, kv_indices = self.forward_metadata.kv_indptr, self._kv_indices_full
         max_kv = self._max_kv_bound
         if s_q is None or kv_indices is None:
             return None
+        heads, dv = layer.tp_q_head_num, layer.v_head_dim
+        q3 = q.reshape(-1, heads, layer.qk_head_dim)
         pool = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         key = (s_q, kv_indptr.shape, kv_indices.shape, max_kv, q3.shape, q3.dtype, pool.shape,
-               pool.dtype, q3.device, layer.v_head_dim, layer.scaling)
+               pool.dtype, q3.device, dv, layer.scaling)
         entry = self._decode_launchers.get(key)
         if entry is None:
             entry = self._resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, s_q=s_q,
@@ -667,10 +699,23 @@ class FuncMLAAttnBackend:
         if entry is False:
             return None
         run, lse, fp8 = entry
-        if fp8:  # the layer's scale: a float (one cached device copy) or a device tensor
-            return run(q3, pool, kv_indptr, kv_indices, lse=lse,
-                       k_scale=launcher_scale(layer.k_scale))[0]
-        return run(q3, pool, kv_indptr, kv_indices, lse=lse)[0]
+        pool_of, layer_id = self.token_to_kv_pool.get_key_buffer, layer.layer_id
+        empty, out_shape = torch.empty, (q3.shape[0], heads * dv)
+        dtype, device = q3.dtype, q3.device
+
+        def launch(q):
+            # q as it came (either shape is the same bytes); a strided q is copied, as the
+            # reshape of the general path does
+            q = q if q.is_contiguous() else q.contiguous()
+            out = empty(out_shape, dtype=dtype, device=device)
+            if fp8:  # the layer's scale: a float (one cached device copy) or a device tensor
+                run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse,
+                    k_scale=launcher_scale(layer.k_scale))
+            else:
+                run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse)
+            return out
+
+        return launch
 
     def _resolve_decode_launcher(self, q3, pool, kv_indptr, kv_indices, *, s_q: int,
                                  max_kv: int | None, layer: RadixAttention):
