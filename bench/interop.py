@@ -34,8 +34,9 @@ against the JAX path in the same run, decode and target verify (n=4), batch 1 / 
                              61 layers' launches); sync_free: no host sync during the step
                              (checked with torch.cuda.set_sync_debug_mode("error")).
   layer_host_us              (step61_host_us - metadata_host_us) / 61: host time per layer
-                             through the step's cached launcher; `_mla_attention`: the same
-                             with every layer through `mla_attention` (the general entry).
+                             (61 layer objects, one pool layer each) through each layer's
+                             resolved launch; `_mla_attention`: the same with every layer
+                             through `mla_attention` (the general entry).
   `--launch-only` runs Part 4 alone. Target: eager and replay <= 60 us at batch 64, flat to 256.
 The hand-off target is at most 30 us whatever the batch. Writes out/interop.json.
 """
@@ -314,19 +315,20 @@ def full_step_rows(device: str, batches: list[int], ctx: int, reps: int,
         pool_rows = bs + 1
         req_to_token = torch.tensor(rng.integers(16, 1 << 16, (pool_rows, ctx), dtype=np.int32),
                                     device=device)
-        kv = MLATokenToKVPool(1 << 16, 16, torch.bfloat16, 1, device=device)
+        kv = MLATokenToKVPool(1 << 16, 16, torch.bfloat16, layers, device=device)
         backend = FuncMLAAttnBackend(req_to_token, kv, page_size=16, num_heads=16,
                                      attention_backend="pallas")
         seq = torch.from_numpy(rng.integers(ctx // 2, ctx + 1, bs).astype(np.int64))
         rpi = torch.from_numpy(rng.permutation(pool_rows)[:bs].astype(np.int64))
         fb = ForwardBatch(ForwardMode.DECODE, bs, rpi.to(device), seq.to(device), seq,
                           int(seq.sum()), torch.zeros(bs, dtype=torch.int64, device=device))
-        layer = RadixAttention(16, deepseek_v3_sm_scale(), layer_id=0)
+        # one layer object and pool layer each, as a model has them
+        stack = [RadixAttention(16, deepseek_v3_sm_scale(), layer_id=i) for i in range(layers)]
         q = torch.randn(bs, 16 * 576, device=device).to(torch.bfloat16)
 
         def step():
             backend.init_forward_metadata(fb)
-            for _ in range(layers):
+            for layer in stack:
                 backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
 
         step()
@@ -353,11 +355,11 @@ def full_step_rows(device: str, batches: list[int], ctx: int, reps: int,
         graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(layers):  # warm (the launcher's first call builds it)
+            for layer in stack:  # warm (the launcher's first call builds it)
                 backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=side):
-            for _ in range(layers):
+            for layer in stack:
                 backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
         times = []
         for _ in range(max(5, reps // 20)):

@@ -503,11 +503,13 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
     assert len(calls) == 6
 
 
-def test_layer_launch_is_resolved_once_per_step_and_layer(monkeypatch):
-    """Each layer resolves its launch once per step; later calls of it in the step launch
-    directly (q as [T, H * 576] or [T, H, 576], out [T, H * 512] either way, written by the
-    launcher); a new step, another layer object with the same id, or torch_launcher turned off
-    does not reuse it."""
+def test_layer_launch_is_resolved_once_per_step_key_and_layer(monkeypatch):
+    """Each layer resolves its launch once per step key (s_q, the kv_indptr / kv_indices views,
+    the kv bound); later calls launch directly (q as [T, H * 576] or [T, H, 576], out
+    [T, H * 512] either way, written by the launcher), in this step and in later steps whose
+    metadata keeps those views (as the launched metadata does per bucket and batch). New views
+    (the eager metadata makes them each step), another layer object with the same id, or
+    torch_launcher turned off do not reuse it."""
     from funcmla.interop import launcher
 
     monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
@@ -521,8 +523,8 @@ def test_layer_launch_is_resolved_once_per_step_and_layer(monkeypatch):
                                    attention_backend="pallas", torch_launcher=True)
     resolved = []
     real = backend._layer_decode_launch
-    monkeypatch.setattr(backend, "_layer_decode_launch",
-                        lambda q, layer: resolved.append(layer.layer_id) or real(q, layer))
+    monkeypatch.setattr(backend, "_layer_decode_launch", lambda q, layer, step: resolved.append(
+        layer.layer_id) or real(q, layer, step))
     q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
     layers = [RadixAttention(H, SCALE, layer_id) for layer_id in range(2)]
     fb = _fb(ForwardMode.DECODE, b, [1, 1, 1, 1])
@@ -538,14 +540,18 @@ def test_layer_launch_is_resolved_once_per_step_and_layer(monkeypatch):
                 assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
                 assert calls[-1][0].data_ptr() == pool.kv_buffer[i].data_ptr()
                 assert rel_err(out.view(4, H, 512), want[i]) < 4e-3
-        assert resolved == [0, 1] * (step + 1), resolved  # once per layer and step
+        assert resolved == [0, 1] * (step + 1), resolved  # new views each eager step
     assert len(calls) == 12 and len(builds) == 1  # one launcher for both layers' shapes
+    backend.forward_metadata = backend.forward_metadata  # a step that keeps the views
+    for layer in layers:
+        backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
+    assert len(resolved) == 4 and len(calls) == 14  # the same step key: no resolve
     twin = RadixAttention(H, SCALE, 0)  # same id, another layer object: resolved for itself
     backend.forward_decode(q, None, None, twin, fb, save_kv_cache=False)
     assert resolved[-1] == 0 and len(resolved) == 5
     backend.torch_launcher = False  # read on every call
     out = backend.forward_decode(q, None, None, layers[1], fb, save_kv_cache=False)
-    assert backend.last_via == "jax" and len(calls) == 13
+    assert backend.last_via == "jax" and len(calls) == 15
     assert rel_err(out.view(4, H, 512), want[1]) < 8e-3
 
 

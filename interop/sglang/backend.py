@@ -171,7 +171,9 @@ class FuncMLAAttnBackend:
         self._decode_launchers: dict = {}  # (step shapes, layer shapes) -> launcher or False
         self._fillers: dict = {}
         self._pointers = _PointerStage(self.device)
-        self._layer_launch: dict = {}  # this step's layer id -> (layer, launch or None)
+        self._layer_launch: dict = {}  # layer id -> (layer, step key, launch)
+        self._step_key_now = None  # this step's `_step_key` (None until a layer asks)
+        self._step_key_last = None
         self.forward_metadata: ForwardMetadata | None = None
         self._jax_meta = None
         self._mode: str | None = None
@@ -588,14 +590,28 @@ class FuncMLAAttnBackend:
 
     @property
     def forward_metadata(self) -> ForwardMetadata | None:
-        """This step's metadata (SGLang's field); every step init sets it, which also forgets
-        the previous step's per-layer launches (`_launch_decode`)."""
+        """This step's metadata (SGLang's field). Every step init sets it, which makes the
+        next layer recompute the step's launch key (`_step_key`)."""
         return self._forward_metadata
 
     @forward_metadata.setter
     def forward_metadata(self, fm: ForwardMetadata | None) -> None:
         self._forward_metadata = fm
-        self._layer_launch = {}
+        self._step_key_now = None
+
+    def _step_key(self) -> tuple:
+        """What a decode launch depends on from the step: (s_q, kv_indptr, kv_indices at
+        the capacity, the kv-length bound), as one object that stays the same across steps
+        while these do (the launched metadata's views are made once per bucket and batch), so
+        a layer's launch (`_launch_decode`) is resolved once, not once a step."""
+        s_q = pallas_route(self._mode, self._jax_meta)[1]
+        key = (s_q, self.forward_metadata.kv_indptr, self._kv_indices_full, self._max_kv_bound)
+        last = self._step_key_last
+        if last is not None and last[0] == key[0] and last[1] is key[1] and last[2] is key[2] \
+                and last[3] == key[3]:
+            key = last
+        self._step_key_now = self._step_key_last = key
+        return key
 
     # ---- attention -------------------------------------------------------------------------
     def _kv_pool_jax(self, layer_id: int):
@@ -610,11 +626,11 @@ class FuncMLAAttnBackend:
         return cached[1], cached[2]
 
     def _attend(self, q, layer: RadixAttention, causal: bool) -> torch.Tensor:
-        entry = self._layer_launch.get(layer.layer_id)  # this step's launch of this layer
-        if entry is not None and entry[0] is layer and causal and self.torch_launcher \
-                and self.attention_backend == "pallas":
+        entry = self._layer_launch.get(layer.layer_id)  # this layer's launch, if resolved
+        if entry is not None and entry[0] is layer and entry[1] is self._step_key_now \
+                and causal and self.torch_launcher and self.attention_backend == "pallas":
             self.last_backend, self.last_via = "pallas", "launcher"
-            return entry[1](q)
+            return entry[2](q)
         if self.forward_metadata is None:
             raise RuntimeError("call init_forward_metadata (or a CUDA-graph init) first")
         heads = layer.tp_q_head_num
@@ -666,24 +682,28 @@ class FuncMLAAttnBackend:
         """out [T, H * v_head_dim] of this layer through the step's decode launcher, or None
         where `mla_attention` decides (an extend, a refusal: it records the reason).
 
-        q: [T, H, qk_head_dim] or [T, H * qk_head_dim], as SGLang's layers pass it. The launch
-        is resolved once per step and layer (the launcher itself once per (step shapes, layer
-        shapes)); every later call of the layer in the step costs one dict lookup, the output's
-        allocation and one launch (`python -m bench.interop --device cuda`, part 4: host time
-        per layer). A layer the launcher refuses is resolved again on each call, by
-        `mla_attention`, which records the reason."""
-        launch = self._layer_decode_launch(q, layer)
+        q: [T, H, qk_head_dim] or [T, H * qk_head_dim], as SGLang's layers pass it. A layer's
+        launch is resolved once per step key (`_step_key`: it stays while the step's bucket,
+        batch and bounds do) and the launcher itself once per (step shapes, layer shapes);
+        every later call costs one dict lookup, the output's allocation and one launch
+        (`python -m bench.interop --device cuda`, part 4: host time per layer). A layer the
+        launcher refuses is resolved again on each call, by `mla_attention`, which records the
+        reason."""
+        step = self._step_key_now or self._step_key()
+        entry = self._layer_launch.get(layer.layer_id)
+        if entry is not None and entry[0] is layer and entry[1] is step:
+            return entry[2](q)  # resolved in an earlier step of the same key
+        launch = self._layer_decode_launch(q, layer, step)
         if launch is None:
             return None
-        self._layer_launch[layer.layer_id] = (layer, launch)  # `_attend` calls it from now on
+        self._layer_launch[layer.layer_id] = (layer, step, launch)  # `_attend` calls it now
         return launch(q)
 
-    def _layer_decode_launch(self, q: torch.Tensor, layer: RadixAttention):
-        """q -> out [T, H * v_head_dim] for this step and layer (the step's cached launcher on
-        the layer's pool), or None where the launcher does not run it."""
-        s_q = pallas_route(self._mode, self._jax_meta)[1]
-        kv_indptr, kv_indices = self.forward_metadata.kv_indptr, self._kv_indices_full
-        max_kv = self._max_kv_bound
+    def _layer_decode_launch(self, q: torch.Tensor, layer: RadixAttention, step: tuple):
+        """q -> out [T, H * v_head_dim] for the step key `step` and this layer (the cached
+        launcher of their shapes on the layer's pool), or None where the launcher does not run
+        it."""
+        s_q, kv_indptr, kv_indices, max_kv = step
         if s_q is None or kv_indices is None:
             return None
         heads, dv = layer.tp_q_head_num, layer.v_head_dim
