@@ -83,8 +83,6 @@ class MgpuPrefillConfig:
 
     block_kv: int = 128
     num_stages: int = 2
-    q_buffers: int = 1
-    num_ctas: int | None = None
     consumer_registers: int = 232
     producer_registers: int = 40
     pingpong: bool = False
@@ -117,7 +115,7 @@ class MgpuPrefillConfig:
     def smem_bytes(self) -> int:
         """Shared memory of one block: q (two 64-row halves, reused for the output) and the
         K/V ring, plus the lse staging and barriers (1 KB)."""
-        q = self.q_buffers * BLOCK_Q * HEAD_DIM * 2
+        q = BLOCK_Q * HEAD_DIM * 2
         ring = self.num_stages * self.block_kv * (HEAD_DIM + V_HEAD_DIM) * 2
         return q + ring + 1024
 
@@ -144,13 +142,6 @@ def tile_schedule(qo_indptr: jax.Array, num_slots: int) -> tuple[jax.Array, jax.
     live = req < b
     first = (slot - starts[jnp.minimum(req, b - 1)]) * BLOCK_Q
     return jnp.where(live, req, -1), jnp.where(live, first, 0)
-
-
-def _num_sms(interpret) -> int:
-    """Persistent blocks when num_ctas is None: one per SM of the default device."""
-    if interpret:
-        return 4
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def _qk(q_smem, k_smem, block_kv: int, interpret: bool, while_running=None):
@@ -195,193 +186,163 @@ def _store_rows(o_stage, o_dst_rows, n):
 
 
 def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
-            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
-            num_stages: int, q_buffers: int, num_slots: int, num_items: int, num_ctas: int,
+            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
             scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
-    (q_or_out, lse0, lse1, k_smem, v_smem, q_bar, q_free, k_full, v_full, k_empty, v_empty,
+    (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
      v_clean, turn) = scratch
-    q_all, o_all = q_or_out
-    lse_stages = (lse0, lse1)
+    q_smems, o_stages, lse_stages = (qo0[0], qo1[0]), (qo0[1], qo1[1]), (lse0, lse1)
 
-    # Persistent blocks: block c runs work items c, c + num_ctas, ... (an item: one head's
-    # 128-row q tile), so the next item's q and K/V tiles load while this one computes.
-    cta = lax.axis_index("cta")
+    h = lax.axis_index("h")
+    slot_id = num_slots - 1 - lax.axis_index("tile")  # last slots first: long causal tiles
     wg = lax.axis_index("wg")
-    n_items = (num_items - cta + num_ctas - 1) // num_ctas
+    req = req_ref[slot_id]
+    live = req >= 0
+    reqc = jnp.maximum(req, 0)
+    q_start = qo_indptr_ref[reqc]
+    q_len = q_lens_ref[reqc]
+    kv_start = kv_indptr_ref[reqc]
+    kv_len = kv_lens_ref[reqc]
+    qb0 = first_ref[slot_id]  # the block's first query row within the request
 
-    def item(j):
-        idx = jnp.minimum(cta + j * num_ctas, num_items - 1)
-        h = idx // num_slots
-        slot_id = num_slots - 1 - idx % num_slots
-        req = req_ref[slot_id]
-        live = (j < n_items) & (req >= 0)
-        reqc = jnp.maximum(req, 0)
-        q_len, kv_len = q_lens_ref[reqc], kv_lens_ref[reqc]
-        qb0 = first_ref[slot_id]
-        if causal:
-            last_row = jnp.minimum(qb0 + BLOCK_Q, q_len) - 1
-            limit_max = jnp.clip(kv_len - q_len + 1 + last_row, 0, kv_len)
-        else:
-            limit_max = kv_len
-        count = jnp.where(live, (limit_max + block_kv - 1) // block_kv, 0)
-        return dict(live=live, h=h, slot_id=slot_id, q_start=qo_indptr_ref[reqc], q_len=q_len,
-                    kv_start=kv_indptr_ref[reqc], kv_len=kv_len, qb0=qb0, count=count)
+    # Tiles of the block: up to the last live row's causal limit (all of the KV otherwise).
+    if causal:
+        last_row = jnp.minimum(qb0 + BLOCK_Q, q_len) - 1
+        limit_max = jnp.clip(kv_len - q_len + 1 + last_row, 0, kv_len)
+    else:
+        limit_max = kv_len
+    count = jnp.where(live, (limit_max + block_kv - 1) // block_kv, 0)
 
-    @pl.when(wg == 2)
+    @pl.when(live & (wg == 2))
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        for w in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + qb0 + w * ROWS, ROWS), h],
+                                    q_smems[w], q_bar.at[w])
 
-        def run_item(j, g):
-            it = item(j)
-            b = lax.rem(j, q_buffers)
+        def load(i, carry):
+            st = lax.rem(i, num_stages)
+            rows = pl.ds(kv_start + i * block_kv, block_kv)
 
-            @pl.when(j >= q_buffers)
+            @pl.when(i >= num_stages)
             def _():
-                plgpu.barrier_wait(q_free.at[b])
+                plgpu.barrier_wait(k_empty.at[st])
 
-            @pl.when(it["live"])
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[st], k_full.at[st])
+
+            @pl.when(i >= num_stages)
             def _():
-                for w in range(2):
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[pl.ds(it["q_start"] + it["qb0"] + w * ROWS, ROWS), it["h"]],
-                        q_all.at[b, w], q_bar.at[b * 2 + w])
+                plgpu.barrier_wait(v_empty.at[st])
 
-            def load(i, g):
-                st = lax.rem(g, num_stages)
-                rows = pl.ds(it["kv_start"] + i * block_kv, block_kv)
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[st], v_full.at[st])
+            return carry
 
-                @pl.when(g >= num_stages)
-                def _():
-                    plgpu.barrier_wait(k_empty.at[st])
-
-                plgpu.copy_gmem_to_smem(k_ref.at[rows, it["h"]], k_smem.at[st], k_full.at[st])
-
-                @pl.when(g >= num_stages)
-                def _():
-                    plgpu.barrier_wait(v_empty.at[st])
-
-                plgpu.copy_gmem_to_smem(v_ref.at[rows, it["h"]], v_smem.at[st], v_full.at[st])
-                return g + 1
-
-            return lax.fori_loop(0, it["count"], load, g)
-
-        g = lax.fori_loop(0, n_items, run_item, 0)
-        for t in range(q_buffers):
-            @pl.when(n_items > t)
-            def _():
-                plgpu.barrier_wait(q_free.at[lax.rem(n_items - 1 - t, q_buffers)])
-
+        lax.fori_loop(0, count, load, 0)
+        # Observe each stage's last release (every wait sees every phase; the block's shared
+        # memory is not left while a consumer may still read it).
         for st in range(num_stages):
-            @pl.when(g > st)
+            @pl.when(count > st)
             def _():
-                plgpu.barrier_wait(k_empty.at[lax.rem(g - 1 - st, num_stages)])
-                plgpu.barrier_wait(v_empty.at[lax.rem(g - 1 - st, num_stages)])
+                plgpu.barrier_wait(k_empty.at[st])
+                plgpu.barrier_wait(v_empty.at[st])
 
     def consumer(w: int):
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
+        q_smem = q_smems[w]
+        row0 = qb0 + w * ROWS  # this consumer's first query row within the request
+        # Keys visible to row r of this consumer: < diag + r (causal), < kv_len always.
+        diag = kv_len - q_len + 1 + row0 if causal else kv_len
+        first_limit = jnp.clip(diag, 0, kv_len)
+        n_plain = jnp.minimum(first_limit // block_kv, count)
 
         def meet():
+            """Both consumers at the turn barrier (`MgpuPrefillConfig.pingpong`)."""
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        def run_item(j, g0):
-            it = item(j)
-            b = lax.rem(j, q_buffers)
-            q_smem = q_all.at[b, w]
-            q_len, kv_len, count = it["q_len"], it["kv_len"], it["count"]
-            row0 = it["qb0"] + w * ROWS
-            diag = kv_len - q_len + 1 + row0 if causal else kv_len
-            first_limit = jnp.clip(diag, 0, kv_len)
-            n_plain = jnp.minimum(first_limit // block_kv, count)
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            st = lax.rem(i, num_stages)
+            plgpu.barrier_wait(k_full.at[st])
+            s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
+                    meet if cfg.pingpong else None)
+            plgpu.barrier_arrive(k_empty.at[st])
+            if masked:
+                # The iotas are built here, in the masked tiles only: a [64, 128] int32 array
+                # is 64 registers a thread, which the unmasked loop need not hold.
+                rows_iota = _iota((ROWS, block_kv), 0, interpret)
+                cols_iota = _iota((ROWS, block_kv), 1, interpret)
+                base = i * block_kv
+                keep = cols_iota < kv_len - base
+                if causal:
+                    keep = keep & (cols_iota - rows_iota < diag - base)
+                s = jnp.where(keep, s, -jnp.inf)
+            # The scale folds into the exponent (it is > 0, so it commutes with the max).
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            p16 = p.astype(q_smem.dtype)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_full.at[st])
+            if masked:
+                valid = kv_len - i * block_kv
 
-            def step(i, carry, masked: bool):
-                acc, m_i, l_i = carry
-                st = lax.rem(g0 + i, num_stages)
-                plgpu.barrier_wait(k_full.at[st])
-                s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
-                        meet if cfg.pingpong else None)
-                plgpu.barrier_arrive(k_empty.at[st])
-                if masked:
-                    rows_iota = _iota((ROWS, block_kv), 0, interpret)
-                    cols_iota = _iota((ROWS, block_kv), 1, interpret)
-                    base = i * block_kv
-                    keep = cols_iota < kv_len - base
-                    if causal:
-                        keep = keep & (cols_iota - rows_iota < diag - base)
-                    s = jnp.where(keep, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m_i - m_safe)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                p16 = p.astype(q_all.dtype)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if cfg.pingpong:
-                    plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_full.at[st])
-                if masked:
-                    valid = kv_len - i * block_kv
+                # The KV tail tile: V rows past kv_len (the next request, or zero fill) are
+                # zeroed before P V (a select: a NaN there is never multiplied by a zero
+                # weight). Consumer 0 zeroes them and signals; consumer 1 waits for that.
+                @pl.when(valid < block_kv)
+                def _():
+                    if w == 0:
+                        for c in range(V_HEAD_DIM // 64):
+                            ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
+                            chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
+                            ref[...] = jnp.where(_iota((block_kv, 64), 0, interpret) < valid,
+                                                 chunk, jnp.zeros_like(chunk))
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(v_clean.at[st])
+                    else:
+                        plgpu.barrier_wait(v_clean.at[st])
 
-                    @pl.when(valid < block_kv)
-                    def _():
-                        if w == 0:
-                            for c in range(V_HEAD_DIM // 64):
-                                ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
-                                chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
-                                ref[...] = jnp.where(
-                                    _iota((block_kv, 64), 0, interpret) < valid, chunk,
-                                    jnp.zeros_like(chunk))
-                            plgpu.commit_smem()
-                            plgpu.barrier_arrive(v_clean.at[st])
-                        else:
-                            plgpu.barrier_wait(v_clean.at[st])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+            acc, l_i = _mma_acc_and(acc, p16, v_smem.at[st], l_i,
+                                    lambda l_prev: l_prev * alpha + p.sum(axis=1), interpret)
+            plgpu.barrier_arrive(v_empty.at[st])
+            return acc, m_new, l_i
 
-                if cfg.pingpong:
-                    plgpu.barrier_wait(turn)
-                acc, l_i = _mma_acc_and(acc, p16, v_smem.at[st], l_i,
-                                        lambda l_prev: l_prev * alpha + p.sum(axis=1),
-                                        interpret)
-                plgpu.barrier_arrive(v_empty.at[st])
-                return acc, m_new, l_i
+        acc = _in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA,
+                         interpret)
+        m_i = _in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l_i = _in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
+        plgpu.barrier_wait(q_bar.at[w])
+        if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
+            meet()
+        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
+                              (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
+                                      carry)
+        if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
+            meet()
 
-            @pl.when(it["live"])
-            def _():
-                acc = _in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32),
-                                 plgpu.Layout.WGMMA, interpret)
-                m_i = _in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout,
-                                 interpret)
-                l_i = _in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
-                plgpu.barrier_wait(q_bar.at[b * 2 + w])
-                if cfg.pingpong and w == 1:
-                    meet()
-                carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
-                                      (acc, m_i, l_i))
-                acc, m_i, l_i = lax.fori_loop(n_plain, count,
-                                              functools.partial(step, masked=True), carry)
-                if cfg.pingpong and w == 0:
-                    meet()
-                has = l_i > 0.0
-                l_safe = jnp.where(has, l_i, 1.0)
-                out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-                lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, jnp.inf)
-                o_stage = o_all.at[b, w, pl.ds(0, ROWS)]
-                o_stage[...] = out.astype(o_all.dtype)
-                lse_stages[w][...] = lse
-                plgpu.commit_smem()
-                n_rows = jnp.clip(q_len - row0, 0, ROWS)
-                _store_rows(o_stage, lambda off, size: o_ref.at[
-                    pl.ds(it["q_start"] + row0 + off, size), it["h"]], n_rows)
-                plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[it["h"], it["slot_id"], w])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            plgpu.barrier_arrive(q_free.at[b])
-            return g0 + count
-
-        lax.fori_loop(0, n_items, run_item, 0)
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, jnp.inf)
+        # q is dead (its last q k^T was waited for): the output staging reuses its memory.
+        o_stages[w][...] = out.astype(o_stages[w].dtype)
+        lse_stages[w][...] = lse
+        plgpu.commit_smem()
+        n_rows = jnp.clip(q_len - row0, 0, ROWS)
+        _store_rows(o_stages[w],
+                    lambda off, size: o_ref.at[pl.ds(q_start + row0 + off, size), h], n_rows)
+        plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
         plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):
-        pl.when(wg == w)(functools.partial(consumer, w))
+        pl.when(live & (wg == w))(functools.partial(consumer, w))
 
 
 def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
@@ -402,31 +363,34 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     num_slots = -(-tq // BLOCK_Q) + b
     req, first = tile_schedule(qo_indptr, num_slots)
 
-    bkv, ns, nq = config.block_kv, config.num_stages, config.q_buffers
-    num_items = h * num_slots
-    num_ctas = min(num_items, config.num_ctas or _num_sms(interpret))
+    bkv, ns = config.block_kv, config.num_stages
     tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
     swizzle = plgpu.SwizzleTransform(_SWIZZLE)
-    q_tiles = plgpu.SMEM((nq, 2, ROWS, HEAD_DIM), q.dtype, transforms=(tiling, swizzle))
-    o_tiles = plgpu.SMEM((nq, 2, ROWS * HEAD_DIM // V_HEAD_DIM, V_HEAD_DIM), q.dtype)
+    q_half = plgpu.SMEM((ROWS, HEAD_DIM), q.dtype, transforms=(tiling, swizzle))
+    o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), q.dtype)
     lse_half = plgpu.SMEM((ROWS,), jnp.float32)
-    q_or_out = (q_tiles, o_tiles) if interpret else plgpu.RefUnion(q_tiles, o_tiles)
+    if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
+        q_or_out = [(q_half, o_half) for _ in range(2)]
+    else:
+        # Each consumer's q half and its output staging share memory (q is dead once the
+        # consumer's last q k^T is done); the lse staging is apart (256 bytes).
+        q_or_out = [plgpu.RefUnion(q_half, o_half) for _ in range(2)]
     scratch = [
-        q_or_out, lse_half, lse_half,
+        *q_or_out,
+        lse_half,
+        lse_half,
         plgpu.SMEM((ns, bkv, HEAD_DIM), q.dtype, transforms=(tiling, swizzle)),
         plgpu.SMEM((ns, bkv, V_HEAD_DIM), q.dtype, transforms=(tiling, swizzle)),
-        plgpu.Barrier(num_barriers=2 * nq),
-        plgpu.Barrier(num_arrivals=2, num_barriers=nq),
-        plgpu.Barrier(num_barriers=ns),
-        plgpu.Barrier(num_barriers=ns),
-        plgpu.Barrier(num_arrivals=2, num_barriers=ns),
-        plgpu.Barrier(num_arrivals=2, num_barriers=ns),
-        plgpu.Barrier(num_barriers=ns),
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_barriers=2),                    # q half w landed
+        plgpu.Barrier(num_barriers=ns),                   # K stage filled
+        plgpu.Barrier(num_barriers=ns),                   # V stage filled
+        plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # K stage released by both
+        plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # V stage released by both
+        plgpu.Barrier(num_barriers=ns),                   # V tail rows zeroed (consumer 0)
+        plgpu.Barrier(num_arrivals=2),                    # the consumers' turns (pingpong)
     ]
     kernel = functools.partial(
-        _kernel, causal=causal, block_kv=bkv, num_stages=ns, q_buffers=nq,
-        num_slots=num_slots, num_items=num_items, num_ctas=num_ctas,
+        _kernel, causal=causal, block_kv=bkv, num_stages=ns, num_slots=num_slots,
         scale_log2=float(sm_scale) * _LOG2E, cfg=config, interpret=interpret)
 
     call = plgpu.kernel(
@@ -434,14 +398,16 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         out_type=(jax.ShapeDtypeStruct((tq, h, V_HEAD_DIM), q.dtype),
                   jax.ShapeDtypeStruct((h, num_slots, 2, ROWS), jnp.float32)),
         scratch_types=scratch,
-        grid=(num_ctas,),
-        grid_names=("cta",),
+        # The q tiles of one head are launched back to back (Pallas's last grid axis varies
+        # fastest), so they stream that head's K/V tiles at about the same time from L2.
+        grid=(h, num_slots),
+        grid_names=("h", "tile"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_mgpu_params(interpret),
-        kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}_q{nq}"
+        kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
                      + ("_pingpong" if config.pingpong else "")),
     )
     if q_lens is None:
