@@ -17,8 +17,8 @@ request; torch's SDPA (flash / cuDNN backends) when torch is importable. The fas
 baseline. FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request
 counting half of q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
 profiler spans, each call queued behind a spin kernel so host gaps do not count); torch is
-timed with CUDA events. Error: relative Frobenius error of out against
-`mha_attention_reference` (float32) on two heads.
+timed with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius
+error of out against `mha_attention_reference` (float32) on two heads.
 
     python -m bench.prefill --out docs/results/            # the cases, JSON prefill_h200.json
     python -m bench.prefill --check --sweep --out out/     # + correctness shapes, tile sweep
@@ -170,9 +170,11 @@ def cudnn_fn(q, k, v, qo, causal: bool, per_request: bool):
     return run
 
 
-def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int) -> dict:
-    """torch SDPA (flash and cuDNN backends) on the batch as [B, H, L, 192]: CUDA-event
-    median per call, by backend; {} without torch or CUDA."""
+def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
+    """torch SDPA (flash and cuDNN backends) on the batch as [B, H, L, 192]: device time per
+    call by backend, the median over `reps` runs of `calls` calls queued behind a sleep
+    kernel between one CUDA-event pair (so the host's dispatch of each call is not timed);
+    {} without torch or CUDA."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -201,14 +203,16 @@ def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int) -> dict:
                     fn()
                 torch.cuda.synchronize()
                 ts = []
-                for _ in range(reps):
+                for _ in range(max(3, reps // calls)):
+                    torch.cuda._sleep(20_000_000)  # ~10 ms: the calls queue behind it
                     e0 = torch.cuda.Event(enable_timing=True)
                     e1 = torch.cuda.Event(enable_timing=True)
                     e0.record()
-                    fn()
+                    for _ in range(calls):
+                        fn()
                     e1.record()
                     torch.cuda.synchronize()
-                    ts.append(e0.elapsed_time(e1) * 1e3)
+                    ts.append(e0.elapsed_time(e1) * 1e3 / calls)
                 res[name] = statistics.median(ts)
         except Exception as e:  # noqa: BLE001 - a backend missing here is reported, not fatal
             log(f"   {name}: {type(e).__name__}: {str(e)[:160]}")
@@ -388,7 +392,8 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xticks(x)
     ax.set_xticklabels([f"{r['case']}\n{r.get('config', '')}" for r in rows], fontsize=6)
     ax.set_ylabel("useful TFLOP/s (causal counts half)")
-    ax.set_title("ragged MHA prefill and absorbed extend, device time per call (red: target)")
+    ax.set_title("ragged MHA prefill and absorbed extend, device time per call\n(red: target)",
+                 fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
