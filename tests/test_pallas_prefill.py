@@ -358,3 +358,62 @@ def test_kernel_tiles_start_on_8_row_boundaries(q_lens, kv_lens, realigned, monk
         a, b = seen["kv_a"][r], kv_h[r]
         np.testing.assert_array_equal(np.asarray(seen["kp"][a:a + kv_lens[r]]),
                                       np.asarray(k[b:b + kv_lens[r]]))
+
+
+def _fp8_case(rng, heads, q_lens, kv_lens, dtype=jnp.float8_e4m3fn):
+    """fp8 q / k / v of these lengths (NaN in the k / v rows past kv_indptr[-1]) and their
+    float32 values (the fp8 values, unscaled)."""
+    q, k, v, qo, kv = make(rng, heads, q_lens, kv_lens, poison=np.nan)
+    q8, k8, v8 = (x.astype(jnp.float32).astype(dtype) for x in (q, k, v))
+    return (q8, k8, v8, qo, kv), [np.asarray(x.astype(jnp.float32)) for x in (q8, k8, v8)]
+
+
+FP8_SCALES = dict(q_scale=0.5, k_scale=jnp.asarray([1.75], jnp.float32), v_scale=3.0)
+
+
+@pytest.mark.parametrize("scales", [{}, FP8_SCALES])
+def test_fp8_operands_reach_the_kernel_dequantized(scales, monkeypatch):
+    """fp8 q / k / v (SGLang's fp8 prefill, unit scales, or per-tensor scales as floats or
+    float32 arrays) reach the kernel as bfloat16 float(x) * scale: exact at scale 1, one bf16
+    rounding otherwise; out is bfloat16. The kernel's own results: the interpret case below."""
+    from funcmla.attention.pallas import prefill as prefill_mod
+
+    (q8, k8, v8, qo, kv), f32 = _fp8_case(np.random.default_rng(5), 1, [64, 8], [64, 16])
+    seen = {}
+    real_call = prefill_mod.prefill_call
+
+    def spy(qp, kp, vp, qo_a, kv_a, **kw):
+        jax.debug.callback(lambda *xs: seen.update(zip(("q", "k", "v"), xs)), qp, kp, vp)
+        shapes = jax.eval_shape(functools.partial(real_call, **kw), qp, kp, vp, qo_a, kv_a)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    monkeypatch.setattr(prefill_mod, "prefill_call", spy)
+    prefill_mod._mha_prefill.clear_cache()
+    out, _ = mha_prefill(q8, k8, v8, qo, kv, sm_scale=SCALE, causal=True, interpret=True,
+                         **scales)
+    prefill_mod._mha_prefill.clear_cache()
+    assert out.dtype == jnp.bfloat16
+    live = {"q": int(qo[-1]), "k": int(kv[-1]), "v": int(kv[-1])}
+    for name, x in zip("qkv", f32):
+        s = np.float32(np.asarray(scales.get(f"{name}_scale", 1.0)).reshape(-1)[0])
+        want = np.asarray(jnp.asarray(x * s).astype(jnp.bfloat16).astype(jnp.float32))
+        got = np.asarray(jnp.asarray(seen[name]).astype(jnp.float32))
+        assert seen[name].dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(got[:live[name]], want[:live[name]], err_msg=name)
+        if not scales:  # every fp8 value is a bf16 value
+            np.testing.assert_array_equal(got[:live[name]], x[:live[name]], err_msg=name)
+
+
+@pytest.mark.slow  # Mosaic GPU interpret mode
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz])
+def test_interpret_fp8_against_reference_on_dequantized_values(dtype):
+    """fp8 inputs with scales other than 1 against the float32 reference over the dequantized
+    values (float(x) * scale); NaN in the k / v rows no request uses."""
+    (q8, k8, v8, qo, kv), (q, k, v) = _fp8_case(np.random.default_rng(6), 2, *CAUSAL_MORE,
+                                                dtype=dtype)
+    out, lse = mha_prefill(q8, k8, v8, qo, kv, sm_scale=SCALE, causal=True,
+                           config=MgpuPrefillConfig(block_kv=64), interpret=True, **FP8_SCALES)
+    ks = float(FP8_SCALES["k_scale"][0])
+    deq = [jnp.asarray(x * s) for x, s in ((q, FP8_SCALES["q_scale"]), (k, ks),
+                                          (v, FP8_SCALES["v_scale"]))]
+    check(out, lse, *mha_attention_reference(*deq, qo, kv, sm_scale=SCALE, causal=True))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FP8_KV_DTYPES", "is_fp8_kv", "check_kv_pool_dtype", "kv_scales",
+__all__ = ["FP8_KV_DTYPES", "is_fp8_kv", "check_kv_pool_dtype", "kv_scales", "one_scale",
            "check_kv_scale_values"]
 
 # fp8 pool dtypes: e4m3fn (NVIDIA, SGLang's fp8_e4m3) and e4m3fnuz (AMD MI300's variant).
@@ -47,12 +47,15 @@ def check_kv_pool_dtype(dtype, taken=None, who: str = "kv_pool") -> None:
                         "float8_e4m3fnuz")
 
 
-def _one_scale(name: str, value, pool_dtype) -> jax.Array | None:
+def one_scale(name: str, value, pool_dtype, who: str = "kv_pool") -> jax.Array | None:
+    """`value` (None, a positive finite real, or a float32 array of shape () or [1]) as a
+    float32 [1] array, None for None; it must scale an fp8 tensor (`who`, of `pool_dtype`).
+    Raises naming `name` (values checked where concrete)."""
     if value is None:
         return None
     if not is_fp8_kv(pool_dtype):
-        raise ValueError(f"{name} applies to an fp8 kv_pool (float8_e4m3fn / float8_e4m3fnuz); "
-                         f"kv_pool is {jnp.dtype(pool_dtype).name}")
+        raise ValueError(f"{name} applies to an fp8 {who} (float8_e4m3fn / float8_e4m3fnuz); "
+                         f"{who} is {jnp.dtype(pool_dtype).name}")
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         v = float(value)
         if not (math.isfinite(v) and v > 0):
@@ -75,8 +78,8 @@ def kv_scales(pool_dtype, k_scale=None, v_scale=None) -> tuple[jax.Array, jax.Ar
     k_scale, k_scale to 1); None for a pool that is not fp8 (where a scale is an error).
     Checks shapes and dtypes always and values where they are concrete (not under jit);
     raises naming the argument."""
-    k = _one_scale("k_scale", k_scale, pool_dtype)
-    v = _one_scale("v_scale", v_scale, pool_dtype)
+    k = one_scale("k_scale", k_scale, pool_dtype)
+    v = one_scale("v_scale", v_scale, pool_dtype)
     if not is_fp8_kv(pool_dtype):
         return None
     if k is None:

@@ -136,7 +136,7 @@ def _attend(requested: str, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
         if q3.dtype == torch.bfloat16:
             out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True)
             return to_torch(out), "pallas", None
-        reason = f"the MHA prefill kernel takes bfloat16, q is {q3.dtype}"
+        reason = f"this MHA extend runs the prefill kernel on bfloat16 q, q is {q3.dtype}"
     elif requested == "aiter":
         reason = "AITER's MHA prefill is not wrapped; the float32 reference runs"
     from funcmla.attention.reference import mha_attention_reference

@@ -26,6 +26,7 @@ from funcmla.attention.pallas.prefill_mgpu import (
     first_slots,
     prefill_call,
 )
+from funcmla.attention.kv_quant import is_fp8_kv, one_scale
 from funcmla.checks import check_indptr
 from funcmla.guards import EAGER
 from funcmla.layout import expect_index_array
@@ -54,8 +55,9 @@ def check_prefill_args(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal) -> in
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"{name} must have shape [T, H, D], got {x.shape}")
-        if x.dtype != jnp.bfloat16:
-            raise TypeError(f"{name} ({x.dtype}) must be bfloat16")
+        if x.dtype != jnp.bfloat16 and not is_fp8_kv(x.dtype):
+            raise TypeError(f"{name} ({x.dtype}) must be bfloat16, or float8_e4m3fn / "
+                            "float8_e4m3fnuz with an optional scale")
     pair = (q.shape[2], v.shape[2])
     if k.shape[2] != q.shape[2] or pair not in HEAD_DIMS:
         raise ValueError(f"head dims q {q.shape[2]} / k {k.shape[2]} / v {v.shape[2]} are not "
@@ -100,11 +102,17 @@ def _is_concrete(*xs) -> bool:
 
 def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
                 kv_indptr: jax.Array, *, sm_scale: float, causal: bool = True,
-                config: MgpuPrefillConfig = MgpuPrefillConfig(),
-                interpret=False) -> tuple[jax.Array, jax.Array]:
+                config: MgpuPrefillConfig = MgpuPrefillConfig(), q_scale=None, k_scale=None,
+                v_scale=None, interpret=False) -> tuple[jax.Array, jax.Array]:
     """Ragged multi-head attention over token CSRs (prefill / extend), Mosaic GPU kernel.
 
-    q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128]: bfloat16 (`HEAD_DIMS`).
+    q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (`HEAD_DIMS`): each bfloat16, or fp8
+        (float8_e4m3fn / float8_e4m3fnuz) standing for x_scale * float(x), as SGLang's fp8
+        prefill passes them (unit scales there). q_scale / k_scale / v_scale: None (1), a
+        positive float or a float32 array of shape () or [1]; only for an fp8 operand. An fp8
+        operand is dequantized to bfloat16 before the kernel (exact at scale 1, one bf16
+        rounding of x * scale otherwise); the kernel computes in bf16 as for bf16 inputs
+        (docs/prefill_kernel.md, "fp8 inputs").
     qo_indptr, kv_indptr: int32 [B + 1], request i's queries are q rows
         [qo_indptr[i], qo_indptr[i + 1]), its keys k / v rows [kv_indptr[i], kv_indptr[i + 1]).
     causal: bottom-right: query j of a request with q_len queries and kv_len keys sees keys
@@ -113,7 +121,8 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     interpret: False (compiled, sm_90a), True (Mosaic GPU interpret mode, CPU) or Pallas's GPU
         interpreter parameters.
 
-    Returns out [Tq, H, 128] (q's dtype) and lse [Tq, H] float32 (natural log of the softmax
+    Returns out [Tq, H, 128] (q's dtype; bfloat16 for an fp8 q) and lse [Tq, H] float32
+    (natural log of the softmax
     denominator of the scaled scores). A query with no visible key (a request with kv_len 0,
     rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of k / v outside every request
     (NaN, Inf) never reach an output. Index values are checked here when concrete
@@ -123,6 +132,8 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     through an aligned layout (docs/prefill_kernel.md, "Invariants").
     """
     check_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale=sm_scale, causal=causal)
+    scales = tuple(one_scale(f"{n}_scale", s, x.dtype, who=n)
+                   for n, s, x in (("q", q_scale, q), ("k", k_scale, k), ("v", v_scale, v)))
     if not isinstance(config, MgpuPrefillConfig):
         raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
     if _is_concrete(qo_indptr, kv_indptr):
@@ -130,7 +141,7 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     # Starts already on 8-row boundaries (known when the indptrs are concrete) need no copy.
     realign = not (_is_concrete(qo_indptr, kv_indptr)
                    and _starts_aligned(qo_indptr, kv_indptr))
-    return _mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=float(sm_scale),
+    return _mha_prefill(q, k, v, qo_indptr, kv_indptr, scales, sm_scale=float(sm_scale),
                         causal=causal, config=config, interpret=interpret, realign=realign)
 
 
@@ -150,8 +161,9 @@ def _starts_aligned(qo_indptr, kv_indptr) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config", "interpret",
                                              "realign"))
-def _mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, config, interpret,
-                 realign=True):
+def _mha_prefill(q, k, v, qo_indptr, kv_indptr, scales=(None, None, None), *, sm_scale,
+                 causal, config, interpret, realign=True):
+    q, k, v = (_dequantized(x, s) for x, s in zip((q, k, v), scales))
     tq, h, _ = q.shape
     tk = k.shape[0]
     if tq == 0:
@@ -186,6 +198,15 @@ def _mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal, config, int
         out = out[:tq]
     # the q tile slots depend on the requests' lengths only, the same in both layouts
     return out, _gather_lse(lse_tiles, qo, tq)
+
+
+def _dequantized(x, scale):
+    """x as the kernel's bfloat16: an fp8 operand's float(x) * scale (exact without a scale:
+    every fp8 value is a bf16 value), a bf16 one as it is."""
+    if x.dtype == jnp.bfloat16:
+        return x
+    y = x.astype(jnp.float32)
+    return (y if scale is None else y * scale[0]).astype(jnp.bfloat16)
 
 
 def _round_up(n: int, m: int) -> int:
