@@ -122,12 +122,11 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         interpreter parameters.
 
     Returns out [Tq, H, 128] (q's dtype; bfloat16 for an fp8 q) and lse [Tq, H] float32
-    (natural log of the softmax
-    denominator of the scaled scores). A query with no visible key (a request with kv_len 0,
-    rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of k / v outside every request
-    (NaN, Inf) never reach an output. Index values are checked here when concrete
-    (`validate_prefill_inputs`); under an outer jit they are the caller's contract and nothing
-    is read or written out of bounds. The kernel needs every request to start on a multiple of
+    (natural log of the softmax denominator of the scaled scores). A query with no visible
+    key (a request with kv_len 0, rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of
+    k / v outside every request (NaN, Inf) never reach an output. Index values are checked
+    here when concrete (`validate_prefill_inputs`); under an outer jit they are the caller's
+    contract and nothing is read or written out of bounds. The kernel needs every request to start on a multiple of
     8 rows (`ROW_ALIGN`); unless concrete indptrs show that they do, q, k, v and out are copied
     through an aligned layout (docs/prefill_kernel.md, "Invariants").
     """
