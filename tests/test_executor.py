@@ -5,6 +5,8 @@ from the reference, while the default (token-granular) pairing matches."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,15 +72,22 @@ KV_GRAN = 32  # small split unit, so that tiles get split across TGs (partials +
 PREFILL_H = 4
 
 
-def prefill_case(qo_lens, prefix, page_size, *, causal, legacy=False, seed=0):
-    """Token-granular metadata over a paged pool, a prefill plan, the executor and the reference."""
+def prefill_meta(qo_lens, prefix, page_size, seed=0):
+    """Token-granular metadata over a paged pool (random pages from `seed`), and each
+    request's context length (prefix + queries)."""
     rng = np.random.default_rng(seed)
     qo_lens = np.pad(np.asarray(qo_lens), (0, B - len(qo_lens)))
     ctx = qo_lens + np.pad(np.asarray(prefix), (0, B - len(prefix)))
     tok, _, _ = paged_layout(ctx, page_size, rng)
     kv_indptr, kv_indices = csr(tok, POOL_SLOTS)
     qo_indptr = jnp.asarray(np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32))
-    meta = PagedKVMetadata(qo_indptr, kv_indptr, kv_indices, jnp.ones((B,), jnp.int32))
+    return PagedKVMetadata(qo_indptr, kv_indptr, kv_indices, jnp.ones((B,), jnp.int32)), ctx
+
+
+def prefill_case(qo_lens, prefix, page_size, *, causal, legacy=False, seed=0):
+    """`prefill_meta`'s metadata, a prefill plan, the executor and the reference."""
+    meta, ctx = prefill_meta(qo_lens, prefix, page_size, seed)
+    qo_indptr, kv_indptr, kv_indices = meta.qo_indptr, meta.kv_indptr, meta.kv_indices
     if legacy:
         cfg = PrefillPlanConfig.legacy_page_granular(page_size, is_causal=causal, **PREFILL_KW)
     else:
@@ -116,9 +125,16 @@ def test_prefill_plans_match_reference(data):
     assert_matches(got, ref)
 
 
+@functools.cache
+def split_prefill_case():
+    """The split prefill batch, run once per process (this test and the poisoned-rows test
+    read it)."""
+    return prefill_case([64, 64, 50, 7], [150, 0, 3, 100], 16, causal=True)
+
+
 def test_prefill_split_tiles_are_reduced():
     """A batch large enough that tiles are split across TGs (partials + reduce) still matches."""
-    plan, _, got, ref = prefill_case([64, 64, 50, 7], [150, 0, 3, 100], 16, causal=True)
+    plan, _, got, ref = split_prefill_case()
     assert int(plan.num_partials) >= 4
     assert_matches(got, ref)
 
@@ -128,7 +144,7 @@ def test_prefill_split_tiles_are_reduced():
 
 def test_seed_legacy_pairing_is_refused_and_wrong_when_forced(capsys):
     qo, prefix = [64, 48, 64, 33], [150, 0, 64, 17]
-    _, meta, _, _ = prefill_case(qo, prefix, 64, causal=True)
+    meta, _ = prefill_meta(qo, prefix, 64)
     legacy_cfg = PrefillPlanConfig.legacy_page_granular(64, **PREFILL_KW)
     legacy_plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, jnp.diff(meta.kv_indptr),
                                   config=legacy_cfg)
@@ -194,8 +210,15 @@ def test_decode_plans_match_reference(name, kv_lens, seed):
     assert_matches(got, ref)
 
 
+@functools.cache
+def fixed_decode_case(name):
+    """decode_case(name) of one fixed batch, run once per process (this test and the
+    poisoned-rows test read it)."""
+    return decode_case(name, [250, 3, 200, 77])
+
+
 def test_decode_split_and_fold_cover_partials():
-    plan, _, got, ref = decode_case("ps1_h32_fold2_mtp2", [250, 3, 200, 77])
+    plan, _, got, ref = fixed_decode_case("ps1_h32_fold2_mtp2")
     assert int(plan.num_partials) > 0  # split-KV works, merged by the reduce
     assert_matches(got, ref)
 
@@ -204,7 +227,7 @@ def test_decode_split_and_fold_cover_partials():
 
 
 def test_span_too_small_poisons_output_instead_of_clamping():
-    _, meta, _, _ = prefill_case([64], [150], 1, causal=True)
+    meta, _ = prefill_meta([64], [150], 1)
     plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, jnp.diff(meta.kv_indptr),
                            config=PrefillPlanConfig(kvlen_granularity=KV_GRAN, **PREFILL_KW))
     need_q, need_kv = plan_spans(plan, meta)
@@ -216,7 +239,7 @@ def test_span_too_small_poisons_output_instead_of_clamping():
 
 
 def test_executor_static_errors():
-    _, meta, _, _ = prefill_case([8], [0], 1, causal=True)
+    meta, _ = prefill_meta([8], [0], 1)
     plan = plan_ps_prefill(meta.qo_indptr, meta.kv_indptr, jnp.diff(meta.kv_indptr),
                            config=PrefillPlanConfig(kvlen_granularity=KV_GRAN, **PREFILL_KW))
     q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
@@ -257,12 +280,12 @@ def test_poisoned_unused_rows_change_nothing(case):
     padding rows: the executor's output is bitwise the clean one (masked positions are selected
     away, never multiplied by zero)."""
     if case == "prefill_split_ps16":
-        plan, meta, got, _ = prefill_case([64, 64, 50, 7], [150, 0, 3, 100], 16, causal=True)
+        plan, meta, got, _ = split_prefill_case()
         page_size, kw = 1, dict(max_qo_span=Q_GRAN, max_kv_span=KV_SPAN)
         q, pool = random_qkv(T_ROWS, PREFILL_H, 0)
     else:
         name = "ps16_h16" if case == "decode_ps16" else "ps1_h32_fold2_mtp2"
-        plan, meta, got, _ = decode_case(name, [250, 3, 200, 77])
+        plan, meta, got, _ = fixed_decode_case(name)
         cfg, page_size = DECODE_CONFIGS[name]
         uni = max(cfg.uni_seqlen_qo, 1)
         kw = dict(max_qo_span=uni, max_kv_span=KV_SPAN, page_size=page_size,

@@ -12,8 +12,8 @@ from tests.pools import attention_oracle_f64, latent_rows, layout_requests, rel_
 
 D, DV, H = 576, 512, 4
 SCALE = MLADims().sm_scale  # DeepSeek-V3
-BATCH, MAX_CTX, CAP, MAX_Q = 4, 512, 4 * 512, 64
-POOL_ROWS = 2560  # >= (pages + 1) * page_size for every case below
+BATCH, MAX_CTX, CAP, MAX_Q = 4, 256, 4 * 256, 64
+POOL_ROWS = 1280  # >= (pages + 1) * page_size for every case below
 
 
 # jitted once for the fixed shapes below (eager, each example re-runs the host-side checks and
