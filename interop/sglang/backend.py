@@ -626,11 +626,6 @@ class FuncMLAAttnBackend:
         return cached[1], cached[2]
 
     def _attend(self, q, layer: RadixAttention, causal: bool) -> torch.Tensor:
-        entry = self._layer_launch.get(layer.layer_id)  # this layer's launch, if resolved
-        if entry is not None and entry[0] is layer and entry[1] is self._step_key_now \
-                and causal and self.torch_launcher and self.attention_backend == "pallas":
-            self.last_backend, self.last_via = "pallas", "launcher"
-            return entry[2](q)
         if self.forward_metadata is None:
             raise RuntimeError("call init_forward_metadata (or a CUDA-graph init) first")
         heads = layer.tp_q_head_num
@@ -685,18 +680,19 @@ class FuncMLAAttnBackend:
         q: [T, H, qk_head_dim] or [T, H * qk_head_dim], as SGLang's layers pass it. A layer's
         launch is resolved once per step key (`_step_key`: it stays while the step's bucket,
         batch and bounds do) and the launcher itself once per (step shapes, layer shapes);
-        every later call costs one dict lookup, the output's allocation and one launch
+        every later call costs the step key (computed once a step), one dict lookup, the
+        output's allocation and one launch
         (`python -m bench.interop --device cuda`, part 4: host time per layer). A layer the
         launcher refuses is resolved again on each call, by `mla_attention`, which records the
         reason."""
         step = self._step_key_now or self._step_key()
         entry = self._layer_launch.get(layer.layer_id)
         if entry is not None and entry[0] is layer and entry[1] is step:
-            return entry[2](q)  # resolved in an earlier step of the same key
+            return entry[2](q)  # resolved in this step or an earlier one of the same key
         launch = self._layer_decode_launch(q, layer, step)
         if launch is None:
             return None
-        self._layer_launch[layer.layer_id] = (layer, step, launch)  # `_attend` calls it now
+        self._layer_launch[layer.layer_id] = (layer, step, launch)
         return launch(q)
 
     def _layer_decode_launch(self, q: torch.Tensor, layer: RadixAttention, step: tuple):
