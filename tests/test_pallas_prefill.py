@@ -314,6 +314,30 @@ def test_gpu_matches_reference(heads, q_lens, kv_lens, causal, config):
     run_case(heads, q_lens, kv_lens, causal, config=config, interpret=False)
 
 
+def _kernel_inputs(monkeypatch, run) -> tuple[dict, object]:
+    """(what `run()`, an `mha_prefill` call, hands the kernel: {"qp", "kp", "vp", "qo_a",
+    "kv_a"}, run()'s result). The kernel is replaced by zeros of its output shapes (these
+    tests check its inputs; its results: the interpret cases)."""
+    from funcmla.attention.pallas import prefill as prefill_mod
+
+    seen = {}
+    real_call = prefill_mod.prefill_call
+
+    def spy(qp, kp, vp, qo_a, kv_a, **kw):  # runs while `_mha_prefill` traces
+        jax.debug.callback(lambda *xs: seen.update(zip(("qp", "kp", "vp", "qo_a", "kv_a"), xs)),
+                           qp, kp, vp, qo_a, kv_a)
+        shapes = jax.eval_shape(functools.partial(real_call, **kw), qp, kp, vp, qo_a, kv_a)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    monkeypatch.setattr(prefill_mod, "prefill_call", spy)
+    prefill_mod._mha_prefill.clear_cache()
+    try:
+        result = jax.block_until_ready(run())
+    finally:
+        prefill_mod._mha_prefill.clear_cache()
+    return seen, result
+
+
 @pytest.mark.parametrize("q_lens,kv_lens,realigned", [
     ([70, 0, 1], [100, 5, 33], True),    # starts 70, 71 / 100, 105: copied to 8-row starts
     ([64, 8, 16], [64, 8, 16], False),   # every start on 8 rows already: no copy
@@ -327,27 +351,16 @@ def test_kernel_tiles_start_on_8_row_boundaries(q_lens, kv_lens, realigned, monk
 
     q, k, v, qo, kv = make(np.random.default_rng(2), 1, q_lens, kv_lens, poison=np.nan)
     seen = {}
-    real_call = prefill_mod.prefill_call
-
     real_realigned = prefill_mod._realigned
 
     def copies(*args):
         seen["copies"] = seen.get("copies", 0) + 1
         return real_realigned(*args)
 
-    def spy(qp, kp, vp, qo_a, kv_a, **kw):  # runs while `_mha_prefill` traces
-        jax.debug.callback(lambda *xs: seen.update(zip(("qp", "kp", "qo_a", "kv_a"), xs)),
-                           qp, kp, qo_a, kv_a)
-        # the layout is what is checked here (the kernel's results: the interpret cases)
-        shapes = jax.eval_shape(functools.partial(real_call, **kw), qp, kp, vp, qo_a, kv_a)
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-
-    monkeypatch.setattr(prefill_mod, "prefill_call", spy)
     monkeypatch.setattr(prefill_mod, "_realigned", copies)
-    prefill_mod._mha_prefill.clear_cache()
-    mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
-                config=MgpuPrefillConfig(block_kv=64), interpret=True)
-    prefill_mod._mha_prefill.clear_cache()
+    seen.update(_kernel_inputs(monkeypatch, lambda: mha_prefill(
+        q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=MgpuPrefillConfig(block_kv=64),
+        interpret=True))[0])
     assert not (seen["qo_a"][:-1] % 8).any() and not (seen["kv_a"][:-1] % 8).any()  # starts
     assert seen.get("copies", 0) == (3 if realigned else 0)  # q, k, v
     qo_h, kv_h = np.asarray(qo), np.asarray(kv)
@@ -376,22 +389,10 @@ def test_fp8_operands_reach_the_kernel_dequantized(scales, monkeypatch):
     """fp8 q / k / v (SGLang's fp8 prefill, unit scales, or per-tensor scales as floats or
     float32 arrays) reach the kernel as bfloat16 float(x) * scale: exact at scale 1, one bf16
     rounding otherwise; out is bfloat16. The kernel's own results: the interpret case below."""
-    from funcmla.attention.pallas import prefill as prefill_mod
-
     (q8, k8, v8, qo, kv), f32 = _fp8_case(np.random.default_rng(5), 1, [64, 8], [64, 16])
-    seen = {}
-    real_call = prefill_mod.prefill_call
-
-    def spy(qp, kp, vp, qo_a, kv_a, **kw):
-        jax.debug.callback(lambda *xs: seen.update(zip(("q", "k", "v"), xs)), qp, kp, vp)
-        shapes = jax.eval_shape(functools.partial(real_call, **kw), qp, kp, vp, qo_a, kv_a)
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-
-    monkeypatch.setattr(prefill_mod, "prefill_call", spy)
-    prefill_mod._mha_prefill.clear_cache()
-    out, _ = mha_prefill(q8, k8, v8, qo, kv, sm_scale=SCALE, causal=True, interpret=True,
-                         **scales)
-    prefill_mod._mha_prefill.clear_cache()
+    got_in, (out, _) = _kernel_inputs(monkeypatch, lambda: mha_prefill(
+        q8, k8, v8, qo, kv, sm_scale=SCALE, causal=True, interpret=True, **scales))
+    seen = {name: got_in[f"{name}p"] for name in "qkv"}
     assert out.dtype == jnp.bfloat16
     live = {"q": int(qo[-1]), "k": int(kv[-1]), "v": int(kv[-1])}
     for name, x in zip("qkv", f32):
