@@ -33,7 +33,9 @@ def _cpu_codegen_flags() -> None:
     AVX, which has none: every multiply and add rounds on its own (with FMAs,
     test_pallas_merge.py::test_bfloat16_partials_combine_in_float32 finds the bf16 and
     float32 merges an ulp apart; it passes with the default emitters and with these flags).
-    The `slow` tests pass with them too. x86-64 and CPU_CODEGEN_JAXLIB only; a flag already in
+    The `slow` tests pass with them too. The elemental emitters round a tiny negative float32
+    to float8_e4m3fnuz's NaN (0x80) rather than to 0, so tests build fp8 data with NumPy
+    (ml_dtypes) casts, not jnp ones. x86-64 and CPU_CODEGEN_JAXLIB only; a flag already in
     XLA_FLAGS is left as it is (the xdist workers inherit the controller's); set
     FUNCMLA_TEST_CPU_CODEGEN=default to keep XLA's defaults. Only XLA:CPU reads these flags:
     on a GPU the kernels compile as users get them."""
