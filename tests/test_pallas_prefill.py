@@ -315,21 +315,23 @@ def test_gpu_matches_reference(heads, q_lens, kv_lens, causal, config):
 
 
 def _kernel_inputs(monkeypatch, run) -> tuple[dict, object]:
-    """(what `run()`, an `mha_prefill` call, hands the kernel: {"qp", "kp", "vp", "qo_a",
-    "kv_a"}, run()'s result). The kernel is replaced by zeros of its output shapes (these
+    """(what `run()`, an `mha_prefill` call, hands the kernel: its nine operands by name,
+    "qo_a" ... "vp", run()'s result). The kernel is replaced by zeros of its output shapes (these
     tests check its inputs; its results: the interpret cases)."""
     from funcmla.attention.pallas import prefill as prefill_mod
 
     seen = {}
-    real_call = prefill_mod.prefill_call
+    real_kernel = prefill_mod.prefill_kernel
+    names = ("qo_a", "kv_a", "q_lens", "kv_lens", "tile_req", "tile_first", "qp", "kp", "vp")
 
-    def spy(qp, kp, vp, qo_a, kv_a, **kw):  # runs while `_mha_prefill` traces
-        jax.debug.callback(lambda *xs: seen.update(zip(("qp", "kp", "vp", "qo_a", "kv_a"), xs)),
-                           qp, kp, vp, qo_a, kv_a)
-        shapes = jax.eval_shape(functools.partial(real_call, **kw), qp, kp, vp, qo_a, kv_a)
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    def spy(*args, **kw):  # runs while `_mha_prefill` traces
+        def call(*ops):
+            jax.debug.callback(lambda *xs: seen.update(zip(names, xs)), *ops)
+            shapes = jax.eval_shape(real_kernel(*args, **kw), *ops)
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return call
 
-    monkeypatch.setattr(prefill_mod, "prefill_call", spy)
+    monkeypatch.setattr(prefill_mod, "prefill_kernel", spy)
     prefill_mod._mha_prefill.clear_cache()
     try:
         result = jax.block_until_ready(run())
@@ -351,18 +353,18 @@ def test_kernel_tiles_start_on_8_row_boundaries(q_lens, kv_lens, realigned, monk
 
     q, k, v, qo, kv = make(np.random.default_rng(2), 1, q_lens, kv_lens, poison=np.nan)
     seen = {}
-    real_realigned = prefill_mod._realigned
+    real_layout = prefill_mod.prefill_layout
 
-    def copies(*args):
-        seen["copies"] = seen.get("copies", 0) + 1
-        return real_realigned(*args)
+    def layout(*args):
+        seen["layouts"] = seen.get("layouts", 0) + 1
+        return real_layout(*args)
 
-    monkeypatch.setattr(prefill_mod, "_realigned", copies)
+    monkeypatch.setattr(prefill_mod, "prefill_layout", layout)
     seen.update(_kernel_inputs(monkeypatch, lambda: mha_prefill(
         q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=MgpuPrefillConfig(block_kv=64),
         interpret=True))[0])
     assert not (seen["qo_a"][:-1] % 8).any() and not (seen["kv_a"][:-1] % 8).any()  # starts
-    assert seen.get("copies", 0) == (3 if realigned else 0)  # q, k, v
+    assert seen.get("layouts", 0) == (1 if realigned else 0)  # q, k, v copied through it
     qo_h, kv_h = np.asarray(qo), np.asarray(kv)
     for r in range(len(q_lens)):
         a, b = seen["qo_a"][r], qo_h[r]

@@ -1,7 +1,7 @@
 """Ragged MHA prefill: argument checks and the entry point of the Mosaic GPU prefill kernel.
 
 `mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=..., causal=...)` runs
-`prefill_mgpu.prefill_call` on checked arguments and returns (out [Tq, H, 128], lse [Tq, H]).
+`prefill_mgpu.prefill_kernel` on checked arguments and returns (out [Tq, H, 128], lse [Tq, H]).
 `check_prefill_args` holds every static check (one home), `validate_prefill_inputs` the eager
 check of index values (also run by `mha_prefill` when the indptrs are concrete). Partial
 results over disjoint key sets combine with `merge.merge_attention_states`. Design and
@@ -19,18 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcmla.attention.pallas.prefill_mgpu import (
-    BLOCK_Q,
     HEAD_DIM,
     V_HEAD_DIM,
     MgpuPrefillConfig,
-    first_slots,
-    prefill_call,
+    prefill_kernel,
+    tile_schedule,
+)
+from funcmla.attention.pallas.prefill_layout import (
+    ROW_ALIGN,
+    lse_columns,
+    prefill_geometry,
+    prefill_layout,
 )
 from funcmla.attention.kv_quant import is_fp8_kv, one_scale
 from funcmla.checks import check_indptr
 from funcmla.guards import EAGER
 from funcmla.layout import expect_index_array
-from funcmla.segments import segment_positions
 
 __all__ = ["mha_prefill", "check_prefill_args", "validate_prefill_inputs", "HEAD_DIMS"]
 
@@ -144,13 +148,6 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
                         causal=causal, config=config, interpret=interpret, realign=realign)
 
 
-# Mosaic GPU copies q / k / v tiles into 8-row-tiled shared memory by TMA over the tensor
-# viewed as 8-row tiles, so a tile must start on a multiple of 8 rows: a start in the middle
-# of an 8-row group reads the wrong rows. Requests whose rows do not all start so are copied
-# into a layout where each request's rows start on a multiple of 8 (`_realigned`).
-ROW_ALIGN = 8
-
-
 def _starts_aligned(qo_indptr, kv_indptr) -> bool:
     """Every q tile (including the rows past qo_indptr[-1]) and every K/V tile starts on a
     multiple of ROW_ALIGN rows."""
@@ -167,36 +164,31 @@ def _mha_prefill(q, k, v, qo_indptr, kv_indptr, scales=(None, None, None), *, sm
     tk = k.shape[0]
     if tq == 0:
         return (jnp.zeros((0, h, V_HEAD_DIM), q.dtype), jnp.zeros((0, h), jnp.float32))
-    # Rows past qo_indptr[-1] form one more request with no keys: the kernel writes their out
-    # 0 and lse +inf itself (no pass over the output).
-    qo = jnp.concatenate([qo_indptr, jnp.array([tq], jnp.int32)])
-    kv = jnp.concatenate([kv_indptr, kv_indptr[-1:]])
-    b = qo.shape[0] - 1
-    # A TMA box must fit its tensor's extent, and the tiled copy needs the row count to be a
-    # multiple of 8: other sizes are padded. The interpreter clamps a slice that runs past
-    # the end (shifting its rows), so there each tensor gets a tile of spare rows.
-    q_rows = tq + (ROW_ALIGN - 1) * b if realign else tq
-    kv_rows = tk + (ROW_ALIGN - 1) * b if realign else tk
-    q_rows = q_rows + BLOCK_Q if interpret else max(_round_up(q_rows, ROW_ALIGN), BLOCK_Q)
-    kv_rows = (kv_rows + config.block_kv if interpret
-               else max(_round_up(kv_rows, ROW_ALIGN), config.block_kv))
+    geometry = prefill_geometry(tq, tk, qo_indptr.shape[0] - 1, block_kv=config.block_kv,
+                                interpret=interpret, realign=realign)
     if realign:
-        qo_a, kv_a = _aligned_indptr(qo), _aligned_indptr(kv)
-        qp = _realigned(q, qo, qo_a, q_rows)
-        kp, vp = _realigned(k, kv, kv_a, kv_rows), _realigned(v, kv, kv_a, kv_rows)
+        lay = prefill_layout(qo_indptr, kv_indptr, tq, tk, geometry)
+        operands = lay[:6]  # starts, lengths, tile schedule
+        qp = q[lay.q_src]
+        kp, vp = ((x[lay.kv_src] if tk else jnp.zeros((geometry.kv_rows,) + x.shape[1:],
+                                                      x.dtype)) for x in (k, v))
     else:
-        qo_a, kv_a = qo, kv
-        qp, kp, vp = _pad_rows(q, q_rows), _pad_rows(k, kv_rows), _pad_rows(v, kv_rows)
-    out, lse_tiles, _ = prefill_call(qp, kp, vp, qo_a, kv_a, sm_scale=sm_scale, causal=causal,
-                                     config=config, q_lens=qo[1:] - qo[:-1],
-                                     kv_lens=kv[1:] - kv[:-1], interpret=interpret)
+        # Every request starts on a multiple of 8 already: the tensors only get the rows a
+        # TMA box needs. Rows past qo_indptr[-1] form one more request with no keys: the
+        # kernel writes their out 0 and lse +inf itself.
+        qo = jnp.concatenate([qo_indptr, jnp.array([tq], jnp.int32)])
+        kv = jnp.concatenate([kv_indptr, kv_indptr[-1:]])
+        operands = (qo, kv, qo[1:] - qo[:-1], kv[1:] - kv[:-1],
+                    *tile_schedule(qo, geometry.num_slots))
+        qp = _pad_rows(q, geometry.q_rows)
+        kp, vp = _pad_rows(k, geometry.kv_rows), _pad_rows(v, geometry.kv_rows)
+    kernel = prefill_kernel(geometry.q_rows, h, geometry.num_reqs, q.dtype, sm_scale=sm_scale,
+                            causal=causal, config=config, interpret=interpret)
+    out, lse_tiles = kernel(*operands, qp, kp, vp)
+    lse_tiles = lse_tiles.reshape(h, -1)
     if realign:
-        row, j, _ = segment_positions(qo, tq)
-        out = out[qo_a[row] + j]
-    else:
-        out = out[:tq]
-    # the q tile slots depend on the requests' lengths only, the same in both layouts
-    return out, _gather_lse(lse_tiles, qo, tq)
+        return out[lay.out_rows], lse_tiles[:, lay.lse_cols].T
+    return out[:tq], lse_tiles[:, lse_columns(qo, tq)].T
 
 
 def _dequantized(x, scale):
@@ -208,43 +200,7 @@ def _dequantized(x, scale):
     return (y if scale is None else y * scale[0]).astype(jnp.bfloat16)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _aligned_indptr(indptr):
-    """Request starts on multiples of ROW_ALIGN: the CSR of the lengths rounded up to it (the
-    kernel takes the true lengths apart, `prefill_call(q_lens=, kv_lens=)`)."""
-    lens = indptr[1:] - indptr[:-1]
-    padded = (lens + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded, dtype=jnp.int32)])
-
-
-def _realigned(x, indptr, aligned, rows: int):
-    """x [T, H, D] copied to [rows, H, D] in the layout of `aligned` (`_aligned_indptr`). The
-    rows between requests repeat an in-bounds row: the kernel masks their keys, zeroes their V
-    and never stores their queries."""
-    t = x.shape[0]
-    if t == 0:
-        return jnp.zeros((rows,) + x.shape[1:], x.dtype)
-    d = jnp.arange(rows, dtype=jnp.int32)
-    req = jnp.clip(jnp.searchsorted(aligned[1:], d, side="right"), 0,
-                   indptr.shape[0] - 2).astype(jnp.int32)
-    j = d - aligned[req]
-    src = jnp.where(j < indptr[req + 1] - indptr[req], indptr[req] + j, 0)
-    return x[jnp.clip(src, 0, t - 1)]
-
-
 def _pad_rows(x, rows: int):
     if x.shape[0] >= rows:
         return x
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))
-
-
-def _gather_lse(lse_tiles, qo, tq: int):
-    """lse [Tq, H] from the kernel's per-tile-slot lse [H, N, 2, 64] (`tile_schedule`'s slot
-    of each row: its request's first slot + its row // 128)."""
-    h, n = lse_tiles.shape[:2]
-    row, j, _ = segment_positions(qo, tq)
-    flat = (first_slots(qo)[row] + j // BLOCK_Q) * BLOCK_Q + j % BLOCK_Q
-    return lse_tiles.reshape(h, n * BLOCK_Q)[:, flat].T

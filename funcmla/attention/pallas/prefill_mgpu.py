@@ -28,7 +28,7 @@ Outputs: out [Tq, H, 128] (q's dtype), stored row-exactly; lse per tile slot [H,
 GPU launches the last axis fastest, so the q tiles of one head run side by side and share that
 head's K/V through L2; slots are walked last to first, so a request's longest (causal) tiles
 start first. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode. Arguments are checked
-by `funcmla.attention.pallas.prefill`, which calls `prefill_call`.
+by `funcmla.attention.pallas.prefill`, which calls `prefill_kernel`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from funcmla.attention.pallas.decode_mgpu import (
     _mma_acc_and,
 )
 
-__all__ = ["MgpuPrefillConfig", "prefill_call", "tile_schedule", "first_slots", "BLOCK_Q",
+__all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots",
+           "tile_schedule", "first_slots", "BLOCK_Q",
            "HEAD_DIM", "V_HEAD_DIM", "SMEM_BYTES"]
 
 _LOG2E = 1.4426950408889634
@@ -345,29 +346,26 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         pl.when(live & (wg == w))(functools.partial(consumer, w))
 
 
-def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
-                 kv_indptr: jax.Array, *, sm_scale: float, causal: bool,
-                 config: MgpuPrefillConfig = MgpuPrefillConfig(),
-                 q_lens: jax.Array | None = None, kv_lens: jax.Array | None = None,
-                 interpret=False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The Mosaic GPU pallas call on checked arguments (`prefill.check_prefill_args`): q
-    [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128], every request inside the tensors, at least
-    one row each. Returns out [Tq, H, 128] (q's dtype, rows of no request unwritten), lse per
-    tile slot f32 [H, N, 2, 64], and the schedule's first row per slot (`tile_schedule`).
-    q_lens / kv_lens: int32 [B] request lengths where the indptrs hold starts only (rows
-    laid out with gaps, `prefill._realigned`); default: the indptrs' differences. A request's
-    tile count is the same for its length rounded up to a multiple of 8, so the schedule may
-    come from either. `interpret`: False, True, or Pallas's GPU interpreter parameters."""
-    tq, h, _ = q.shape
-    b = qo_indptr.shape[0] - 1
-    num_slots = -(-tq // BLOCK_Q) + b
-    req, first = tile_schedule(qo_indptr, num_slots)
+def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
+                   sm_scale: float, causal: bool,
+                   config: MgpuPrefillConfig = MgpuPrefillConfig(), interpret=False):
+    """The Mosaic GPU pallas call for static shapes, as a function of its nine operands:
 
+        (qo_indptr, kv_indptr int32 [R + 1] (request starts), q_lens, kv_lens int32 [R],
+         tile_req, tile_first int32 [N] (`tile_schedule`), q [q_rows, H, 192],
+         k [kv_rows, H, 192], v [kv_rows, H, 128]) -> (out [q_rows, H, 128] (dtype; rows of
+         no request unwritten), lse per tile slot f32 [H, N, 2, 64])
+
+    with R = num_reqs, N = `num_tile_slots(q_rows, num_reqs)` and any kv_rows (a multiple of
+    8 and at least block_kv on a GPU). `prefill.mha_prefill` builds the operands from token
+    CSRs (`prefill_layout`); the torch launcher (`funcmla.interop.launcher.prefill`) lowers
+    this function alone, so every kernel operand is one of its inputs."""
+    num_slots = num_tile_slots(q_rows, num_reqs)
     bkv, ns = config.block_kv, config.num_stages
     tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
     swizzle = plgpu.SwizzleTransform(_SWIZZLE)
-    q_half = plgpu.SMEM((ROWS, HEAD_DIM), q.dtype, transforms=(tiling, swizzle))
-    o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), q.dtype)
+    q_half = plgpu.SMEM((ROWS, HEAD_DIM), dtype, transforms=(tiling, swizzle))
+    o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype)
     lse_half = plgpu.SMEM((ROWS,), jnp.float32)
     if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
         q_or_out = [(q_half, o_half) for _ in range(2)]
@@ -379,8 +377,8 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         *q_or_out,
         lse_half,
         lse_half,
-        plgpu.SMEM((ns, bkv, HEAD_DIM), q.dtype, transforms=(tiling, swizzle)),
-        plgpu.SMEM((ns, bkv, V_HEAD_DIM), q.dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((ns, bkv, HEAD_DIM), dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((ns, bkv, V_HEAD_DIM), dtype, transforms=(tiling, swizzle)),
         plgpu.Barrier(num_barriers=2),                    # q half w landed
         plgpu.Barrier(num_barriers=ns),                   # K stage filled
         plgpu.Barrier(num_barriers=ns),                   # V stage filled
@@ -392,15 +390,14 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     kernel = functools.partial(
         _kernel, causal=causal, block_kv=bkv, num_stages=ns, num_slots=num_slots,
         scale_log2=float(sm_scale) * _LOG2E, cfg=config, interpret=interpret)
-
-    call = plgpu.kernel(
+    return plgpu.kernel(
         lambda *refs: kernel(*refs[:11], refs[11:]),
-        out_type=(jax.ShapeDtypeStruct((tq, h, V_HEAD_DIM), q.dtype),
-                  jax.ShapeDtypeStruct((h, num_slots, 2, ROWS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((q_rows, heads, V_HEAD_DIM), dtype),
+                  jax.ShapeDtypeStruct((heads, num_slots, 2, ROWS), jnp.float32)),
         scratch_types=scratch,
         # The q tiles of one head are launched back to back (Pallas's last grid axis varies
         # fastest), so they stream that head's K/V tiles at about the same time from L2.
-        grid=(h, num_slots),
+        grid=(heads, num_slots),
         grid_names=("h", "tile"),
         num_threads=3,
         thread_name="wg",
@@ -410,9 +407,9 @@ def prefill_call(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
                      + ("_pingpong" if config.pingpong else "")),
     )
-    if q_lens is None:
-        q_lens = qo_indptr[1:] - qo_indptr[:-1]
-    if kv_lens is None:
-        kv_lens = kv_indptr[1:] - kv_indptr[:-1]
-    out, lse_tiles = call(qo_indptr, kv_indptr, q_lens, kv_lens, req, first, q, k, v)
-    return out, lse_tiles, first
+
+
+def num_tile_slots(q_rows: int, num_reqs: int) -> int:
+    """Tile slots of the static schedule: ceil(q_rows / 128) + R covers any split of q_rows
+    rows into R requests (each request's last tile may be partial)."""
+    return -(-q_rows // BLOCK_Q) + num_reqs
