@@ -70,3 +70,25 @@ def fp8_config(h: int, page_size: int, b: int = 4, ctx: int = 256, **kw):
     return L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=b * ctx + 4 * page_size,
                                 kv_capacity=b * ctx // page_size, sm_scale=SCALE,
                                 page_size=page_size, kv_dtype=FP8, **kw)
+
+
+def gpu_reason() -> str | None:
+    """None where the launcher's GPU tests can run (CUDA torch, a JAX GPU, the launcher)."""
+    import jax
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA torch"
+    if jax.devices()[0].platform != "gpu":
+        return "JAX has no GPU"
+    return L.launcher_unavailable_reason()
+
+
+needs_gpu = pytest.mark.skipif(gpu_reason() is not None, reason=str(gpu_reason()))
+
+
+def bits(t):
+    """A bf16 / float32 torch tensor's bits, for bit-identity checks."""
+    import torch
+
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)

@@ -14,19 +14,11 @@ import torch
 
 from funcmla.interop import launcher as L
 from funcmla.layout import PageTable
-from tests.launcher_helpers import SCALE, fp8_config
+from tests.launcher_helpers import SCALE, bits, fp8_config, needs_gpu
 
 
 # ----------------------------------------------------------------------------- GPU
-def _gpu_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA torch"
-    if jax.devices()[0].platform != "gpu":
-        return "JAX has no GPU"
-    return L.launcher_unavailable_reason()
-
-
-gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+gpu = needs_gpu
 
 
 def _gpu_batch(cfg, seed):
@@ -69,10 +61,6 @@ def _jax_path(cfg, q, kv, x, y, **scales):
     return torch.from_dlpack(out), torch.from_dlpack(lse)
 
 
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,h,s_q,splits,page_size,kernel", [
@@ -101,13 +89,13 @@ def test_gpu_bit_identical_to_jax(b, h, s_q, splits, page_size, kernel):
         assert float((o - r).norm() / r.norm()) < 1e-2
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
         pytest.xfail(f"launcher on the {lau.decode.route!r} route: not bit-identical by design")
-    assert torch.equal(_bits(out), _bits(ref_out))
-    assert torch.equal(_bits(lse), _bits(ref_lse))
+    assert torch.equal(bits(out), bits(ref_out))
+    assert torch.equal(bits(lse), bits(ref_lse))
     if page_size == 1:
         out3, _ = L.torch_decode(q, kv, x, y, sm_scale=SCALE, s_q=s_q, max_kv_len=512,
                                  num_splits=splits)
         torch.cuda.synchronize()
-        assert torch.equal(_bits(out3), _bits(out))
+        assert torch.equal(bits(out3), bits(out))
 
 
 @gpu
@@ -144,8 +132,8 @@ def test_gpu_graph_replay_runs_the_kernels_on_new_data(h, b):
     for i in range(layers):
         ro, rl = lau(qs[i], kv, indptr, indices)
         torch.cuda.synchronize()
-        assert torch.equal(_bits(outs[i]), _bits(ro))
-        assert torch.equal(_bits(lses[i]), _bits(rl))
+        assert torch.equal(bits(outs[i]), bits(ro))
+        assert torch.equal(bits(lses[i]), bits(rl))
 
 
 @gpu
@@ -252,11 +240,11 @@ def test_gpu_fp8_bit_identical_to_jax(h, page_size, form):
     ref_out, ref_lse = _jax_path(cfg, q, kv, x, y, k_scale=_K, v_scale=_V)
     torch.cuda.synchronize()
     _fp8_routes_ok(lau, out, ref_out)
-    assert torch.equal(_bits(out), _bits(ref_out))
-    assert torch.equal(_bits(lse), _bits(ref_lse))
+    assert torch.equal(bits(out), bits(ref_out))
+    assert torch.equal(bits(lse), bits(ref_lse))
     unscaled, _ = lau(q, kv, x, y)  # k_scale 1, v_scale 1: another result
     torch.cuda.synchronize()
-    assert not torch.equal(_bits(unscaled), _bits(out))
+    assert not torch.equal(bits(unscaled), bits(out))
     tk, tv = _fp8_scales("tensor", q.device)
     if page_size == 1:
         out2, lse2 = L.torch_decode(q, kv, x, y, sm_scale=SCALE, max_kv_len=512, k_scale=tk,
@@ -266,7 +254,7 @@ def test_gpu_fp8_bit_identical_to_jax(h, page_size, form):
         out2, lse2 = torch.ops.funcmla.mla_decode(q, kv, x, y, SCALE, 1, page_size, 0, 0, 512,
                                                   tk, tv)
     torch.cuda.synchronize()
-    assert torch.equal(_bits(out2), _bits(out)) and torch.equal(_bits(lse2), _bits(lse))
+    assert torch.equal(bits(out2), bits(out)) and torch.equal(bits(lse2), bits(lse))
 
 
 @gpu
@@ -311,12 +299,12 @@ def test_gpu_fp8_graph_replay_equals_uncaptured_calls(h, page_size):
         for i, (k, v) in enumerate(scales):
             ro, rl = lau(qs[i], kv, x, y, k_scale=k, v_scale=v)
             torch.cuda.synchronize()
-            assert torch.equal(_bits(outs[i]), _bits(ro)), (step, i)
-            assert torch.equal(_bits(lses[i]), _bits(rl)), (step, i)
+            assert torch.equal(bits(outs[i]), bits(ro)), (step, i)
+            assert torch.equal(bits(lses[i]), bits(rl)), (step, i)
         jo, jl = _jax_path(cfg, qs[0], kv, x, y, k_scale=0.5, v_scale=2.0)
         torch.cuda.synchronize()
         _fp8_routes_ok(lau, outs[0], jo)
-        assert torch.equal(_bits(outs[0]), _bits(jo)) and torch.equal(_bits(lses[0]), _bits(jl))
+        assert torch.equal(bits(outs[0]), bits(jo)) and torch.equal(bits(lses[0]), bits(jl))
 
 
 @gpu
@@ -360,7 +348,7 @@ def test_gpu_fp8_misuse_refused_before_launch():
     g.replay()
     ref, _ = lau(q, kv, x, y, k_scale=0.5)
     torch.cuda.synchronize()
-    assert torch.equal(_bits(out), _bits(ref))  # the graph holds the one good call
+    assert torch.equal(bits(out), bits(ref))  # the graph holds the one good call
 
 
 @gpu

@@ -1,4 +1,4 @@
-"""funcmla's Pallas decode kernels as torch ops: compiled once, launched on torch's current stream.
+"""funcmla's Pallas kernels as torch ops: compiled once, launched on torch's current stream.
 
 The launcher runs the kernels `mla_decode` runs for the same shapes (its auto dispatch: the Mosaic
 GPU kernel where it applies, else the Triton-lowered one, plus the merge kernel when the KV is
@@ -17,6 +17,9 @@ Modules, in the order a launcher is built:
   checks       `TensorSpec`: what each tensor must be.
   scales       an fp8 pool's k_scale / v_scale: tensors by pointer, floats as device copies.
   decode       `DecodeLauncher` / `PagedDecodeLauncher`: the launch program and its checks.
+  prefill      `PrefillLauncher` / `torch_mha_prefill`: `mha_prefill`'s Mosaic GPU kernel for
+               every batch within a configuration's capacities (prefill_layout: its
+               realigned layout in torch ops).
   torch_entry  `torch_decode` and the torch op `torch.ops.funcmla.mla_decode`.
   support      the jaxlib versions the extraction was tested on.
 """
@@ -29,12 +32,8 @@ from funcmla.interop.launcher.compile import (
     kernel_route,
     ptx_entry_params,
 )
-from funcmla.interop.launcher.decode import (
-    DecodeLauncher,
-    PagedDecodeLauncher,
-    decode_launcher,
-    launcher_unavailable_reason,
-)
+from funcmla.interop.launcher.decode import DecodeLauncher, PagedDecodeLauncher, decode_launcher
+from funcmla.interop.launcher.device import launcher_unavailable_reason
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.extract import (
     MosaicCall,
@@ -48,6 +47,17 @@ from funcmla.interop.launcher.extract import (
 from funcmla.interop.launcher.load import LoadedKernel
 from funcmla.interop.launcher.mosaic import MosaicKernel
 from funcmla.interop.launcher.plan import DecodeLaunchConfig, DecodePlan, decode_plan
+from funcmla.interop.launcher.prefill import (
+    PrefillLaunchConfig,
+    PrefillLauncher,
+    PrefillPlan,
+    PrefillStep,
+    prefill_batch_capacity,
+    prefill_capacity,
+    prefill_launcher,
+    prefill_plan,
+    torch_mha_prefill,
+)
 from funcmla.interop.launcher.scales import FloatScales, ScaleOperands
 from funcmla.interop.launcher.support import TESTED_JAXLIB, jaxlib_unsupported_reason
 from funcmla.interop.launcher.torch_entry import (
@@ -88,6 +98,15 @@ __all__ = [
     "torch_decode_launcher",
     "torch_decode_unsupported_reason",
     "register_torch_ops",
+    "PrefillLaunchConfig",
+    "PrefillLauncher",
+    "PrefillPlan",
+    "PrefillStep",
+    "prefill_plan",
+    "prefill_launcher",
+    "prefill_capacity",
+    "prefill_batch_capacity",
+    "torch_mha_prefill",
     "TESTED_JAXLIB",
     "jaxlib_unsupported_reason",
 ]

@@ -9,35 +9,17 @@ from typing import Callable
 
 from funcmla.interop.launcher.checks import TensorSpec
 from funcmla.interop.launcher.compile import compile_plan
+from funcmla.interop.launcher.device import (
+    cuda_device_index,
+    current_raw_stream_fn,
+    launcher_unavailable_reason,
+)
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.load import LoadedKernel
 from funcmla.interop.launcher.extract import MosaicCall
 from funcmla.interop.launcher.mosaic import MosaicKernel
 from funcmla.interop.launcher.plan import DecodeLaunchConfig, DecodePlan, decode_plan
 from funcmla.interop.launcher.scales import ScaleOperands
-from funcmla.interop.launcher.support import jaxlib_unsupported_reason
-
-
-def launcher_unavailable_reason(device=None) -> str | None:
-    """None if the launcher can run on `device` (default: torch's current CUDA device)."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "torch has no CUDA device"
-    why = jaxlib_unsupported_reason()
-    if why is not None:
-        return why
-    if getattr(torch.version, "hip", None):
-        return "torch runs on ROCm; the launcher targets NVIDIA GPUs"
-    try:
-        from funcmla.interop import _cuda_driver
-
-        _cuda_driver.driver()
-    except Exception as err:  # noqa: BLE001 - report any reason
-        return f"CUDA driver API unavailable ({err})"
-    return None
 
 
 # Pointer slots of a decode program (interop/_launch.py). Per call: the two index tensors in
@@ -135,7 +117,7 @@ class _DecodeLauncherBase:
         self._hot = (p.pack, p.buffer, (1 << len(kernels)) - 1, p.run, p.ref)
         self._lock = threading.Lock()
         self._empty = torch.empty
-        self._stream = stream_fn or _current_raw_stream_fn(torch)
+        self._stream = stream_fn or current_raw_stream_fn(torch)
         self._specs_setup(torch, tdt, device_index)
         self._checked_hot = None
         self.checks = self._enable_c_checks(torch)
@@ -402,14 +384,6 @@ class PagedDecodeLauncher(_DecodeLauncherBase):
         return self._call(q, kv_pool, page_table, lengths, out, lse, k_scale, v_scale)
 
 
-def _current_raw_stream_fn(torch):
-    """device index -> torch's current CUDA stream handle (an int), cheaply."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw
-    return lambda index: torch.cuda.current_stream(index).cuda_stream
-
-
 _LAUNCHERS: dict[tuple[DecodeLaunchConfig, int], _DecodeLauncherBase] = {}
 _LAUNCHERS_LOCK = threading.Lock()
 
@@ -420,15 +394,7 @@ def decode_launcher(config: DecodeLaunchConfig, device=None):
     `DecodeLauncher` for page_size 1, else a `PagedDecodeLauncher`."""
     import torch
 
-    if device is None:
-        index = torch.cuda.current_device()
-    elif isinstance(device, int):
-        index = device
-    else:
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise LauncherUnavailable(f"the launcher runs on CUDA devices, got {device}")
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_device_index(device)
     key = (config, index)
     with _LAUNCHERS_LOCK:
         launcher = _LAUNCHERS.get(key)

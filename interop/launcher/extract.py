@@ -178,7 +178,7 @@ def _mosaic_kernel_name(module: bytes) -> str:
     """The kernel's name as the module spells it (`mosaic_gpu.kernel_name`-like symbols are
     bytecode strings; the first identifier ending in the Pallas name is good enough for
     messages); "mosaic_gpu" when none is found."""
-    names = re.findall(rb"mla_decode\w*|funcmla_\w+", module)
+    names = re.findall(rb"mla_decode\w*|mha_prefill\w*|funcmla_\w+", module)
     return names[0].decode() if names else "mosaic_gpu"
 
 

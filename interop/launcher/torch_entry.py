@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from funcmla.attention.pallas import DecodeKernelConfig
-from funcmla.interop.launcher.decode import decode_launcher, launcher_unavailable_reason
+from funcmla.interop.launcher.decode import decode_launcher
+from funcmla.interop.launcher.device import launcher_unavailable_reason
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.plan import DecodeLaunchConfig
 

@@ -1,0 +1,134 @@
+"""Bad inputs of the torch prefill launcher (`funcmla.interop.launcher.prefill`): a wrong tensor,
+a batch over the launcher's capacities or a step of other shapes raises `LauncherArgumentError`
+naming the argument before anything runs; a bad configuration raises ValueError naming the field.
+
+The call cases run a launcher built on the CPU with a stand-in kernel whose host function
+records its calls in HOST_CALLS (tests/test_launcher_prefill.py checks that none ran)."""
+
+from __future__ import annotations
+
+import functools
+
+from tests.bad_input import BadInput
+
+HOST_CALLS: list = []
+_CFG = dict(num_heads=2, q_capacity=128, kv_capacity=128, batch=2, sm_scale=0.125)
+
+
+@functools.lru_cache(maxsize=1)
+def _launcher():
+    """(launcher, good inputs): 2 heads, 2 requests of 8 / 8 queries over 8 / 16 keys."""
+    import ctypes
+
+    import torch
+
+    from funcmla.interop import _launch
+    from funcmla.interop.launcher import PrefillLauncher, PrefillLaunchConfig, prefill_plan
+
+    class Kernel:
+        def __init__(self, call, index):
+            self.call, self.function, self.host_abi = call, 0x1000, _launch.HOST_ABI_DIRECT
+            self.num_params = len(call.operands) + len(call.results)
+            self.grid, self.block, self.shared_mem_bytes = (0, 0, 0), (0, 0, 0), 0
+            self._cb = _launch._HOST_FN[self.host_abi](lambda *a: HOST_CALLS.append(a))
+            self.host = ctypes.cast(self._cb, ctypes.c_void_p).value
+
+        def info(self):
+            return {"name": self.call.name}
+
+    nop = _launch.launch_function_type(lambda *a: 0)
+    lau = PrefillLauncher(prefill_plan(PrefillLaunchConfig(**_CFG)), "cpu",
+                          kernel_factory=Kernel, stream_fn=lambda i: 0,
+                          launch_address=ctypes.cast(nop, ctypes.c_void_p).value, native=False)
+    lau._keep = nop
+    bf = torch.bfloat16
+    good = dict(q=torch.zeros(19, 2, 192, dtype=bf), k=torch.zeros(29, 2, 192, dtype=bf),
+                v=torch.zeros(29, 2, 128, dtype=bf),
+                qo=torch.tensor([0, 8, 16], dtype=torch.int32),
+                kv=torch.tensor([0, 8, 24], dtype=torch.int32), out=None, step=None)
+    return lau, good
+
+
+def _call(**bad):
+    """The launcher called with its good inputs, `bad` replacing some (values: functions of
+    the good inputs and the launcher)."""
+    lau, good = _launcher()
+    both = bad.pop("with_csrs", False)
+    args = {**good, **{name: fn(good, lau) for name, fn in bad.items()}}
+    if "step" in bad and not both:  # a step replaces the CSRs
+        args["qo"] = args["kv"] = None
+    return lau(args["q"], args["k"], args["v"], args["qo"], args["kv"], step=args["step"],
+               out=args["out"])
+
+
+def _torch(fn):
+    def make(good, lau):
+        import torch
+
+        return fn(torch, good)
+
+    return make
+
+
+def _err():
+    from funcmla.interop.launcher import LauncherArgumentError
+
+    return LauncherArgumentError
+
+
+def _case(name, bad, match):
+    return BadInput(f"launcher_prefill.call_{name}", lambda: _call(**bad), _err(), match,
+                    needs=("torch",))
+
+
+def _config(**kw):
+    from funcmla.interop.launcher import PrefillLaunchConfig
+
+    return PrefillLaunchConfig(**{**_CFG, **kw})
+
+
+_BOTH = {"step": lambda g, lau: lau.layout(g["qo"], g["kv"], 19, 29), "with_csrs": True}
+
+
+def _other_step(good, lau):
+    return lau.layout(good["qo"], good["kv"], 18, 29)
+
+
+CASES: list[BadInput] = [
+    _case("q_dtype", {"q": lambda g, _: g["q"].float()},
+          (r"\bq must be torch.bfloat16", r"got torch.float32")),
+    _case("k_heads", {"k": lambda g, _: g["k"][:, :1]},
+          (r"\bk has shape \[29, 1, 192\]", r"takes \[T, 2, 192\]")),
+    _case("v_head_dim", {"v": _torch(lambda torch, g: torch.zeros(29, 2, 192,
+                                                                  dtype=torch.bfloat16))},
+          (r"\bv has shape \[29, 2, 192\]", r"takes \[T, 2, 128\]")),
+    _case("kv_rows", {"v": lambda g, _: g["v"][:-1]}, (r"\bk has 29 rows and v 28",)),
+    _case("q_capacity", {"q": _torch(lambda torch, g: torch.zeros(130, 2, 192,
+                                                                  dtype=torch.bfloat16))},
+          (r"num_q \(q rows\) = 130", r"\[0, 128\]")),
+    _case("batch", {"qo": _torch(lambda torch, g: torch.arange(4, dtype=torch.int32)),
+                    "kv": _torch(lambda torch, g: torch.arange(4, dtype=torch.int32))},
+          (r"qo_indptr has shape \[4\]", r"batch = 2")),
+    _case("indptr_dtype", {"kv": lambda g, _: g["kv"].long()},
+          (r"kv_indptr must be torch.int32", r"got torch.int64")),
+    _case("indptr_shapes", {"kv": lambda g, _: g["kv"][:2]},
+          (r"qo_indptr \[3\] and kv_indptr \[2\]", r"\[B \+ 1\] for one B")),
+    _case("not_a_tensor", {"qo": lambda g, _: g["qo"].numpy()},
+          (r"qo_indptr must be a torch.Tensor", r"got ndarray")),
+    _case("out_shape", {"out": _torch(lambda torch, g: torch.zeros(18, 2, 128,
+                                                                   dtype=torch.bfloat16))},
+          (r"\bout must be a contiguous \[19, 2, 128\]", r"got \[18, 2, 128\]")),
+    _case("step_shapes", {"step": _other_step},
+          (r"step must be this launcher's layout for 19 q rows and 29 k / v rows",
+           r"a layout for 18 / 29 rows")),
+    _case("step_and_indptrs", _BOTH,
+          (r"or step=, not both",)),
+    _case("no_indptrs", {"qo": lambda g, _: None},
+          (r"pass qo_indptr and kv_indptr", r"or step=")),
+    BadInput("launcher_prefill.config_heads", lambda: _config(num_heads=0), ValueError,
+             (r"PrefillLaunchConfig.num_heads", r"int >= 1, got 0")),
+    BadInput("launcher_prefill.config_sm_scale", lambda: _config(sm_scale=-1.0), ValueError,
+             (r"PrefillLaunchConfig.sm_scale=-1.0", r"positive finite")),
+    BadInput("launcher_prefill.config_kernel", lambda: _config(kernel="fast"), ValueError,
+             (r"PrefillLaunchConfig.kernel", r"got str")),
+]
