@@ -13,9 +13,11 @@ MHA cases (q / k [T, H, 192], v [T, H, 128], bf16):
 Baselines: JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`,
 v padded to 192, the padding's columns dropped; causal top-left = bottom-right at q_len =
 kv_len) on the batch as [B, 1k] (the requests padded to one length: here equal) and request by
-request; torch's SDPA (flash / cuDNN backends) when torch is importable. The fastest is the
-baseline. FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request
-counting half of q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
+request; torch's SDPA (flash / cuDNN backends) with --torch. The fastest is the baseline.
+With --torch each default-config row also carries the same call through the torch launcher
+(`launcher_us`: device and host time per call, bit-identity with the JAX path's out). FLOPs
+counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request counting half of
+q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
 profiler spans, each call queued behind a spin kernel so host gaps do not count); torch is
 timed with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius
 error of out against `mha_attention_reference` (float32) on two heads.
@@ -170,10 +172,29 @@ def cudnn_fn(q, k, v, qo, causal: bool, per_request: bool):
     return run
 
 
+def _torch_queued_us(torch, fn, reps: int, calls: int) -> float:
+    """Device time per call of `fn` (torch work on the current stream): the median over `reps`
+    runs of `calls` calls queued behind a sleep kernel between one CUDA-event pair."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(max(3, reps // calls)):
+        torch.cuda._sleep(20_000_000)  # ~10 ms: the calls queue behind it
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / calls)
+    return statistics.median(ts)
+
+
 def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
     """torch SDPA (flash and cuDNN backends) on the batch as [B, H, L, 192]: device time per
-    call by backend, the median over `reps` runs of `calls` calls queued behind a sleep
-    kernel between one CUDA-event pair (so the host's dispatch of each call is not timed);
+    call by backend (`_torch_queued_us`, so the host's dispatch of each call is not timed);
     {} without torch or CUDA."""
     try:
         import torch
@@ -197,26 +218,56 @@ def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
                      ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(be):
-                fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                    tq, tk, tv, is_causal=causal, scale=SM_SCALE)
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(max(3, reps // calls)):
-                    torch.cuda._sleep(20_000_000)  # ~10 ms: the calls queue behind it
-                    e0 = torch.cuda.Event(enable_timing=True)
-                    e1 = torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(calls):
-                        fn()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    ts.append(e0.elapsed_time(e1) * 1e3 / calls)
-                res[name] = statistics.median(ts)
+                res[name] = _torch_queued_us(torch, lambda: (
+                    torch.nn.functional.scaled_dot_product_attention(
+                        tq, tk, tv, is_causal=causal, scale=SM_SCALE)), reps, calls)
         except Exception as e:  # noqa: BLE001 - a backend missing here is reported, not fatal
             log(f"   {name}: {type(e).__name__}: {str(e)[:160]}")
     return res
+
+
+def launcher_us(q, k, v, qo, kv, causal: bool, jax_out, reps: int, calls: int = 5) -> dict:
+    """The same call through the torch launcher (`funcmla.interop.launcher.torch_mha_prefill`'s
+    buckets, the step's layout built once as a serving step does): device time per call
+    (`_torch_queued_us`), host time per call (the median of `calls` calls' wall time, not
+    synchronized, over `reps` runs) and whether out equals the JAX path's bit for bit; {} with
+    no torch CUDA, {"via_torch_error": why} where the launcher cannot run."""
+    try:
+        import torch
+
+        from funcmla.interop.launcher import (PrefillLaunchConfig, prefill_batch_capacity,
+                                              prefill_capacity, prefill_launcher)
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    t = [torch.from_dlpack(x) for x in (q, k, v, qo, kv)]
+    try:
+        cfg = PrefillLaunchConfig(
+            num_heads=int(q.shape[1]), q_capacity=prefill_capacity(q.shape[0]),
+            kv_capacity=prefill_capacity(k.shape[0]),
+            batch=prefill_batch_capacity(qo.shape[0] - 1), sm_scale=SM_SCALE, causal=causal)
+        lau = prefill_launcher(cfg)
+        step = lau.layout(t[3], t[4], int(q.shape[0]), int(k.shape[0]))
+        out = torch.empty(q.shape[0], q.shape[1], D_V, dtype=torch.bfloat16, device=t[0].device)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=t[0].device)
+        fn = lambda: lau(t[0], t[1], t[2], step=step, out=out, lse=lse)  # noqa: E731
+        us = _torch_queued_us(torch, fn, reps, calls)
+        host = []
+        for _ in range(max(3, reps // calls)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host.append((time.perf_counter() - t0) * 1e6 / calls)
+        torch.cuda.synchronize()
+        bitwise = bool(torch.equal(out.view(torch.int16),
+                                   torch.from_dlpack(jax_out).view(torch.int16)))
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        log(f"   via torch: {type(e).__name__}: {str(e)[:200]}")
+        return {"via_torch_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"via_torch_us": us, "via_torch_host_us": statistics.median(host),
+            "via_torch_bitwise": bitwise}
 
 
 # ----------------------------------------------------------------------------- groups
@@ -270,6 +321,8 @@ def mha_rows(args) -> list[dict]:
                                       if row["baseline_us"] else None)
             row["ratio"] = row["baseline_us"] / us if us and row["baseline_us"] else None
             row["targets"] = verdict(row)
+            if args.torch and cfg == MgpuPrefillConfig():
+                row.update(launcher_us(q, k, v, qo, kv, causal, out, args.reps))
             rows.append(row)
             log(fmt(row))
             save_partial()
@@ -366,8 +419,10 @@ def fmt(r: dict) -> str:
     ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
     base = (f"{r['baseline']} {r['baseline_us']:.1f} us" if r.get("baseline_us") else "none")
     us = f"{r['us']:10.1f} us {r['tflops']:7.1f} TFLOP/s" if r.get("us") else "no device time"
+    torch_path = (f"  via torch {r['via_torch_us']:.1f} us (host {r['via_torch_host_us']:.0f} "
+                  f"us, bitwise {r['via_torch_bitwise']})" if r.get("via_torch_us") else "")
     return (f"{r['group']:6s} {r['case']:22s} {r.get('config', ''):10s} {us}  baseline {base}  "
-            f"x{ratio}  err {r['rel_err']:.2e}  {r.get('targets', '')}")
+            f"x{ratio}  err {r['rel_err']:.2e}  {r.get('targets', '')}{torch_path}")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -406,7 +461,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="correctness shapes first")
     ap.add_argument("--sweep", action="store_true", help="every tile config of SWEEP")
-    ap.add_argument("--torch", action="store_true", help="torch SDPA baselines too")
+    ap.add_argument("--torch", action="store_true",
+                    help="torch SDPA baselines and the torch launcher's times too")
     ap.add_argument("--only", default=None, help="substring of the case names to run")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds after which no further config is started")
