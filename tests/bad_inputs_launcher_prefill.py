@@ -12,18 +12,19 @@ import functools
 from tests.bad_input import BadInput
 
 HOST_CALLS: list = []
-_CFG = dict(num_heads=2, q_capacity=128, kv_capacity=128, batch=2, sm_scale=0.125)
 
 
 @functools.lru_cache(maxsize=1)
 def _launcher():
-    """(launcher, good inputs): 2 heads, 2 requests of 8 / 8 queries over 8 / 16 keys."""
+    """(launcher, good inputs): `prefill_config`'s launcher; 2 requests of 8 / 8 queries over
+    8 / 16 keys."""
     import ctypes
 
     import torch
 
     from funcmla.interop import _launch
-    from funcmla.interop.launcher import PrefillLauncher, PrefillLaunchConfig, prefill_plan
+    from funcmla.interop.launcher import PrefillLauncher, prefill_plan
+    from tests.launcher_helpers import prefill_config
 
     class Kernel:
         def __init__(self, call, index):
@@ -37,7 +38,7 @@ def _launcher():
             return {"name": self.call.name}
 
     nop = _launch.launch_function_type(lambda *a: 0)
-    lau = PrefillLauncher(prefill_plan(PrefillLaunchConfig(**_CFG)), "cpu",
+    lau = PrefillLauncher(prefill_plan(prefill_config()), "cpu",
                           kernel_factory=Kernel, stream_fn=lambda i: 0,
                           launch_address=ctypes.cast(nop, ctypes.c_void_p).value, native=False)
     lau._keep = nop
@@ -82,9 +83,9 @@ def _case(name, bad, match):
 
 
 def _config(**kw):
-    from funcmla.interop.launcher import PrefillLaunchConfig
+    from tests.launcher_helpers import prefill_config
 
-    return PrefillLaunchConfig(**{**_CFG, **kw})
+    return prefill_config(**kw)
 
 
 _BOTH = {"step": lambda g, lau: lau.layout(g["qo"], g["kv"], 19, 29), "with_csrs": True}
@@ -103,12 +104,12 @@ CASES: list[BadInput] = [
                                                                   dtype=torch.bfloat16))},
           (r"\bv has shape \[29, 2, 192\]", r"takes \[T, 2, 128\]")),
     _case("kv_rows", {"v": lambda g, _: g["v"][:-1]}, (r"\bk has 29 rows and v 28",)),
-    _case("q_capacity", {"q": _torch(lambda torch, g: torch.zeros(130, 2, 192,
+    _case("q_capacity", {"q": _torch(lambda torch, g: torch.zeros(257, 2, 192,
                                                                   dtype=torch.bfloat16))},
-          (r"num_q \(q rows\) = 130", r"\[0, 128\]")),
-    _case("batch", {"qo": _torch(lambda torch, g: torch.arange(4, dtype=torch.int32)),
-                    "kv": _torch(lambda torch, g: torch.arange(4, dtype=torch.int32))},
-          (r"qo_indptr has shape \[4\]", r"batch = 2")),
+          (r"num_q \(q rows\) = 257", r"\[0, 256\]")),
+    _case("batch", {"qo": _torch(lambda torch, g: torch.arange(7, dtype=torch.int32)),
+                    "kv": _torch(lambda torch, g: torch.arange(7, dtype=torch.int32))},
+          (r"qo_indptr has shape \[7\]", r"batch = 5")),
     _case("indptr_dtype", {"kv": lambda g, _: g["kv"].long()},
           (r"kv_indptr must be torch.int32", r"got torch.int64")),
     _case("indptr_shapes", {"kv": lambda g, _: g["kv"][:2]},

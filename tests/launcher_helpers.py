@@ -92,3 +92,13 @@ def bits(t):
     import torch
 
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def prefill_config(**kw):
+    """The CPU prefill launcher tests' configuration (one lowering shared by the tests and the
+    bad-input battery): 2 heads, up to 256 q rows, 384 k / v rows and 5 requests."""
+    from funcmla.attention.pallas.prefill_mgpu import MgpuPrefillConfig
+
+    return L.PrefillLaunchConfig(**{**dict(num_heads=2, q_capacity=256, kv_capacity=384,
+                                           batch=5, sm_scale=0.125,
+                                           kernel=MgpuPrefillConfig(block_kv=64)), **kw})

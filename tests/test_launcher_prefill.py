@@ -30,12 +30,11 @@ from funcmla.attention.pallas.prefill_mgpu import BLOCK_Q, ROWS, MgpuPrefillConf
 from funcmla.interop import _launch
 from funcmla.interop.launcher import prefill as P
 from funcmla.interop.launcher.prefill_layout import torch_prefill_layout
-from tests.launcher_helpers import bits, needs_gpu
+from tests.launcher_helpers import bits, needs_gpu, prefill_config
 
 SCALE = 0.125
 H = 2
-CFG = P.PrefillLaunchConfig(num_heads=H, q_capacity=256, kv_capacity=384, batch=5,
-                            sm_scale=SCALE, kernel=MgpuPrefillConfig(block_kv=64))
+CFG = prefill_config()
 
 
 # ----------------------------------------------------------------------------- layout
