@@ -59,7 +59,7 @@ def _call(**bad):
     if "step" in bad and not both:  # a step replaces the CSRs
         args["qo"] = args["kv"] = None
     return lau(args["q"], args["k"], args["v"], args["qo"], args["kv"], step=args["step"],
-               out=args["out"])
+               out=args["out"], **{n: args.get(n) for n in ("q_scale", "k_scale", "v_scale")})
 
 
 def _torch(fn):
@@ -124,6 +124,20 @@ CASES: list[BadInput] = [
            r"a layout for 18 / 29 rows")),
     _case("step_and_indptrs", _BOTH,
           (r"or step=, not both",)),
+    _case("fp8_format", {"k": _torch(lambda torch, g: g["k"].to(torch.float8_e5m2))},
+          (r"\bk must be torch.bfloat16 or torch.float8_e4m3fn or torch.float8_e4m3fnuz",
+           r"got torch.float8_e5m2")),
+    _case("scale_on_bf16", {"q_scale": lambda g, _: 0.5},
+          (r"q_scale applies to an fp8 operand", r"q is torch.bfloat16")),
+    _case("scale_value", {"k": _torch(lambda torch, g: g["k"].to(torch.float8_e4m3fn)),
+                          "k_scale": lambda g, _: 0.0},
+          (r"k_scale=0.0", r"positive finite float")),
+    _case("scale_shape", {"v": _torch(lambda torch, g: g["v"].to(torch.float8_e4m3fn)),
+                          "v_scale": _torch(lambda torch, g: torch.ones(2))},
+          (r"v_scale has shape \[2\]", r"\[\] or \[1\]")),
+    _case("scale_type", {"q": _torch(lambda torch, g: g["q"].to(torch.float8_e4m3fn)),
+                         "q_scale": lambda g, _: "1.0"},
+          (r"q_scale must be a float or a float32 torch tensor", r"got str")),
     _case("no_indptrs", {"qo": lambda g, _: None},
           (r"pass qo_indptr and kv_indptr", r"or step=")),
     BadInput("launcher_prefill.config_heads", lambda: _config(num_heads=0), ValueError,

@@ -247,6 +247,31 @@ def test_full_attention_and_empty_q():
     assert out.shape == (0, H, 128) and lse.shape == (0, H)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_fp8_operands_are_dequantized_as_mha_prefill_does(dtype):
+    """fp8 q / k / v with a float, a tensor and no scale: the kernel's bf16 inputs, hence out
+    and lse, are bit-equal to those from `mha_prefill`'s own dequantization (float32
+    x * scale, one bf16 rounding) of the same bytes."""
+    from funcmla.attention.pallas.prefill import _dequantized
+
+    lau, _ = _launcher(False)
+    q, k, v, qo, kv = _batch(np.random.default_rng(11), [70, 0, 33], [100, 5, 40])
+    q8, k8, v8 = (x.float().to(dtype) for x in (q, k, v))  # NaN stays NaN (unused rows)
+    k_scale = torch.tensor([1.75])
+    out, lse = lau(q8, k8, v8, qo, kv, q_scale=0.3, k_scale=k_scale)
+
+    def jax_deq(x, scale):
+        j = jnp.asarray(x.view(torch.uint8).numpy()).view(jnp.dtype(str(dtype).split(".")[1]))
+        s = None if scale is None else jnp.asarray(np.float32(scale).reshape(1))
+        return torch.from_numpy(np.array(_dequantized(j, s).astype(jnp.float32))).to(
+            torch.bfloat16)
+
+    deq = [jax_deq(q8, 0.3), jax_deq(k8, k_scale.numpy()), jax_deq(v8, None)]
+    want_out, want_lse = _expected(*deq, qo.numpy(), kv.numpy())
+    np.testing.assert_array_equal(out.float().numpy(), want_out.astype(np.float32))
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+
+
 def test_bad_tensors_launch_nothing():
     """Every call case of the bad-input battery (tests/bad_inputs_launcher_prefill.py) raises
     before the kernel's host function runs."""

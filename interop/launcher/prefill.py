@@ -23,6 +23,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from funcmla.attention.pallas.prefill_layout import (
     PrefillGeometry,
@@ -64,8 +65,8 @@ class PrefillLaunchConfig:
     num_heads: H (q, k and v alike). q_capacity / kv_capacity: the most q rows (Tq) and k / v
     rows (Tk) a call may pass; batch: the most requests. sm_scale: the softmax scale; causal:
     bottom-right causal (True) or full attention. kernel: `MgpuPrefillConfig`, as for
-    `mha_prefill`. q, k and v are bfloat16 (fp8 operands: dequantize first, as `mha_prefill`
-    does)."""
+    `mha_prefill`. The operands' dtypes (bf16 or fp8) are per call, not part of the
+    configuration: the kernel always reads bf16."""
 
     num_heads: int
     q_capacity: int
@@ -185,10 +186,13 @@ class PrefillLauncher:
 
     layout(qo_indptr, kv_indptr, num_q, num_kv) -> PrefillStep: the step's layout (int32
     token CSRs [B + 1] on the launcher's device, B <= batch; torch ops on the current stream).
-    __call__(q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (bfloat16, any strides),
-    qo_indptr=None, kv_indptr=None, *, step=None, out=None [Tq, H, 128], lse=None [Tq, H]
-    float32) -> (out, lse): the CSRs or a step of this launcher for (Tq, Tk). Semantics are
-    `mha_prefill`'s (bottom-right causal or full; a query with no key: out 0, lse +inf).
+    __call__(q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (any strides), qo_indptr=None,
+    kv_indptr=None, *, step=None, out=None [Tq, H, 128] bf16, lse=None [Tq, H] float32,
+    q_scale=None, k_scale=None, v_scale=None) -> (out, lse): the CSRs or a step of this
+    launcher for (Tq, Tk). Each of q / k / v is bfloat16, or fp8 (float8_e4m3fn /
+    float8_e4m3fnuz) standing for float(x) * its scale (None: 1; a positive float, or a
+    float32 tensor of shape () or [1]), dequantized to bf16 as `mha_prefill` does. Semantics
+    are `mha_prefill`'s (bottom-right causal or full; a query with no key: out 0, lse +inf).
     Tensors are checked (dtype, shape, device, capacity) before anything runs; index values
     are the caller's contract (reading them needs a device sync; `validate_prefill_inputs`
     checks host copies), and any value keeps every access in bounds.
@@ -238,6 +242,7 @@ class PrefillLauncher:
         self._stream = stream_fn or current_raw_stream_fn(torch)
         self._lock = threading.Lock()
         self._torch = torch
+        self._operand_dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
     # ------------------------------------------------------------------------ per step
     def layout(self, qo_indptr, kv_indptr, num_q: int, num_kv: int) -> PrefillStep:
@@ -261,14 +266,17 @@ class PrefillLauncher:
 
     # ------------------------------------------------------------------------ per layer
     def __call__(self, q, k, v, qo_indptr=None, kv_indptr=None, *, step=None, out=None,
-                 lse=None):
+                 lse=None, q_scale=None, k_scale=None, v_scale=None):
         torch, c, g = self._torch, self.config, self.geometry
         h = c.num_heads
-        for name, x, d in (("q", q, HEAD_DIM), ("k", k, HEAD_DIM), ("v", v, V_HEAD_DIM)):
-            self._expect(name, x, torch.bfloat16)
+        scales = []
+        for name, x, d, scale in (("q", q, HEAD_DIM, q_scale), ("k", k, HEAD_DIM, k_scale),
+                                  ("v", v, V_HEAD_DIM, v_scale)):
+            self._expect(name, x, self._operand_dtypes)
             if x.ndim != 3 or x.shape[1:] != (h, d):
                 raise LauncherArgumentError(f"{name} has shape {list(x.shape)}; the launcher "
                                             f"takes [T, {h}, {d}]")
+            scales.append(self._scale(f"{name}_scale", scale, x))
         tq, tk = q.shape[0], k.shape[0]
         if v.shape[0] != tk:
             raise LauncherArgumentError(f"k has {tk} rows and v {v.shape[0]}: one k / v row "
@@ -301,10 +309,11 @@ class PrefillLauncher:
         if tq == 0:
             return out, lse
         lay = step.layout
-        qp = q.index_select(0, lay.q_src)
-        kp, vp = ((x.index_select(0, lay.kv_src) if tk else
-                   torch.zeros((g.kv_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=dev))
-                  for x in (k, v))
+        # fp8 rows are gathered as bytes, then dequantized (`_bf16`)
+        qp = _bf16(torch, q.index_select(0, lay.q_src), scales[0])
+        kp, vp = ((_bf16(torch, x.index_select(0, lay.kv_src), s) if tk else
+                   torch.zeros((g.kv_rows,) + tuple(x.shape[1:]), dtype=torch.bfloat16,
+                               device=dev)) for x, s in ((k, scales[1]), (v, scales[2])))
         out_p = torch.empty((g.q_rows, h, V_HEAD_DIM), dtype=torch.bfloat16, device=dev)
         lse_t = torch.empty((h, g.num_slots, 2, ROWS), dtype=torch.float32, device=dev)
         ptrs = [t.data_ptr() for t in (*lay[:6], qp, kp, vp, out_p, lse_t)]
@@ -321,15 +330,43 @@ class PrefillLauncher:
         return out, lse
 
     def _expect(self, name, x, dtype) -> None:
+        """x is a torch tensor of `dtype` (or one of a tuple of dtypes) on the device."""
         torch = self._torch
         if not isinstance(x, torch.Tensor):
             raise LauncherArgumentError(f"{name} must be a torch.Tensor, got "
                                         f"{type(x).__name__}")
-        if x.dtype is not dtype:
-            raise LauncherArgumentError(f"{name} must be {dtype}, got {x.dtype}")
+        if x.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+            want = " or ".join(map(str, dtype)) if isinstance(dtype, tuple) else dtype
+            raise LauncherArgumentError(f"{name} must be {want}, got {x.dtype}")
         if x.get_device() != self.device_index:
             raise LauncherArgumentError(f"{name} is on {x.device}; the launcher was built for "
                                         f"{self.device}")
+
+    def _scale(self, name: str, value, x):
+        """An fp8 operand's scale as `_bf16` applies it: None, the float32 value of a real, or
+        a float32 tensor of shape () or [1] on the device (read by the device, not checked on
+        the host: that needs a sync). A scale of a bf16 operand is an error."""
+        torch = self._torch
+        if value is None:
+            return None
+        if x.dtype is torch.bfloat16:
+            raise LauncherArgumentError(f"{name} applies to an fp8 operand; {name[0]} is "
+                                        "torch.bfloat16")
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            with np.errstate(over="ignore"):  # beyond float32: inf, refused below
+                f32 = float(np.float32(value))
+            if not (math.isfinite(f32) and f32 > 0):
+                raise LauncherArgumentError(f"{name}={value!r} must be a positive finite float "
+                                            "(as float32)")
+            return f32
+        if not isinstance(value, torch.Tensor):
+            raise LauncherArgumentError(f"{name} must be a float or a float32 torch tensor of "
+                                        f"shape () or [1], got {type(value).__name__}")
+        self._expect(name, value, torch.float32)
+        if tuple(value.shape) not in ((), (1,)):
+            raise LauncherArgumentError(f"{name} has shape {list(value.shape)}; one scale per "
+                                        "tensor: [] or [1]")
+        return value
 
     @staticmethod
     def _describe(step) -> str:
@@ -342,6 +379,17 @@ class PrefillLauncher:
         return {"config": dataclasses.asdict(self.config), "q_rows": g.q_rows,
                 "kv_rows": g.kv_rows, "num_reqs": g.num_reqs, "num_slots": g.num_slots,
                 "launch": self.program.how, "kernel": self.kernel.info()}
+
+
+def _bf16(torch, x, scale):
+    """x as the kernel's bfloat16: a bf16 x as it is; an fp8 one as float(x) * scale rounded
+    once to bf16, the float32 operations of `mha_prefill`'s dequantization (bit-equal)."""
+    if x.dtype is torch.bfloat16:
+        return x
+    y = x.float()
+    if scale is not None:
+        y.mul_(scale)
+    return y.to(torch.bfloat16)
 
 
 _LAUNCHERS: dict[tuple[PrefillLaunchConfig, int], PrefillLauncher] = {}
@@ -364,7 +412,8 @@ def prefill_launcher(config: PrefillLaunchConfig, device=None) -> PrefillLaunche
 
 
 def torch_mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale: float, causal: bool = True,
-                      kernel: MgpuPrefillConfig = MgpuPrefillConfig(), out=None, lse=None):
+                      kernel: MgpuPrefillConfig = MgpuPrefillConfig(), out=None, lse=None,
+                      q_scale=None, k_scale=None, v_scale=None):
     """`mha_prefill` on torch CUDA tensors through the launcher of the smallest buckets
     (`prefill_capacity`, `prefill_batch_capacity`) that hold q's and k's rows and the request
     count. Returns (out, lse)
@@ -382,4 +431,6 @@ def torch_mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale: float, causal:
         kv_capacity=prefill_capacity(k.shape[0]),
         batch=prefill_batch_capacity(qo_indptr.shape[0] - 1), sm_scale=float(sm_scale),
         causal=causal, kernel=kernel)
-    return prefill_launcher(config, q.device)(q, k, v, qo_indptr, kv_indptr, out=out, lse=lse)
+    return prefill_launcher(config, q.device)(q, k, v, qo_indptr, kv_indptr, out=out, lse=lse,
+                                              q_scale=q_scale, k_scale=k_scale,
+                                              v_scale=v_scale)
