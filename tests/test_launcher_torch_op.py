@@ -26,7 +26,8 @@ def _inputs(page_size: int):
 
 def test_registration_is_idempotent():
     ops = L.register_torch_ops()
-    assert L.register_torch_ops() is ops and set(ops) == {"mla_decode", "mla_decode_out"}
+    assert L.register_torch_ops() is ops and set(ops) == {"mla_decode", "mla_decode_out",
+                                                          "mha_prefill"}
     assert hasattr(torch.ops.funcmla, "mla_decode") and hasattr(torch.ops.funcmla,
                                                                 "mla_decode_out")
 
@@ -111,3 +112,32 @@ def test_fp8_scales_are_optional_tensor_arguments_of_the_ops():
     assert [str(n.target) for n in calls] == ["funcmla.mla_decode.default"]
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     assert tuple(calls[0].args[10:]) == tuple(placeholders[4:6])
+
+
+class _Prefill(torch.nn.Module):
+    def forward(self, q, k, v, qo, kv):
+        out, lse = torch.ops.funcmla.mha_prefill(q, k, v, qo, kv, SCALE, True)
+        return out.float().sum(-1), lse
+
+
+def _prefill_inputs():
+    t, tk, h = 40, 70, 16
+    return (torch.empty(t, h, 192, dtype=torch.bfloat16),
+            torch.empty(tk, h, 192, dtype=torch.float8_e4m3fn),
+            torch.empty(tk, h, 128, dtype=torch.bfloat16),
+            torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.int32))
+
+
+def test_prefill_op_exports_as_one_opaque_op_with_mha_prefill_shapes():
+    """`torch.ops.funcmla.mha_prefill`: out [Tq, H, 128] bf16 (whatever fp8 operands it
+    gets) and lse [Tq, H] float32, one node under torch.export."""
+    L.register_torch_ops()
+    with FakeTensorMode():
+        out, lse = torch.ops.funcmla.mha_prefill(*_prefill_inputs(), SCALE, False,
+                                                 k_scale=torch.ones(1))
+        assert out.shape == (40, 16, 128) and out.dtype == torch.bfloat16
+        assert lse.shape == (40, 16) and lse.dtype == torch.float32
+    ep = torch.export.export(_Prefill(), _prefill_inputs())
+    calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"
+             and "funcmla" in str(n.target)]
+    assert calls == ["funcmla.mha_prefill.default"]

@@ -1,4 +1,5 @@
-"""torch entry point: `torch_decode` keyed by tensor shapes, and the registered torch op."""
+"""torch entry points: `torch_decode` keyed by tensor shapes, and the registered torch ops
+(decode, and `torch_mha_prefill` as `torch.ops.funcmla.mha_prefill`)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def register_torch_ops() -> dict[str, object]:
     torch.ops.funcmla.mla_decode_out(q, kv_pool, index_a, index_b, out, lse, ...same) -> ()
         (writes out / lse in place)
 
+    torch.ops.funcmla.mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale, causal,
+        q_scale=None, k_scale=None, v_scale=None) -> (out, lse)  (`torch_mha_prefill`)
+
     index_a / index_b: kv_indptr / kv_indices at page_size 1, else page_table / lengths;
     max_kv_len / num_splits: 0 for None; k_scale / v_scale: an fp8 pool's scales as float32
     tensors of shape () or [1] (optional, last: calls without them are unchanged). Each has a
@@ -180,5 +184,26 @@ def register_torch_ops() -> dict[str, object]:
           num_splits, v_head_dim, k_scale=None, v_scale=None):
         return None
 
-    _REGISTERED.update(mla_decode=mla_decode_op, mla_decode_out=mla_decode_out_op)
+    @torch.library.custom_op("funcmla::mha_prefill", mutates_args=(), device_types="cuda",
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor qo_indptr, "
+                                    "Tensor kv_indptr, float sm_scale, bool causal, "
+                                    "Tensor? q_scale=None, Tensor? k_scale=None, "
+                                    "Tensor? v_scale=None) -> (Tensor, Tensor)")
+    def mha_prefill_op(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, q_scale=None,
+                       k_scale=None, v_scale=None):
+        from funcmla.interop.launcher.prefill import torch_mha_prefill
+
+        return torch_mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=sm_scale,
+                                 causal=causal, q_scale=q_scale, k_scale=k_scale,
+                                 v_scale=v_scale)
+
+    @mha_prefill_op.register_fake
+    def _(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, q_scale=None, k_scale=None,
+          v_scale=None):
+        t, h = q.shape[0], q.shape[1]
+        return (q.new_empty((t, h, v.shape[2]), dtype=torch.bfloat16),
+                q.new_empty((t, h), dtype=torch.float32))
+
+    _REGISTERED.update(mla_decode=mla_decode_op, mla_decode_out=mla_decode_out_op,
+                       mha_prefill=mha_prefill_op)
     return _REGISTERED
