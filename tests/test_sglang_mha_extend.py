@@ -155,3 +155,61 @@ def test_fp8_prefix_rows_scale_without_a_host_read(monkeypatch):
         kv = layer.kv_b_proj(lat[:, :512]).view(9, 4, 256)
     assert torch.equal(v_f, kv[..., 128:])
     assert torch.equal(k_f[..., 128:], lat[:, None, 512:].expand(9, 4, 64))
+
+
+def _reference_as_kernel(seen):
+    """A stand-in for the jitted prefill: the float32 reference on exactly the inputs the
+    backend hands the kernel (their shapes recorded in `seen`), out in bf16 as the kernel's."""
+    from funcmla.attention.reference import mha_attention_reference
+
+    def run(q, k, v, qo, kv, *, sm_scale, causal):
+        seen.append(tuple(tuple(x.shape) for x in (q, k, v, qo, kv)))
+        out, lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=sm_scale, causal=causal)
+        return out.astype(q.dtype), lse
+
+    return lambda: run
+
+
+@pytest.mark.parametrize("prefix,extends", [
+    ([0, 0, 0], ([17, 40, 30], [20, 41, 40])),   # 87 and 101 tokens: one 128-row bucket
+    ([0, 23], ([17, 1], [30, 5])),               # a prefix: 41 and 58 k / v rows, one bucket
+])
+def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
+        prefix, extends, monkeypatch):
+    """Two steps with other token counts in one bucket hand the kernel the same shapes (q / k
+    / v rows at `prefill_capacity`, CSRs at `prefill_batch_capacity` requests), so the jitted
+    prefill compiles once; the padded rows and requests change nothing (out equals the float32
+    restatement); and a layer reads no device value on the host (no sync per layer)."""
+    seen = []
+    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel(seen))
+
+    def no_host_read(*a, **k):
+        raise AssertionError("a device value was read on the host in a layer")
+
+    for extend in extends:
+        rng, b, pool, backend = _setup(7, prefix, extend, 16, attention_backend="reference")
+        backend.attention_backend = "pallas"
+        layer = _layer(4, rng)
+        t = sum(extend)
+        q, k = (torch.from_numpy(rng.standard_normal((t, 4 * 192)).astype(np.float32))
+                .bfloat16() for _ in range(2))
+        v = torch.from_numpy(rng.standard_normal((t, 4 * 128)).astype(np.float32)).bfloat16()
+        fb = _fb(ForwardMode.EXTEND, b, extend)
+        backend.init_forward_metadata(fb)
+        with monkeypatch.context() as m:
+            for name in ("__int__", "__bool__", "__index__", "item", "tolist"):
+                m.setattr(torch.Tensor, name, no_host_read)
+            m.setattr(torch, "equal", no_host_read)
+            out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+        assert backend.last_backend == "pallas" and out.shape == (t, 4 * 128)
+        if any(prefix):
+            ks, vs = _decompressed(b, pool, layer, prefix, extend)
+        else:
+            ends = np.cumsum([0] + extend)
+            ks = [k.view(t, 4, 192)[a:e] for a, e in zip(ends[:-1], ends[1:])]
+            vs = [v.view(t, 4, 128)[a:e] for a, e in zip(ends[:-1], ends[1:])]
+        want = _torch_reference(q.view(t, 4, 192), ks, vs, prefix, extend)
+        assert rel_err(out.view(t, 4, 128), want) < 8e-3
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+    (qs, ks_, vs_, qos, kvs), = set(seen)
+    assert qs[0] == 128 and qos == kvs == (9,)  # 8 requests + 1

@@ -28,6 +28,8 @@ import numpy as np
 from funcmla.attention.pallas.prefill_layout import (
     PrefillGeometry,
     PrefillLayout,
+    prefill_batch_capacity,
+    prefill_capacity,
     prefill_geometry,
 )
 from funcmla.attention.pallas.prefill_mgpu import (
@@ -97,22 +99,6 @@ class PrefillLaunchConfig:
     def geometry(self) -> PrefillGeometry:
         return prefill_geometry(self.q_capacity, self.kv_capacity, self.batch,
                                 block_kv=self.kernel.block_kv)
-
-
-def prefill_capacity(rows: int) -> int:
-    """The row capacity a launcher is built for to hold `rows` q (or k / v) rows: rows rounded
-    up to a multiple of an eighth of its power of two, at least 128. Spare rows cost copies
-    (the realigned layout covers the capacity), so at most 12.5% of them, for at most 8
-    launchers (compiles) per doubling of the token count."""
-    n = max(int(rows), 128)
-    step = 1 << (n.bit_length() - 4)
-    return -(-n // step) * step
-
-
-def prefill_batch_capacity(batch: int) -> int:
-    """The request capacity for `batch` requests: the next power of two, at least 8. A spare
-    request has no rows and costs one idle tile slot (a block that exits at once)."""
-    return max(8, 1 << (max(int(batch), 1) - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,12 @@ is the AITER backend's MLA-MHA path (docs/sglang_backend.md):
 
 The attention itself is `funcmla.attention.pallas.mha_prefill` (backend "pallas", through JAX
 by DLPack) or the float32 `mha_attention_reference` (backend "reference"; AITER's own MHA is
-not wrapped, so "aiter" runs the reference and records why).
+not wrapped, so "aiter" runs the reference and records why). The pallas path hands the jitted
+prefill bucket shapes (`_bucketed`: rows at `prefill_capacity`, requests at
+`prefill_batch_capacity`), so it compiles once per bucket rather than once per step, and a
+layer reads no device value on the host: the token counts and whether any request has a
+prefix come from the step's host lengths (`backend._extend_rows`, set by
+`init_forward_metadata`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 
@@ -101,10 +107,12 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
                          f"tp_q_head_num = {heads} (num_kv_heads = H)")
     q3 = _heads(q, "q", heads, MHA_HEAD_DIMS[0])
     qo_indptr, kv_indptr = fm.qo_indptr, fm.kv_indptr
-    if q3.shape[0] != int(qo_indptr[-1]):
+    # the step's host lengths, checked by init_forward_metadata: no device read per layer
+    tokens, kv_tokens, has_prefix = backend._extend_rows
+    if q3.shape[0] != tokens:
         raise ValueError(f"MHA extend: q has {q3.shape[0]} tokens; the batch's extend_seq_lens "
-                         f"sum to {int(qo_indptr[-1])}")
-    if torch.equal(qo_indptr, kv_indptr):  # no prefix anywhere: the model's k and v
+                         f"sum to {tokens}")
+    if not has_prefix:  # no prefix anywhere: the model's k and v
         k3 = _heads(k, "k", heads, MHA_HEAD_DIMS[0])
         v3 = _heads(v, "v", heads, MHA_HEAD_DIMS[1])
         if k3.shape[0] != q3.shape[0] or v3.shape[0] != q3.shape[0]:
@@ -118,7 +126,7 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
                              "the model's kv_b_proj to attn_mha) to decompress the prefix's "
                              "latent rows")
         pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        rows = pool.reshape(pool.shape[0], -1)[fm.kv_indices.long()]
+        rows = pool.reshape(pool.shape[0], -1)[fm.kv_indices[:kv_tokens].long()]
         k3, v3 = _decompress(rows, kv_b_proj, heads, q3.dtype, layer.k_scale)
         kv_ip = kv_indptr
     out, backend.last_backend, backend.last_fallback_reason = _attend(
@@ -130,16 +138,35 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
 def _attend(requested: str, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
     """(out [T, H, 128] in q's dtype, the backend that ran, why the reference ran instead of
     the requested backend or None)."""
-    args = [to_jax(x.contiguous()) for x in (q3, k3, v3, qo_indptr, kv_indptr)]
     reason = None
     if requested == "pallas":
         if q3.dtype == torch.bfloat16:
+            args = [to_jax(x) for x in _bucketed(q3, k3, v3, qo_indptr, kv_indptr)]
             out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True)
-            return to_torch(out), "pallas", None
+            return to_torch(out)[:q3.shape[0]], "pallas", None
         reason = f"this MHA extend runs the prefill kernel on bfloat16 q, q is {q3.dtype}"
     elif requested == "aiter":
         reason = "AITER's MHA prefill is not wrapped; the float32 reference runs"
+    args = [to_jax(x.contiguous()) for x in (q3, k3, v3, qo_indptr, kv_indptr)]
     from funcmla.attention.reference import mha_attention_reference
 
     out, _ = mha_attention_reference(*args, sm_scale=float(sm_scale), causal=True)
     return to_torch(out).to(q3.dtype), "reference", reason
+
+
+def _bucketed(q3, k3, v3, qo_indptr, kv_indptr):
+    """The jitted prefill's inputs at bucket shapes, so that it compiles once per bucket, not
+    per step: q / k / v with their rows padded to `prefill_capacity` (q rows past
+    qo_indptr[-1] get out 0, k / v rows past kv_indptr[-1] are never read) and the CSRs to
+    `prefill_batch_capacity` requests (the extra ones empty: the last entry repeated). Each
+    pad is one device copy; nothing is read on the host."""
+    from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
+
+    def rows(x):
+        pad = prefill_capacity(x.shape[0]) - x.shape[0]
+        return F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x.contiguous()
+
+    extra = prefill_batch_capacity(qo_indptr.shape[0] - 1) + 1 - qo_indptr.shape[0]
+    ip = [torch.cat([x, x[-1:].expand(extra)]) if extra else x.contiguous()
+          for x in (qo_indptr, kv_indptr)]
+    return rows(q3), rows(k3), rows(v3), ip[0], ip[1]

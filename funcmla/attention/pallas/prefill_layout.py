@@ -31,7 +31,8 @@ from funcmla.attention.pallas.prefill_mgpu import (
 from funcmla.segments import segment_positions
 
 __all__ = ["ROW_ALIGN", "PrefillGeometry", "PrefillLayout", "prefill_geometry",
-           "prefill_layout", "lse_columns", "check_fits"]
+           "prefill_layout", "lse_columns", "check_fits", "prefill_capacity",
+           "prefill_batch_capacity"]
 
 ROW_ALIGN = 8
 
@@ -120,6 +121,23 @@ def lse_columns(qo_indptr: jax.Array, tq: int) -> jax.Array:
     the rows past the caller's last one included."""
     row, j, _ = segment_positions(qo_indptr, tq)
     return (first_slots(qo_indptr)[row] + j // BLOCK_Q) * BLOCK_Q + j % BLOCK_Q
+
+
+def prefill_capacity(rows: int) -> int:
+    """The row capacity (a compiled shape) that holds `rows` q (or k / v) rows: rows rounded
+    up to a multiple of an eighth of its power of two, at least 128. Spare rows cost copies
+    (the realigned layout covers the capacity), so at most 12.5% of them, for at most 8
+    compiles per doubling of the token count (the torch launcher's buckets, and the SGLang
+    backend's for the JAX path)."""
+    n = max(int(rows), 128)
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def prefill_batch_capacity(batch: int) -> int:
+    """The request capacity for `batch` requests: the next power of two, at least 8. A spare
+    request has no rows and costs one idle tile slot (a block that exits at once)."""
+    return max(8, 1 << (max(int(batch), 1) - 1).bit_length())
 
 
 def check_fits(geometry: PrefillGeometry, batch: int, tq: int, tk: int) -> None:
