@@ -22,6 +22,7 @@ Modules, in the order a launcher is built:
                realigned layout in torch ops).
   torch_entry  `torch_decode` and the torch op `torch.ops.funcmla.mla_decode`.
   support      the jaxlib versions the extraction was tested on.
+  device       whether a launcher can run here, the CUDA device index, torch's raw stream.
 """
 
 from funcmla.interop.launcher.checks import TensorSpec
