@@ -80,6 +80,57 @@ def _skip_xla_optimizations() -> None:
         return
     jax.config.update("jax_disable_most_optimizations", True)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # for the subprocesses
+    _optimize_programs_that_run_long()
+    # Each op's MLIR location names its innermost user frame instead of the whole Python
+    # traceback: lowering (a quarter of the suite's CPU time; Pallas interpret-mode kernels
+    # lower to large modules) takes ~15% less. Locations are debug information in the IR;
+    # the compiled programs are the same.
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    os.environ["JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS"] = "0"
+
+
+# Programs (by module name) that the suite runs far longer than it compiles them, which keep
+# XLA's default optimizations: the float32 MLA reference, the oracle of the executor and
+# reference tests and of many kernel tests (a cold run: ~40 compiles, ~130 calls; at
+# optimization level 0 a call runs 4-6x longer, 28 s of execution in all, against 7 s of
+# compiles at level 0 and 12 s optimized), and jax.random.normal, which draws the tests' pools
+# (2048 x 576 draws: 0.26 s a call at level 0, 0.04 s optimized). Both give the same bits at
+# either level (no fast-math, no FMA under CPU_CODEGEN_FLAGS). The MHA reference is not here:
+# it runs about once per compile.
+OPTIMIZED_PROGRAMS = ("jit__reference", "jit__normal")
+OPTIMIZED_JAXLIB = ("0.10.2",)  # where compile_or_get_cached's signature was checked
+
+
+def _optimize_programs_that_run_long() -> None:
+    """Compile OPTIMIZED_PROGRAMS with XLA's default optimization level (what users get) while
+    `jax_disable_most_optimizations` holds for every other program. JAX reads that setting
+    once per compile, into the compile options, which are part of the persistent cache key;
+    this hook sets the two fields back to their defaults for the named modules before JAX
+    computes the key. Off on other jaxlibs (then every program compiles at level 0)."""
+    if jaxlib.version.__version__ not in OPTIMIZED_JAXLIB:
+        return
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    compile_or_get_cached = compiler.compile_or_get_cached
+    if getattr(compile_or_get_cached, "optimizes", None) is not None:
+        return  # installed already
+    options = xla_client.CompileOptions()  # XLA's defaults (read while `options` lives)
+    level = options.executable_build_options.debug_options.xla_backend_optimization_level
+    no_expensive = options.executable_build_options.debug_options.xla_llvm_disable_expensive_passes
+
+    def compile_optimizing_some(backend, computation, devices, compile_options, *args, **kwargs):
+        name = ir.StringAttr(computation.operation.attributes["sym_name"]).value
+        if name in OPTIMIZED_PROGRAMS:
+            debug = compile_options.executable_build_options.debug_options
+            debug.xla_backend_optimization_level = level
+            debug.xla_llvm_disable_expensive_passes = no_expensive
+        return compile_or_get_cached(backend, computation, devices, compile_options, *args,
+                                     **kwargs)
+
+    compile_optimizing_some.optimizes = OPTIMIZED_PROGRAMS
+    compiler.compile_or_get_cached = compile_optimizing_some
 
 
 def pytest_configure(config):
@@ -106,6 +157,41 @@ def pytest_configure(config):
     for name, value in settings_.items():
         jax.config.update(name, value)
         os.environ[name.upper()] = str(value)  # for the subprocesses (`python -m funcmla ...`)
+    _evict_once_not_per_write(settings_["jax_compilation_cache_dir"],
+                              settings_["jax_compilation_cache_max_size"])
+
+
+def _evict_once_not_per_write(directory: str, max_size: int) -> None:
+    """JAX's size-limited file cache rescans its whole folder on every write (a stat and an
+    access-time read per entry) to choose what to evict, holding the file lock that the other
+    worker's reads and writes wait on: quadratic in the entries, and a cold run writes about
+    1200 (at 1200 entries one scan costs 50-70 ms of CPU; about 40 s over a run). Here each
+    pytest process evicts once, as it starts, and its writes skip the scan; the lock stays, so
+    no reader sees a half-written entry. The folder stays under the limit from one run to the
+    next (a run adds about 25 MB); the `funcmla` subprocesses keep JAX's own cache. Where
+    JAX's cache module is not laid out as this expects, JAX's own cache runs in the workers
+    too."""
+    from jax._src import compilation_cache, lru_cache
+
+    base = getattr(lru_cache, "LRUCache", None)
+    if base is None or getattr(compilation_cache, "LRUCache", None) is not base:
+        return
+    if not all(hasattr(base, name) for name in ("_evict_if_needed", "get", "put")):
+        return
+    cache = base(directory, max_size=max_size)
+    if not getattr(cache, "eviction_enabled", False):
+        return
+    cache.lock.acquire(timeout=cache.lock_timeout_secs)
+    try:
+        cache._evict_if_needed()
+    finally:
+        cache.lock.release()
+
+    class EvictedAtStart(base):
+        def _evict_if_needed(self, *, additional_size: int = 0) -> None:
+            del additional_size  # evicted once per process, in pytest_configure
+
+    compilation_cache.LRUCache = EvictedAtStart
 
 
 def _jax_gpu() -> bool:

@@ -1,10 +1,14 @@
-"""The `funcmla` command as a user runs it (subprocess): plan, bench, and bad arguments (the
-demo runs in-process in tests/test_demo.py)."""
+"""The `funcmla` command: plan, bench, --version and bad arguments in-process through the console
+script `funcmla.cli.main` (its return value is the exit status), and one subprocess, `python -m
+funcmla` with its stdout closed early, for what only a process shows: main's status becomes the
+process's, and a closed pipe exits 141 without a traceback. The demo runs in-process in
+tests/test_demo.py."""
 
 import json
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -16,13 +20,31 @@ from funcmla.planners.decode import DecodePlanConfig, plan_mla_decode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def funcmla(*args, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "funcmla", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+class Run(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_plan_decode_json_equals_the_planner(tmp_path):
+@pytest.fixture
+def funcmla(capsys):
+    """`funcmla ARGS...` in-process: the console script's exit status (its return value, or
+    argparse's SystemExit code) and what it printed."""
+    from funcmla import cli
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return Run(code, out, err)
+
+    return run
+
+
+def test_plan_decode_json_equals_the_planner(tmp_path, funcmla):
     kv = [4096, 17, 0, 9000, 300]
     png = tmp_path / "plan.png"
     r = funcmla("plan", "decode", "--kv-lens", ",".join(map(str, kv)), "--device", "custom:8",
@@ -39,7 +61,7 @@ def test_plan_decode_json_equals_the_planner(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_plan_prefill_from_a_json_batch_file(tmp_path):
+def test_plan_prefill_from_a_json_batch_file(tmp_path, funcmla):
     batch = tmp_path / "batch.json"
     batch.write_text(json.dumps({"kv_lens": [600, 300], "qo_lens": [600, 200]}))
     r = funcmla("plan", "prefill", "--batch", str(batch), "--device", "custom:8:gfx950")
@@ -54,7 +76,11 @@ def test_plan_prefill_from_a_json_batch_file(tmp_path):
 
 @pytest.mark.slow  # 7-17 s on 2 cores: CI runs it in `./dev test -m slow`
 def test_bench_metadata_quick_writes_json(tmp_path):
-    r = funcmla("bench", "metadata", "--quick", "--out", str(tmp_path))
+    # a process of its own: the benchmark's timing runs stay out of the pytest worker
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "-m", "funcmla", "bench", "metadata", "--quick", "--out",
+                        str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "metadata.json").read_text())["rows"]
     assert {r["mode"] for r in rows} == {"decode", "extend"} and all(r["jax_us"] > 0 for r in rows)
@@ -91,8 +117,8 @@ def test_bad_arguments_exit_2_and_name_the_argument(args, message, capsys):
     assert "Traceback" not in err
 
 
-def test_version_and_a_closed_pipe():
-    r = funcmla("--version", timeout=120)
+def test_version_and_a_closed_pipe(funcmla):
+    r = funcmla("--version")
     assert r.returncode == 0 and r.stdout.startswith("funcmla ")
     # `funcmla plan ... --json | head -c 10`: the reader closes early; no traceback, status 141
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -106,10 +132,10 @@ def test_version_and_a_closed_pipe():
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-def test_gpu_only_bench_is_refused_on_cpu():
+def test_gpu_only_bench_is_refused_on_cpu(funcmla):
     import jax
 
     if jax.default_backend() == "gpu":
         pytest.skip("has a GPU")
-    r = funcmla("bench", "decode", "--quick", timeout=120)
+    r = funcmla("bench", "decode", "--quick")
     assert r.returncode == 2 and "bench.decode needs an NVIDIA GPU" in r.stderr
