@@ -93,11 +93,13 @@ def _skip_xla_optimizations() -> None:
 # XLA's default optimizations: the float32 MLA reference, the oracle of the executor and
 # reference tests and of many kernel tests (a cold run: ~40 compiles, ~130 calls; at
 # optimization level 0 a call runs 4-6x longer, 28 s of execution in all, against 7 s of
-# compiles at level 0 and 12 s optimized), and jax.random.normal, which draws the tests' pools
-# (2048 x 576 draws: 0.26 s a call at level 0, 0.04 s optimized). Both give the same bits at
-# either level (no fast-math, no FMA under CPU_CODEGEN_FLAGS). The MHA reference is not here:
-# it runs about once per compile.
-OPTIMIZED_PROGRAMS = ("jit__reference", "jit__normal")
+# compiles at level 0 and 12 s optimized); jax.random.normal, which draws the tests' pools
+# (2048 x 576 draws: 0.26 s a call at level 0, 0.04 s optimized); and the extend kernel in
+# interpret mode, whose page-size-1 gather runs 2.8 s at level 0 and 0.5 s optimized, for
+# the same compile time. They give the same bits at either level (no fast-math, no FMA under
+# CPU_CODEGEN_FLAGS). Not here: the MHA reference and the decode kernels, which run about once
+# per compile (optimized, their files took longer).
+OPTIMIZED_PROGRAMS = ("jit__reference", "jit__normal", "jit__mla_extend")
 OPTIMIZED_JAXLIB = ("0.10.2",)  # where compile_or_get_cached's signature was checked
 
 
@@ -165,12 +167,12 @@ def _evict_once_not_per_write(directory: str, max_size: int) -> None:
     """JAX's size-limited file cache rescans its whole folder on every write (a stat and an
     access-time read per entry) to choose what to evict, holding the file lock that the other
     worker's reads and writes wait on: quadratic in the entries, and a cold run writes about
-    1200 (at 1200 entries one scan costs 50-70 ms of CPU; about 40 s over a run). Here each
-    pytest process evicts once, as it starts, and its writes skip the scan; the lock stays, so
-    no reader sees a half-written entry. The folder stays under the limit from one run to the
-    next (a run adds about 25 MB); the `funcmla` subprocesses keep JAX's own cache. Where
-    JAX's cache module is not laid out as this expects, JAX's own cache runs in the workers
-    too."""
+    1200 (at 1200 entries one scan costs 50-70 ms of CPU; about 40 s over a run). Here the
+    pytest process that starts the run (xdist's controller, or the only process) evicts once,
+    and every process's writes skip the scan; the lock stays, so no reader sees a half-written
+    entry. The folder stays under the limit from one run to the next (a run adds about 25 MB);
+    the `funcmla` subprocesses keep JAX's own cache. Where JAX's cache module is not laid out
+    as this expects, JAX's own cache runs in the workers too."""
     from jax._src import compilation_cache, lru_cache
 
     base = getattr(lru_cache, "LRUCache", None)
@@ -181,15 +183,20 @@ def _evict_once_not_per_write(directory: str, max_size: int) -> None:
     cache = base(directory, max_size=max_size)
     if not getattr(cache, "eviction_enabled", False):
         return
-    cache.lock.acquire(timeout=cache.lock_timeout_secs)
-    try:
-        cache._evict_if_needed()
-    finally:
-        cache.lock.release()
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        try:
+            cache.lock.acquire(timeout=cache.lock_timeout_secs)
+        except TimeoutError:  # filelock.Timeout: another run holds the lock; evict next time
+            pass
+        else:
+            try:
+                cache._evict_if_needed()
+            finally:
+                cache.lock.release()
 
     class EvictedAtStart(base):
         def _evict_if_needed(self, *, additional_size: int = 0) -> None:
-            del additional_size  # evicted once per process, in pytest_configure
+            del additional_size  # evicted once per run, in pytest_configure
 
     compilation_cache.LRUCache = EvictedAtStart
 

@@ -16,7 +16,9 @@ shapes = st.lists(
 )
 
 
-@settings(max_examples=25)
+# Every example has new field shapes, so its eager pack/unpack ops compile anew (~5 programs,
+# ~0.15 s an example): 12 examples, each of 1-6 fields of rank 0-3 with empty dimensions.
+@settings(max_examples=12)
 @given(shapes=shapes, align=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**31 - 1))
 def test_pack_then_views_round_trip_every_field(shapes, align, seed):
     layout = PackedLayout(tuple((f"f{i}", s) for i, s in enumerate(shapes)), align)
