@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from funcmla.interop.sglang import mha_extend as mx
 from funcmla.interop.sglang_backend import ForwardMode, RadixAttention
+from tests.launcher_helpers import bits, contract_prefill_launcher, needs_gpu
 from tests.test_interop_sglang import SCALE, _fb, _setup, rel_err
 
 
@@ -108,6 +109,72 @@ def test_mha_extend_runs_the_prefill_kernel_in_interpret_mode(monkeypatch):
     assert rel_err(out, want) < 8e-3
 
 
+def _no_host_reads(m):
+    def no_host_read(*a, **k):
+        raise AssertionError("a device value was read on the host in a layer")
+
+    for name in ("__int__", "__bool__", "__index__", "item", "tolist"):
+        m.setattr(torch.Tensor, name, no_host_read)
+    m.setattr(torch, "equal", no_host_read)
+
+
+@pytest.mark.parametrize("prefix,extend", [([0, 23, 64, 5], [17, 1, 40, 30]),
+                                           ([0, 0, 0], [17, 40, 30])])
+def test_mha_extend_through_the_torch_launcher(prefix, extend, monkeypatch):
+    """With torch_launcher on (the default), the pallas MHA extend runs the torch prefill
+    launcher of the step's buckets (here built on a stand-in kernel that computes the kernel's
+    contract in float64 from its eleven buffers): out equals the float32 restatement; the
+    step's layout is computed once for all its layers and again for the next step; each layer
+    is one launch and reads nothing on the host."""
+    from funcmla.interop.launcher import prefill as lp
+
+    built, layouts = [], []
+    real_layout = lp.PrefillLauncher.layout
+
+    def counted_layout(self, *a):
+        layouts.append(a[2:])
+        return real_layout(self, *a)
+
+    def stand_in(config, device):
+        assert device.type == "cpu" and config.num_heads == 4 and config.causal
+        lau, log = contract_prefill_launcher(config)
+        built.append((config, log))
+        return lau
+
+    monkeypatch.setattr(mx, "_prefill_launcher", stand_in)
+    monkeypatch.setattr(lp.PrefillLauncher, "layout", counted_layout)
+    backend, out, want, layer, fb, (q, k, v) = _step(4, prefix, extend, 8,
+                                                     backend_name="pallas")
+    assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
+    assert backend.last_launcher_reason is None and backend.last_fallback_reason is None
+    assert rel_err(out, want) < 8e-3
+    (config, log), = built
+    t, t_kv = sum(extend), sum(p + e for p, e in zip(prefix, extend))
+    assert (config.q_capacity, config.batch) == (128, 8) and layouts == [(t, t_kv)]
+    assert len(log) == 1
+    with monkeypatch.context() as m:  # a second layer of the step: one launch, no host read
+        _no_host_reads(m)
+        again = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert len(log) == 2 and len(layouts) == 1 and len(built) == 1
+    assert torch.equal(again, out.reshape(again.shape))
+    backend.init_forward_metadata(fb)  # the next step: its own layout, the same launcher
+    backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert len(layouts) == 2 and len(built) == 1 and len(log) == 3
+
+
+def test_mha_extend_says_why_the_launcher_did_not_run(monkeypatch):
+    """On a machine without CUDA the pallas MHA extend runs through JAX (here the jitted
+    prefill's stand-in); last_launcher_reason says why, or that torch_launcher is off."""
+    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel([]))
+    backend, out, want, layer, fb, (q, k, v) = _step(2, [0, 3], [9, 4], 9, backend_name="pallas")
+    assert (backend.last_backend, backend.last_via) == ("pallas", "jax")
+    assert "prefill launcher is unavailable" in backend.last_launcher_reason
+    assert "CUDA" in backend.last_launcher_reason
+    backend.torch_launcher = False
+    backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert backend.last_launcher_reason == "torch_launcher is off"
+
+
 def test_mha_extend_refuses_what_it_cannot_do():
     """save_kv_cache=True (MHA rows do not fit the latent pool), grouped heads, and a prefix
     without kv_b_proj: each an error naming the field."""
@@ -182,13 +249,9 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
     restatement); and a layer reads no device value on the host (no sync per layer)."""
     seen = []
     monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel(seen))
-
-    def no_host_read(*a, **k):
-        raise AssertionError("a device value was read on the host in a layer")
-
     for extend in extends:
         rng, b, pool, backend = _setup(7, prefix, extend, 16, attention_backend="reference")
-        backend.attention_backend = "pallas"
+        backend.attention_backend, backend.torch_launcher = "pallas", False
         layer = _layer(4, rng)
         t = sum(extend)
         q, k = (torch.from_numpy(rng.standard_normal((t, 4 * 192)).astype(np.float32))
@@ -197,9 +260,7 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
         fb = _fb(ForwardMode.EXTEND, b, extend)
         backend.init_forward_metadata(fb)
         with monkeypatch.context() as m:
-            for name in ("__int__", "__bool__", "__index__", "item", "tolist"):
-                m.setattr(torch.Tensor, name, no_host_read)
-            m.setattr(torch, "equal", no_host_read)
+            _no_host_reads(m)
             out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
         assert backend.last_backend == "pallas" and out.shape == (t, 4 * 128)
         if any(prefix):
@@ -213,3 +274,38 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
     assert len(seen) == 2 and seen[0] == seen[1], seen
     (qs, ks_, vs_, qos, kvs), = set(seen)
     assert qs[0] == 128 and qos == kvs == (9,)  # 8 requests + 1
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,extend", [([0, 23, 64, 5], [17, 1, 40, 30]),
+                                           ([0, 0, 0], [300, 129, 77])])
+def test_gpu_mha_extend_launcher_equals_the_jax_path(prefix, extend):
+    """On the GPU the pallas MHA extend runs the torch prefill launcher; its out has the bits
+    of the same step through JAX (torch_launcher=False) and matches float32."""
+    rng, b, pool, backend = _setup(11, prefix, extend, 16, device="cuda",
+                                   attention_backend="pallas")
+    layer = _layer(16, rng)
+    layer.kv_b_proj.cuda()
+    t = sum(extend)
+    q, k = (torch.from_numpy(rng.standard_normal((t, 16 * 192)).astype(np.float32))
+            .bfloat16().cuda() for _ in range(2))
+    v = torch.from_numpy(rng.standard_normal((t, 16 * 128)).astype(np.float32)).bfloat16().cuda()
+    fb = _fb(ForwardMode.EXTEND, b, extend, device="cuda")
+    backend.init_forward_metadata(fb)
+    out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert backend.last_via == "launcher", backend.last_launcher_reason
+    backend.torch_launcher = False
+    via_jax = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert backend.last_via == "jax"
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(bits(out), bits(via_jax))
+    if any(prefix):
+        ks, vs = _decompressed(b, pool, layer, prefix, extend)
+    else:
+        ends = np.cumsum([0] + extend)
+        ks = [k.view(t, 16, 192)[a:e] for a, e in zip(ends[:-1], ends[1:])]
+        vs = [v.view(t, 16, 128)[a:e] for a, e in zip(ends[:-1], ends[1:])]
+    want = _torch_reference(q.view(t, 16, 192), ks, vs, prefix, extend)
+    assert rel_err(out.view(t, 16, 128).float(), want.float()) < 8e-3

@@ -174,8 +174,9 @@ class PrefillLauncher:
     token CSRs [B + 1] on the launcher's device, B <= batch; torch ops on the current stream).
     __call__(q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (any strides), qo_indptr=None,
     kv_indptr=None, *, step=None, out=None [Tq, H, 128] bf16, lse=None [Tq, H] float32,
-    q_scale=None, k_scale=None, v_scale=None) -> (out, lse): the CSRs or a step of this
-    launcher for (Tq, Tk). Each of q / k / v is bfloat16, or fp8 (float8_e4m3fn /
+    q_scale=None, k_scale=None, v_scale=None, return_lse=True) -> (out, lse): the CSRs or a
+    step of this launcher for (Tq, Tk); return_lse=False skips lse's gather and returns
+    (out, None). Each of q / k / v is bfloat16, or fp8 (float8_e4m3fn /
     float8_e4m3fnuz) standing for float(x) * its scale (None: 1; a positive float, or a
     float32 tensor of shape () or [1]), dequantized to bf16 as `mha_prefill` does. Semantics
     are `mha_prefill`'s (bottom-right causal or full; a query with no key: out 0, lse +inf).
@@ -252,7 +253,7 @@ class PrefillLauncher:
 
     # ------------------------------------------------------------------------ per layer
     def __call__(self, q, k, v, qo_indptr=None, kv_indptr=None, *, step=None, out=None,
-                 lse=None, q_scale=None, k_scale=None, v_scale=None):
+                 lse=None, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = True):
         torch, c, g = self._torch, self.config, self.geometry
         h = c.num_heads
         scales = []
@@ -287,10 +288,12 @@ class PrefillLauncher:
                 if tuple(x.shape) != shape or not x.is_contiguous():
                     raise LauncherArgumentError(f"{name} must be a contiguous {list(shape)}, got "
                                                 f"{list(x.shape)} (strides {x.stride()})")
+        if not return_lse and lse is not None:
+            raise LauncherArgumentError("lse= is given with return_lse=False")
         dev = self.device
         if out is None:
             out = torch.empty(out_shape, dtype=torch.bfloat16, device=dev)
-        if lse is None:
+        if lse is None and return_lse:
             lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
         if tq == 0:
             return out, lse
@@ -312,7 +315,8 @@ class PrefillLauncher:
 
             cd.driver().check_launch(rc, self.plan.call.name)
         torch.index_select(out_p, 0, lay.out_rows, out=out)
-        lse.copy_(lse_t.view(h, -1).index_select(1, lay.lse_cols).t())
+        if return_lse:
+            lse.copy_(lse_t.view(h, -1).index_select(1, lay.lse_cols).t())
         return out, lse
 
     def _expect(self, name, x, dtype) -> None:

@@ -164,6 +164,9 @@ class FuncMLAAttnBackend:
         self.last_backend: str | None = None
         self.last_via: str | None = None
         self.last_fallback_reason: str | None = None  # set by the MHA extend
+        self.last_launcher_reason: str | None = None  # the MHA extend's, where JAX ran it
+        self._mha_launchers: dict = {}  # (PrefillLaunchConfig, device) -> launcher or reason
+        self._mha_step = None  # this step's MHA extend layout (mha_extend._launched)
         self.torch_launcher = torch_launcher
         self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
         self._req_to_token_jax = to_jax(req_to_token)  # long-lived: imported once
@@ -601,7 +604,7 @@ class FuncMLAAttnBackend:
     @forward_metadata.setter
     def forward_metadata(self, fm: ForwardMetadata | None) -> None:
         self._forward_metadata = fm
-        self._step_key_now = None
+        self._step_key_now = self._mha_step = None  # a new step: its values may be new
 
     def _step_key(self) -> tuple:
         """What a decode launch depends on from the step: (s_q, kv_indptr, kv_indices at

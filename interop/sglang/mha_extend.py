@@ -15,13 +15,17 @@ is the AITER backend's MLA-MHA path (docs/sglang_backend.md):
   queries over the whole sequence (qo_indptr, kv_indptr). A layer without `kv_b_proj` cannot
   decompress the prefix: an error names it.
 
-The attention itself is `funcmla.attention.pallas.mha_prefill` (backend "pallas", through JAX
-by DLPack) or the float32 `mha_attention_reference` (backend "reference"; AITER's own MHA is
-not wrapped, so "aiter" runs the reference and records why). The pallas path hands the jitted
-prefill bucket shapes (`_bucketed`: rows at `prefill_capacity`, requests at
-`prefill_batch_capacity`), so it compiles once per bucket rather than once per step, and a
-layer reads no device value on the host: the token counts and whether any request has a
-prefix come from the step's host lengths (`backend._extend_rows`, set by
+The attention itself is `funcmla.attention.pallas.mha_prefill`'s kernel (backend "pallas") or
+the float32 `mha_attention_reference` (backend "reference"; AITER's own MHA is not wrapped, so
+"aiter" runs the reference and records why). On an NVIDIA GPU with `torch_launcher` on, the
+pallas path runs the kernel through the torch prefill launcher
+(`funcmla.interop.launcher.prefill`: on torch's stream, no JAX dispatch, no DLPack): one
+launcher per bucket of (q rows, k / v rows, requests), the step's realigned layout computed
+once for all its layers (`_launched`). Elsewhere, or where the launcher cannot run
+(`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at
+bucket shapes (`_bucketed`), so it compiles once per bucket rather than once per step. Either
+way a layer reads no device value on the host: the token counts and whether any request has
+a prefix come from the step's host lengths (`backend._extend_rows`, set by
 `init_forward_metadata`).
 """
 
@@ -129,21 +133,29 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
         rows = pool.reshape(pool.shape[0], -1)[fm.kv_indices[:kv_tokens].long()]
         k3, v3 = _decompress(rows, kv_b_proj, heads, q3.dtype, layer.k_scale)
         kv_ip = kv_indptr
-    out, backend.last_backend, backend.last_fallback_reason = _attend(
-        backend.attention_backend, q3, k3, v3, qo_indptr, kv_ip, layer.scaling)
-    backend.last_via = "jax"
+    out, backend.last_backend, backend.last_fallback_reason, backend.last_via = _attend(
+        backend, q3, k3, v3, qo_indptr, kv_ip, layer.scaling)
     return out.reshape(q3.shape[0], heads * MHA_HEAD_DIMS[1])
 
 
-def _attend(requested: str, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
+def _attend(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
     """(out [T, H, 128] in q's dtype, the backend that ran, why the reference ran instead of
-    the requested backend or None)."""
-    reason = None
+    the requested backend or None, how it ran: "launcher" or "jax"). Sets
+    backend.last_launcher_reason."""
+    reason = backend.last_launcher_reason = None
+    requested = backend.attention_backend
     if requested == "pallas":
         if q3.dtype == torch.bfloat16:
+            if backend.torch_launcher:
+                out, backend.last_launcher_reason = _launched(backend, q3, k3, v3, qo_indptr,
+                                                              kv_indptr, sm_scale)
+                if out is not None:
+                    return out, "pallas", None, "launcher"
+            else:
+                backend.last_launcher_reason = "torch_launcher is off"
             args = [to_jax(x) for x in _bucketed(q3, k3, v3, qo_indptr, kv_indptr)]
             out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True)
-            return to_torch(out)[:q3.shape[0]], "pallas", None
+            return to_torch(out)[:q3.shape[0]], "pallas", None, "jax"
         reason = f"this MHA extend runs the prefill kernel on bfloat16 q, q is {q3.dtype}"
     elif requested == "aiter":
         reason = "AITER's MHA prefill is not wrapped; the float32 reference runs"
@@ -151,7 +163,51 @@ def _attend(requested: str, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
     from funcmla.attention.reference import mha_attention_reference
 
     out, _ = mha_attention_reference(*args, sm_scale=float(sm_scale), causal=True)
-    return to_torch(out).to(q3.dtype), "reference", reason
+    return to_torch(out).to(q3.dtype), "reference", reason, "jax"
+
+
+def _prefill_launcher(config, device):
+    """The cached torch prefill launcher of `config` on `device` (tests swap in a stand-in
+    kernel); LauncherUnavailable where it cannot run."""
+    from funcmla.interop.launcher.prefill import prefill_launcher
+
+    return prefill_launcher(config, device)
+
+
+def _launched(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
+    """(out [T, H, 128], None) through the torch prefill launcher of the step's buckets, or
+    (None, why not). The launcher (or the reason it is unavailable) is cached per
+    configuration, the step's layout until the next step's metadata (the forward_metadata
+    setter drops it) for the same CSRs and shapes: every layer after the step's first costs the
+    gathers, one launch and out's gather, no lse."""
+    from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
+    from funcmla.interop.launcher.errors import LauncherUnavailable
+    from funcmla.interop.launcher.prefill import PrefillLaunchConfig
+
+    tq, tk, heads = q3.shape[0], k3.shape[0], q3.shape[1]
+    key = (heads, float(sm_scale), tq, tk, qo_indptr.shape[0])
+    cached = backend._mha_step
+    if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
+            and cached[2] == key:
+        launcher, step = cached[3], cached[4]
+    else:
+        config = PrefillLaunchConfig(num_heads=heads, q_capacity=prefill_capacity(tq),
+                                     kv_capacity=prefill_capacity(tk),
+                                     batch=prefill_batch_capacity(qo_indptr.shape[0] - 1),
+                                     sm_scale=float(sm_scale), causal=True)
+        launcher = backend._mha_launchers.get((config, q3.device))
+        if launcher is None:
+            try:
+                launcher = _prefill_launcher(config, q3.device)
+            except LauncherUnavailable as err:
+                launcher = f"the prefill launcher is unavailable: {err}"
+            backend._mha_launchers[(config, q3.device)] = launcher
+        if isinstance(launcher, str):
+            return None, launcher
+        step = launcher.layout(qo_indptr, kv_indptr, tq, tk)
+        backend._mha_step = (qo_indptr, kv_indptr, key, launcher, step)
+    out, _ = launcher(q3, k3, v3, step=step, return_lse=False)
+    return out, None
 
 
 def _bucketed(q3, k3, v3, qo_indptr, kv_indptr):
