@@ -16,7 +16,7 @@ rows a sequence (s_q = C) at the extend's mean visible context, 256 of them: the
 kernel reaches without the ragged extend's metadata, causal spread and gathers.
 
     python -m bench.extend [--quick] [--only REGEX] [--out DIR] [--reps N] [--no-check]
-                           [--replot JSON]
+                           [--torch] [--replot JSON]
 
 Writes extend.json and extend.png under --out (docs/results/extend_h200.{json,png} hold the
 H200's; `--replot JSON` redraws a saved run's plot) and prints
@@ -166,10 +166,11 @@ def _decode_baseline(key, case: ExtendCase, reps: int, config: DecodeKernelConfi
 
 
 def bench_extend_case(key, case: ExtendCase, *, reps: int = 3, check: bool = True,
-                      baseline: bool = True,
+                      baseline: bool = True, torch_path: bool = False,
                       config: DecodeKernelConfig = DecodeKernelConfig()) -> dict:
     """One case (module docstring): device span per call, the decode kernel's time, useful
-    TFLOP/s, the relative error against float32, and the decode-kernel baseline."""
+    TFLOP/s, the relative error against float32, and the decode-kernel baseline; torch_path
+    (with check): the same call through the torch extend launcher (`launcher_us`)."""
     n = 4 if case.useful_flops > 1e12 else 16
     qs, pool, qo_indptr, meta = make_extend_inputs(key, case, n)
     mkl = dict(max_kv_len=case.kv_len) if case.page_size == 1 else {}
@@ -201,6 +202,8 @@ def bench_extend_case(key, case: ExtendCase, *, reps: int = 3, check: bool = Tru
             kv_indices, sm_scale=SM_SCALE, max_kv_len=case.kv_len, query_chunk=64)
         row["rel_err"] = rel_err(o, ref_o)
         row["lse_max_abs_err"] = float(jnp.max(jnp.abs(lse - ref_l)))
+        if torch_path:
+            row.update(launcher_us(case, qs[0], pool, qo_indptr, meta, o, reps))
         del o, lse, ref_o, ref_l
     del qs, pool
     if baseline:
@@ -209,10 +212,55 @@ def bench_extend_case(key, case: ExtendCase, *, reps: int = 3, check: bool = Tru
     return row
 
 
+def launcher_us(case: ExtendCase, q, pool, qo_indptr, meta, jax_out, reps: int,
+                calls: int = 4) -> dict:
+    """The call through the torch extend launcher (`funcmla.interop.launcher.extend`, the
+    step's layout built once as a serving step does): device time per call (calls queued
+    behind a sleep kernel), host time per call, and whether out equals the JAX path's bit for
+    bit; {} with no torch CUDA, {"via_torch_error": why} where the launcher cannot run."""
+    try:
+        import torch
+
+        from funcmla.interop.launcher.extend import ExtendLaunchConfig, extend_launcher
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    from .timing import torch_host_us, torch_queued_us
+
+    t = lambda x: torch.from_dlpack(x)  # noqa: E731
+    try:
+        ps = case.page_size
+        if ps == 1:
+            idx = dict(kv_indptr=t(meta["kv_indptr"]), kv_indices=t(meta["kv_indices"]))
+            cap, extra = int(meta["kv_indices"].shape[0]), dict(max_kv_len=case.kv_len)
+        else:
+            pt = meta["page_table"]
+            idx = dict(page_table=t(pt.table), lengths=t(pt.lengths))
+            cap, extra = int(pt.table.size), {}
+        cfg = ExtendLaunchConfig(num_heads=case.heads, q_capacity=int(q.shape[0]),
+                                 batch=case.batch, pool_rows=int(pool.shape[0]),
+                                 kv_capacity=cap, sm_scale=SM_SCALE, page_size=ps, **extra)
+        lau = extend_launcher(cfg)
+        tq, tp = t(q), t(pool)
+        step = lau.layout(t(qo_indptr), num_q=int(q.shape[0]), **idx)
+        out = torch.empty(q.shape[0], case.heads, DV, dtype=torch.bfloat16, device=tq.device)
+        lse = torch.empty(q.shape[0], case.heads, dtype=torch.float32, device=tq.device)
+        fn = lambda: lau(tq, tp, step, out=out, lse=lse)  # noqa: E731
+        us = torch_queued_us(torch, fn, reps * calls, calls)
+        host = torch_host_us(torch, fn, reps * calls, calls)
+        bitwise = bool(torch.equal(out.view(torch.int16), t(jax_out).view(torch.int16)))
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        log(f"   via torch: {type(e).__name__}: {str(e)[:200]}")
+        return {"via_torch_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"via_torch_us": us, "via_torch_host_us": host, "via_torch_bitwise": bitwise,
+            "via_torch_kernel": lau.decode.plan.kernel}
+
+
 def extend_rows(cases: list[ExtendCase] | None = None, *, reps: int = 3, check: bool = True,
                 baseline: bool = True, only: str | None = None, seed: int = 0,
                 config: DecodeKernelConfig = DecodeKernelConfig(),
-                time_limit_s: float | None = None) -> list[dict]:
+                time_limit_s: float | None = None, torch_path: bool = False) -> list[dict]:
     """Run the extend cases (default: `default_cases()`), each a dict (`bench_extend_case`);
     `only`: a regex on the case label; `time_limit_s`: start no case after that many
     seconds."""
@@ -226,7 +274,7 @@ def extend_rows(cases: list[ExtendCase] | None = None, *, reps: int = 3, check: 
             log(f"time limit: {case.label} and later cases not run")
             break
         row = bench_extend_case(jax.random.fold_in(key, i), case, reps=reps, check=check,
-                                baseline=baseline, config=config)
+                                baseline=baseline, config=config, torch_path=torch_path)
         log(fmt_row(row))
         rows.append(row)
     return rows
@@ -239,7 +287,9 @@ def fmt_row(r: dict) -> str:
             f", decode baseline {r['decode_baseline_tflops']:.0f} TFLOP/s")
     return (f"{r['case']}: {r['time_us']:.1f} us{kern}, {r['tflops']:.1f} TFLOP/s, "
             f"{r['kernel']} C={r['chunk']} P={r['pseudo_seqs']} splits={r['num_splits']}"
-            f"{err}{base}")
+            f"{err}{base}" + (f"; via torch {r['via_torch_us']:.1f} us (host "
+                              f"{r['via_torch_host_us']:.0f} us, bitwise "
+                              f"{r['via_torch_bitwise']})" if r.get("via_torch_us") else ""))
 
 
 def target_verdicts(rows: list[dict]) -> list[tuple[str, str]]:
@@ -304,6 +354,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-check", action="store_true", help="skip the float32 reference")
     ap.add_argument("--no-baseline", action="store_true", help="skip the decode baseline")
     ap.add_argument("--time-limit", type=float, default=None)
+    ap.add_argument("--torch", action="store_true",
+                    help="also time each case through the torch extend launcher")
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="redraw the plot of a saved extend.json into --out (no GPU needed)")
     args = ap.parse_args(argv)
@@ -319,7 +371,7 @@ def main(argv=None) -> list[dict]:
         return []
     rows = extend_rows(default_cases(args.quick), reps=args.reps, check=not args.no_check,
                        baseline=not args.no_baseline, only=args.only,
-                       time_limit_s=args.time_limit)
+                       time_limit_s=args.time_limit, torch_path=args.torch)
     verdicts = target_verdicts(rows)
     log("\ntargets:")
     for target, result in verdicts:

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
 import sys
 import time
 
@@ -44,7 +42,7 @@ from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, 
 from funcmla.attention.reference import mha_attention_reference
 from funcmla.config import MLADims
 
-from .timing import device_kernel_times, environment, write_json
+from .timing import device_kernel_times, environment, torch_host_us, torch_queued_us, write_json
 
 SM_SCALE = MLADims().sm_scale
 D_QK, D_V = 192, 128
@@ -172,29 +170,9 @@ def cudnn_fn(q, k, v, qo, causal: bool, per_request: bool):
     return run
 
 
-def _torch_queued_us(torch, fn, reps: int, calls: int) -> float:
-    """Device time per call of `fn` (torch work on the current stream): the median over `reps`
-    runs of `calls` calls queued behind a sleep kernel between one CUDA-event pair."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(max(3, reps // calls)):
-        torch.cuda._sleep(20_000_000)  # ~10 ms: the calls queue behind it
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(calls):
-            fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / calls)
-    return statistics.median(ts)
-
-
 def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
     """torch SDPA (flash and cuDNN backends) on the batch as [B, H, L, 192]: device time per
-    call by backend (`_torch_queued_us`, so the host's dispatch of each call is not timed);
+    call by backend (`torch_queued_us`, so the host's dispatch of each call is not timed);
     {} without torch or CUDA."""
     try:
         import torch
@@ -218,7 +196,7 @@ def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
                      ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(be):
-                res[name] = _torch_queued_us(torch, lambda: (
+                res[name] = torch_queued_us(torch, lambda: (
                     torch.nn.functional.scaled_dot_product_attention(
                         tq, tk, tv, is_causal=causal, scale=SM_SCALE)), reps, calls)
         except Exception as e:  # noqa: BLE001 - a backend missing here is reported, not fatal
@@ -229,7 +207,7 @@ def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
 def launcher_us(q, k, v, qo, kv, causal: bool, jax_out, reps: int, calls: int = 5) -> dict:
     """The same call through the torch launcher (`funcmla.interop.launcher.torch_mha_prefill`'s
     buckets, the step's layout built once as a serving step does): device time per call
-    (`_torch_queued_us`), host time per call (the median of `calls` calls' wall time, not
+    (`torch_queued_us`), host time per call (the median of `calls` calls' wall time, not
     synchronized, over `reps` runs) and whether out equals the JAX path's bit for bit; {} with
     no torch CUDA, {"via_torch_error": why} where the launcher cannot run."""
     try:
@@ -252,21 +230,14 @@ def launcher_us(q, k, v, qo, kv, causal: bool, jax_out, reps: int, calls: int = 
         out = torch.empty(q.shape[0], q.shape[1], D_V, dtype=torch.bfloat16, device=t[0].device)
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=t[0].device)
         fn = lambda: lau(t[0], t[1], t[2], step=step, out=out, lse=lse)  # noqa: E731
-        us = _torch_queued_us(torch, fn, reps, calls)
-        host = []
-        for _ in range(max(3, reps // calls)):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            host.append((time.perf_counter() - t0) * 1e6 / calls)
-        torch.cuda.synchronize()
+        us = torch_queued_us(torch, fn, reps, calls)
+        host = torch_host_us(torch, fn, reps, calls)
         bitwise = bool(torch.equal(out.view(torch.int16),
                                    torch.from_dlpack(jax_out).view(torch.int16)))
     except Exception as e:  # noqa: BLE001 - reported in the row
         log(f"   via torch: {type(e).__name__}: {str(e)[:200]}")
         return {"via_torch_error": f"{type(e).__name__}: {str(e)[:300]}"}
-    return {"via_torch_us": us, "via_torch_host_us": statistics.median(host),
+    return {"via_torch_us": us, "via_torch_host_us": host,
             "via_torch_bitwise": bitwise}
 
 

@@ -212,3 +212,37 @@ def trace_kernel_stats(events: list[dict], reps: int, *,
             "busy_us_per_call": sum(d for _, d, _ in kern) / reps,
             "span_us": statistics.median(spans),
             "kernels": kernels}
+
+
+def torch_queued_us(torch, fn, reps: int, calls: int) -> float:
+    """Device time per call of `fn` (torch work on the current stream): the median over `reps`
+    runs of `calls` calls queued behind a sleep kernel between one CUDA-event pair."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(max(3, reps // calls)):
+        torch.cuda._sleep(20_000_000)  # ~10 ms: the calls queue behind it
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / calls)
+    return statistics.median(ts)
+
+
+def torch_host_us(torch, fn, reps: int, calls: int) -> float:
+    """Host time per call of `fn`: the median over `reps // calls` runs (at least 3) of
+    `calls` unsynchronized calls' wall time (the device is idle at each run's start)."""
+    host = []
+    for _ in range(max(3, reps // calls)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(host)

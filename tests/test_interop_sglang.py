@@ -522,9 +522,11 @@ def test_layer_launch_is_resolved_once_per_step_key_and_layer(monkeypatch):
     rng, b, pool, backend = _setup(21, [37, 0, 140, 9], [1, 1, 1, 1], 16, layers=2,
                                    attention_backend="pallas", torch_launcher=True)
     resolved = []
-    real = backend._layer_decode_launch
-    monkeypatch.setattr(backend, "_layer_decode_launch", lambda q, layer, step: resolved.append(
-        layer.layer_id) or real(q, layer, step))
+    from funcmla.interop.sglang import backend as backend_module
+
+    real = backend_module.layer_launch
+    monkeypatch.setattr(backend_module, "layer_launch", lambda be, q, layer, step: resolved.append(
+        layer.layer_id) or real(be, q, layer, step))
     q = torch.from_numpy(rng.standard_normal((4, H, 576)).astype(np.float32)).bfloat16()
     layers = [RadixAttention(H, SCALE, layer_id) for layer_id in range(2)]
     fb = _fb(ForwardMode.DECODE, b, [1, 1, 1, 1])

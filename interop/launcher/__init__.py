@@ -16,7 +16,10 @@ Modules, in the order a launcher is built:
   load         cubins into the device's primary context.
   checks       `TensorSpec`: what each tensor must be.
   scales       an fp8 pool's k_scale / v_scale: tensors by pointer, floats as device copies.
-  decode       `DecodeLauncher` / `PagedDecodeLauncher`: the launch program and its checks.
+  decode       `DecodeLauncher` / `PagedDecodeLauncher` / `LensDecodeLauncher`: the launch
+               program and its checks.
+  extend       `ExtendLauncher`: `mla_extend` (decode over query chunks) on torch tensors for
+               every batch within a configuration's capacities.
   prefill      `PrefillLauncher` / `torch_mha_prefill`: `mha_prefill`'s Mosaic GPU kernel for
                every batch within a configuration's capacities (prefill_layout: its
                realigned layout in torch ops).
@@ -33,7 +36,12 @@ from funcmla.interop.launcher.compile import (
     kernel_route,
     ptx_entry_params,
 )
-from funcmla.interop.launcher.decode import DecodeLauncher, PagedDecodeLauncher, decode_launcher
+from funcmla.interop.launcher.decode import (
+    DecodeLauncher,
+    LensDecodeLauncher,
+    PagedDecodeLauncher,
+    decode_launcher,
+)
 from funcmla.interop.launcher.device import launcher_unavailable_reason
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.extract import (
@@ -44,6 +52,12 @@ from funcmla.interop.launcher.extract import (
     parse_kernel_call_proto,
     ttir_divisibility,
     ttir_text,
+)
+from funcmla.interop.launcher.extend import (
+    ExtendLaunchConfig,
+    ExtendLauncher,
+    ExtendStep,
+    extend_launcher,
 )
 from funcmla.interop.launcher.load import LoadedKernel
 from funcmla.interop.launcher.mosaic import MosaicKernel
@@ -90,7 +104,12 @@ __all__ = [
     "kernel_route",
     "DecodeLauncher",
     "PagedDecodeLauncher",
+    "LensDecodeLauncher",
     "decode_launcher",
+    "ExtendLaunchConfig",
+    "ExtendLauncher",
+    "ExtendStep",
+    "extend_launcher",
     "launcher_unavailable_reason",
     "compile_call",
     "ttir_text",

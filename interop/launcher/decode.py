@@ -23,12 +23,13 @@ from funcmla.interop.launcher.scales import ScaleOperands
 
 
 # Pointer slots of a decode program (interop/_launch.py). Per call: the two index tensors in
-# argument order (x, y), q, kv_pool, out, lse, and an fp8 pool's k_scale, v_scale (0 for other
-# pools: no kernel reads them). Fixed: scratch buffers and a null pointer.
-_X, _Y, _Q, _KV, _OUT, _LSE, _KS, _VS = range(8)
-_PER_CALL = 8
+# argument order (x, y), q, kv_pool, out, lse, an fp8 pool's k_scale, v_scale (0 for other
+# pools: no kernel reads them), all eight checked in C where it can; then the "lens" form's
+# table (checked in Python; 0 for the other forms). Fixed: scratch buffers and a null pointer.
+_X, _Y, _Q, _KV, _OUT, _LSE, _KS, _VS, _TABLE = range(9)
+_PER_CALL = 9
 _BAD_ARGUMENT = -1  # = _launch.BAD_ARGUMENT: a check in C refused an argument
-_OPART, _LPART, _QPAD, _OUTPAD, _LSEPAD, _NULL = range(8, 14)
+_OPART, _LPART, _QPAD, _OUTPAD, _LSEPAD, _NULL = range(9, 15)
 
 
 class _DecodeLauncherBase:
@@ -127,6 +128,8 @@ class _DecodeLauncherBase:
         input's bytes each operand is)."""
         slots = {"q": _Q, "q_pad": _QPAD, "kv_pool": _KV, self._x_name: _X, self._y_name: _Y,
                  "k_scale": _KS, "v_scale": _VS}
+        if self.config.lens:
+            slots["table"] = _TABLE
         if len(plan.decode_inputs) != len(plan.decode.operands) or not set(
                 plan.decode_inputs) <= set(slots):
             raise LauncherUnavailable(
@@ -231,7 +234,8 @@ class _DecodeLauncherBase:
                 f"{self.config.pool_dtype} (DecodeLaunchConfig.kv_dtype=None)")
         return None, None
 
-    def _call(self, q, kv_pool, x, y, out, lse, k_scale=None, v_scale=None):
+    def _call(self, q, kv_pool, x, y, out, lse, k_scale=None, v_scale=None, table=0):
+        """table: the lens form's table pointer (checked by the caller), else 0."""
         ks, vs = self._scale_tensors(k_scale, v_scale)
         hot = self._checked_hot
         if hot is not None:  # checks and launches in one foreign call (C helper + torch shim)
@@ -250,7 +254,7 @@ class _DecodeLauncherBase:
                 stream = self._stream(self.device_index)
                 with self._lock:
                     try:
-                        pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl, cks, cvs)
+                        pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl, cks, cvs, table)
                     except (struct.error, TypeError):  # a subclass's _cdata is no address
                         rc = _BAD_ARGUMENT
                     else:
@@ -260,9 +264,9 @@ class _DecodeLauncherBase:
                 if rc >= 0:
                     return out, lse
                 # a check failed in C (nothing launched): the Python checks name the argument
-        return self._call_python(q, kv_pool, x, y, out, lse, ks, vs)
+        return self._call_python(q, kv_pool, x, y, out, lse, ks, vs, table)
 
-    def _call_python(self, q, kv_pool, x, y, out, lse, ks=None, vs=None):
+    def _call_python(self, q, kv_pool, x, y, out, lse, ks=None, vs=None, table=0):
         dt, kdt, i32, f32, kvs, di, m, qs, xs, ys, os_, ls = self._fast
         try:
             if out is None:
@@ -294,7 +298,7 @@ class _DecodeLauncherBase:
         stream = self._stream(di)
         pack, buf, mask, run, ref = self._hot
         with self._lock:
-            pack(buf, 0, stream, mask, px, py, pq, pk, po, pl, pks, pvs)
+            pack(buf, 0, stream, mask, px, py, pq, pk, po, pl, pks, pvs, table)
             rc = run(ref)
             if rc:
                 self._launch_failed(rc, mask, ref)
@@ -384,6 +388,36 @@ class PagedDecodeLauncher(_DecodeLauncherBase):
         return self._call(q, kv_pool, page_table, lengths, out, lse, k_scale, v_scale)
 
 
+class LensDecodeLauncher(_DecodeLauncherBase):
+    """The decode kernels over the "lens" form of `KVRows` (DecodeLaunchConfig.lens): the
+    extend launcher's pseudo-sequences, which share their request's table entries.
+
+    __call__(q [T, H, 576] (or [T, H * 576]), kv_pool (as `PagedDecodeLauncher` takes it at
+    page_size > 1, else as `DecodeLauncher`), table_start int32 [B] (entries), kv_lens int32
+    [B] (tokens, <= max_kv_len), table int32 [kv_capacity] (token slots, or page ids), out=None,
+    lse=None, k_scale=None, v_scale=None) -> (out, lse). Sequence b reads entries
+    table[table_start[b] + t // page_size] for t < kv_lens[b].
+    """
+
+    _x_name, _y_name = "table_start", "kv_lens"
+
+    def _x_shape(self):
+        return (self.config.num_seqs,)
+
+    def _y_shape(self):
+        return (self.config.num_seqs,)
+
+    def _specs_setup(self, torch, tdt, di) -> None:
+        super()._specs_setup(torch, tdt, di)
+        self.table_spec = TensorSpec("table", torch.int32, [(self.config.kv_capacity,)], di,
+                                     self.align)
+
+    def __call__(self, q, kv_pool, table_start, kv_lens, table, *, out=None, lse=None,
+                 k_scale=None, v_scale=None):
+        return self._call(q, kv_pool, table_start, kv_lens, out, lse, k_scale, v_scale,
+                          self.table_spec.pointer(table))
+
+
 _LAUNCHERS: dict[tuple[DecodeLaunchConfig, int], _DecodeLauncherBase] = {}
 _LAUNCHERS_LOCK = threading.Lock()
 
@@ -391,7 +425,8 @@ _LAUNCHERS_LOCK = threading.Lock()
 def decode_launcher(config: DecodeLaunchConfig, device=None):
     """The launcher of `config` on `device` (a torch device, index or None for the current
     CUDA device): built (lowered, compiled, loaded) on first use and cached. A
-    `DecodeLauncher` for page_size 1, else a `PagedDecodeLauncher`."""
+    `LensDecodeLauncher` for config.lens, else a `DecodeLauncher` for page_size 1 and a
+    `PagedDecodeLauncher` above."""
     import torch
 
     index = cuda_device_index(device)
@@ -399,7 +434,8 @@ def decode_launcher(config: DecodeLaunchConfig, device=None):
     with _LAUNCHERS_LOCK:
         launcher = _LAUNCHERS.get(key)
         if launcher is None:
-            cls = DecodeLauncher if config.page_size == 1 else PagedDecodeLauncher
+            cls = (LensDecodeLauncher if config.lens else
+                   DecodeLauncher if config.page_size == 1 else PagedDecodeLauncher)
             launcher = cls(decode_plan(config), torch.device("cuda", index))
             _LAUNCHERS[key] = launcher
     return launcher

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from funcmla.attention.pallas import KV_FP8_DTYPE, DecodeKernelConfig, mla_decode
-from funcmla.attention.pallas.decode_common import num_row_blocks
+from funcmla.attention.pallas.api import _mla_decode_kv, pool_scales
+from funcmla.attention.pallas.decode_common import KVRows, num_row_blocks
 from funcmla.interop.launcher.checks import _SHORT_DTYPES
 from funcmla.interop.launcher.errors import LauncherUnavailable
 from funcmla.interop.launcher.extract import (MosaicCall, TritonCall, extract_kernel_calls,
@@ -43,6 +44,11 @@ class DecodeLaunchConfig:
                  with per-call k_scale / v_scale (float32 operands of the kernel; the Triton
                  kernel at every shape, as `mla_decode` runs fp8 pools). q's own dtype name is
                  stored as None.
+    lens:        the "lens" index form of `KVRows` instead: table_start [B] (entries),
+                 kv_lens [B] (tokens) and a table [kv_capacity] of entries (token slots, or
+                 page ids at page_size > 1), max_kv_len its static bound on kv_lens (needed).
+                 Sequences may share table entries: the extend launcher's pseudo-sequences
+                 (`funcmla.interop.launcher.extend`).
     """
 
     num_seqs: int
@@ -59,6 +65,7 @@ class DecodeLaunchConfig:
     kernel: DecodeKernelConfig = DecodeKernelConfig()
     page_size: int = 1
     kv_dtype: str | None = None
+    lens: bool = False
 
     def __post_init__(self):
         for name in ("num_seqs", "num_heads", "pool_rows", "kv_capacity", "s_q", "head_dim",
@@ -73,7 +80,12 @@ class DecodeLaunchConfig:
                 raise ValueError(f"DecodeLaunchConfig.{name} must be None or a positive int, "
                                  f"got {value!r}")
         check_page_size(self.page_size, "DecodeLaunchConfig.page_size")
-        if self.page_size > 1:
+        if not isinstance(self.lens, bool):
+            raise TypeError(f"DecodeLaunchConfig.lens must be a bool, got {self.lens!r}")
+        if self.lens and self.max_kv_len is None:
+            raise ValueError("DecodeLaunchConfig.max_kv_len is needed with lens=True (the "
+                             "static bound on kv_lens the split rule reads)")
+        if self.page_size > 1 and not self.lens:
             if self.kv_capacity % self.num_seqs:
                 raise ValueError(f"DecodeLaunchConfig.kv_capacity={self.kv_capacity} must be "
                                  f"num_seqs * max_pages (num_seqs={self.num_seqs}) for a page "
@@ -123,7 +135,7 @@ class DecodeLaunchConfig:
 
     @property
     def resolved_max_kv_len(self) -> int:
-        if self.page_size > 1:
+        if self.page_size > 1 and not self.lens:
             return self.max_pages * self.page_size
         return self.kv_capacity if self.max_kv_len is None else self.max_kv_len
 
@@ -174,10 +186,15 @@ def _sds(shape, dtype):
 
 
 def input_names(config: DecodeLaunchConfig) -> tuple[str, ...]:
-    """The launcher's inputs in `jax_path`'s parameter order: q, kv_pool, the two index
-    tensors (kv_indptr, kv_indices or page_table, lengths), then k_scale, v_scale for an fp8
-    pool."""
-    index = ("kv_indptr", "kv_indices") if config.page_size == 1 else ("page_table", "lengths")
+    """The launcher's inputs in `jax_path`'s parameter order: q, kv_pool, the index tensors
+    (kv_indptr, kv_indices; page_table, lengths; or table_start, kv_lens, table with lens),
+    then k_scale, v_scale for an fp8 pool."""
+    if config.lens:
+        index = ("table_start", "kv_lens", "table")
+    elif config.page_size == 1:
+        index = ("kv_indptr", "kv_indices")
+    else:
+        index = ("page_table", "lengths")
     return ("q", "kv_pool") + index + (("k_scale", "v_scale") if config.fp8 else ())
 
 
@@ -195,6 +212,15 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     # the launcher runs the kernel the JAX path runs for these shapes in this process.
     common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
                   config=c.kernel, v_head_dim=c.v_head_dim)
+    if c.lens:
+        def lens(q, kv_pool, table_start, kv_lens, table, *scale):
+            # `mla_extend`'s call over its pseudo-sequences (`_mla_extend`)
+            kv = KVRows(table, table_start, kv_lens, c.page_size, c.max_kv_len)
+            scales = pool_scales(kv_pool, None, *(scale or (None, None)))
+            return _mla_decode_kv(q, kv_pool, kv, scales, interpret=False, **common)
+
+        return lens, (q, pool, _sds((b,), i32), _sds((b,), i32),
+                      _sds((c.kv_capacity,), i32)) + scales
     if c.page_size == 1:
         def csr(q, kv_pool, kv_indptr, kv_indices, *scale):
             return mla_decode(q, kv_pool, kv_indptr=kv_indptr, kv_indices=kv_indices,

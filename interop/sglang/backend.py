@@ -24,11 +24,12 @@ import torch
 
 from funcmla.compile_cache import enable_compilation_cache
 from funcmla.interop.aiter_dispatch import AiterWorkPlan
-from funcmla.interop.backend_select import (_launcher_reason, launcher_scale, mla_attention,
-                                            pallas_route, select_backend)
+from funcmla.interop.backend_select import (_launcher_reason, mla_attention, pallas_route,
+                                            select_backend)
 from funcmla.interop.dlpack import FP8_DTYPES, to_jax, to_torch
 from funcmla.interop.sglang import host_checks as hc
 from funcmla.interop.sglang.buckets import Buckets
+from funcmla.interop.sglang.layer_launch import extend_launch, layer_launch
 from funcmla.interop.sglang.mha_extend import is_mha_extend, mha_extend
 from funcmla.interop.sglang.modes import resolve_mode
 from funcmla.interop.sglang.step import StepSpec, build_step, num_parts, step_layout
@@ -164,9 +165,10 @@ class FuncMLAAttnBackend:
         self.last_backend: str | None = None
         self.last_via: str | None = None
         self.last_fallback_reason: str | None = None  # set by the MHA extend
-        self.last_launcher_reason: str | None = None  # the MHA extend's, where JAX ran it
+        self.last_launcher_reason: str | None = None  # an extend's, where JAX ran it
         self._mha_launchers: dict = {}  # (PrefillLaunchConfig, device) -> launcher or reason
         self._mha_step = None  # this step's MHA extend layout (mha_extend._launched)
+        self._ext_step = None  # this step's extend-launcher layout (layer_launch.extend_launch)
         self.torch_launcher = torch_launcher
         self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
         self._req_to_token_jax = to_jax(req_to_token)  # long-lived: imported once
@@ -604,7 +606,7 @@ class FuncMLAAttnBackend:
     @forward_metadata.setter
     def forward_metadata(self, fm: ForwardMetadata | None) -> None:
         self._forward_metadata = fm
-        self._step_key_now = self._mha_step = None  # a new step: its values may be new
+        self._step_key_now = self._mha_step = self._ext_step = None  # a new step's values
 
     def _step_key(self) -> tuple:
         """What a decode launch depends on from the step: (s_q, kv_indptr, kv_indices at
@@ -681,8 +683,9 @@ class FuncMLAAttnBackend:
         return res.out.reshape(-1, heads * layer.v_head_dim)
 
     def _launch_decode(self, q: torch.Tensor, layer: RadixAttention) -> torch.Tensor | None:
-        """out [T, H * v_head_dim] of this layer through the step's decode launcher, or None
-        where `mla_attention` decides (an extend, a refusal: it records the reason).
+        """out [T, H * v_head_dim] of this layer through the step's decode launcher (the
+        extend launcher for an extend-shaped step: `layer_launch.extend_launch`), or None where
+        `mla_attention` decides (a refusal: it records the reason).
 
         q: [T, H, qk_head_dim] or [T, H * qk_head_dim], as SGLang's layers pass it. A layer's
         launch is resolved once per step key (`_step_key`: it stays while the step's bucket,
@@ -693,70 +696,16 @@ class FuncMLAAttnBackend:
         launcher refuses is resolved again on each call, by `mla_attention`, which records the
         reason."""
         step = self._step_key_now or self._step_key()
+        if step[0] is None:  # extend-shaped: its token count changes from step to step
+            return extend_launch(self, q, layer, step)
         entry = self._layer_launch.get(layer.layer_id)
         if entry is not None and entry[0] is layer and entry[1] is step:
             return entry[2](q)  # resolved in this step or an earlier one of the same key
-        launch = self._layer_decode_launch(q, layer, step)
+        launch = layer_launch(self, q, layer, step)
         if launch is None:
             return None
         self._layer_launch[layer.layer_id] = (layer, step, launch)
         return launch(q)
-
-    def _layer_decode_launch(self, q: torch.Tensor, layer: RadixAttention, step: tuple):
-        """q -> out [T, H * v_head_dim] for the step key `step` and this layer (the cached
-        launcher of their shapes on the layer's pool), or None where the launcher does not run
-        it."""
-        s_q, kv_indptr, kv_indices, max_kv = step
-        if s_q is None or kv_indices is None:
-            return None
-        heads, dv = layer.tp_q_head_num, layer.v_head_dim
-        q3 = q.reshape(-1, heads, layer.qk_head_dim)
-        pool = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        key = (s_q, kv_indptr.shape, kv_indices.shape, max_kv, q3.shape, q3.dtype, pool.shape,
-               pool.dtype, q3.device, dv, layer.scaling)
-        entry = self._decode_launchers.get(key)
-        if entry is None:
-            entry = self._resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, s_q=s_q,
-                                                  max_kv=max_kv, layer=layer)
-            self._decode_launchers[key] = entry
-        if entry is False:
-            return None
-        run, lse, fp8 = entry
-        pool_of, layer_id = self.token_to_kv_pool.get_key_buffer, layer.layer_id
-        empty, out_shape = torch.empty, (q3.shape[0], heads * dv)
-        dtype, device = q3.dtype, q3.device
-
-        def launch(q):
-            # q as it came (either shape is the same bytes); a strided q is copied, as the
-            # reshape of the general path does
-            q = q if q.is_contiguous() else q.contiguous()
-            out = empty(out_shape, dtype=dtype, device=device)
-            if fp8:  # the layer's scale: a float (one cached device copy) or a device tensor
-                run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse,
-                    k_scale=launcher_scale(layer.k_scale))
-            else:
-                run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse)
-            return out
-
-        return launch
-
-    def _resolve_decode_launcher(self, q3, pool, kv_indptr, kv_indices, *, s_q: int,
-                                 max_kv: int | None, layer: RadixAttention):
-        """(launcher, lse scratch [T, H] float32, fp8 pool?) for `_launch_decode`, or False
-        where the launcher does not run these inputs (`mla_attention` then runs and says why).
-        The lse scratch is never returned: the backend's attention output is out alone."""
-        if _launcher_reason(q3, (pool, kv_indptr, kv_indices), s_q=s_q) is not None:
-            return False
-        from funcmla.interop import launcher
-
-        try:
-            run = launcher.torch_decode_launcher(q3, pool, kv_indptr, kv_indices,
-                                                 sm_scale=float(layer.scaling), s_q=s_q,
-                                                 max_kv_len=max_kv, v_head_dim=layer.v_head_dim)
-        except launcher.LauncherUnavailable:
-            return False
-        return (run, torch.empty(q3.shape[:2], dtype=torch.float32, device=q3.device),
-                pool.dtype in FP8_DTYPES)
 
     def _aiter_plan(self):
         """The decode work plan of forward_metadata as AITER's persistent kernel reads it (the

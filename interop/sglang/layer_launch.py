@@ -1,0 +1,137 @@
+"""A layer's attention through the torch launchers: the `FuncMLAAttnBackend` side.
+
+Decode-shaped steps (s_q <= 4 per request) run the decode launcher: `layer_launch` resolves a
+closure q -> out once per step key and layer (the backend caches it), which then costs one dict
+lookup, out's allocation and one launch. Extend-shaped steps (an extend with a prefix,
+target-verify or draft-extend with more draft tokens) run the extend launcher
+(`funcmla.interop.launcher.extend`, `mla_extend` on torch's stream): `extend_launch` finds the
+launcher of the step's buckets (q rows at `prefill_capacity`, the batch bucket, the kv_indices
+capacity) and the step's pseudo-sequence layout, computed once per step for all layers (and
+once more inside a CUDA-graph capture, whose replays then recompute it from the captured
+metadata buffers). Either returns None where its launcher cannot run these inputs;
+`mla_attention` then runs the layer and records why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from funcmla.interop.backend_select import _launcher_reason, launcher_scale
+from funcmla.interop.dlpack import FP8_DTYPES
+
+__all__ = ["layer_launch", "extend_launch"]
+
+
+def layer_launch(backend, q: torch.Tensor, layer, step: tuple):
+    """q -> out [T, H * v_head_dim] for the decode step key `step` (`_step_key`) and this
+    layer (the cached launcher of their shapes on the layer's pool), or None where the
+    launcher does not run it."""
+    s_q, kv_indptr, kv_indices, max_kv = step
+    if s_q is None or kv_indices is None:
+        return None
+    heads, dv = layer.tp_q_head_num, layer.v_head_dim
+    q3 = q.reshape(-1, heads, layer.qk_head_dim)
+    pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    key = (s_q, kv_indptr.shape, kv_indices.shape, max_kv, q3.shape, q3.dtype, pool.shape,
+           pool.dtype, q3.device, dv, layer.scaling)
+    entry = backend._decode_launchers.get(key)
+    if entry is None:
+        entry = _resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, s_q=s_q,
+                                         max_kv=max_kv, layer=layer)
+        backend._decode_launchers[key] = entry
+    if entry is False:
+        return None
+    run, lse, fp8 = entry
+    pool_of, layer_id = backend.token_to_kv_pool.get_key_buffer, layer.layer_id
+    empty, out_shape = torch.empty, (q3.shape[0], heads * dv)
+    dtype, device = q3.dtype, q3.device
+
+    def launch(q):
+        # q as it came (either shape is the same bytes); a strided q is copied, as the
+        # reshape of the general path does
+        q = q if q.is_contiguous() else q.contiguous()
+        out = empty(out_shape, dtype=dtype, device=device)
+        if fp8:  # the layer's scale: a float (one cached device copy) or a device tensor
+            run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse,
+                k_scale=launcher_scale(layer.k_scale))
+        else:
+            run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse)
+        return out
+
+    return launch
+
+
+def _resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, *, s_q: int,
+                             max_kv: int | None, layer):
+    """(launcher, lse scratch [T, H] float32, fp8 pool?) for `layer_launch`, or False where
+    the launcher does not run these inputs (`mla_attention` then runs and says why). The lse
+    scratch is never returned: the backend's attention output is out alone."""
+    if _launcher_reason(q3, (pool, kv_indptr, kv_indices), s_q=s_q) is not None:
+        return False
+    from funcmla.interop import launcher
+
+    try:
+        run = launcher.torch_decode_launcher(q3, pool, kv_indptr, kv_indices,
+                                             sm_scale=float(layer.scaling), s_q=s_q,
+                                             max_kv_len=max_kv, v_head_dim=layer.v_head_dim)
+    except launcher.LauncherUnavailable:
+        return False
+    return (run, torch.empty(q3.shape[:2], dtype=torch.float32, device=q3.device),
+            pool.dtype in FP8_DTYPES)
+
+
+def _extend_launcher(q3, pool, kv_indices, *, batch: int, max_kv: int | None, layer):
+    """The extend launcher of these shapes, or a string saying why there is none."""
+    from funcmla.attention.pallas.prefill_layout import prefill_capacity
+    from funcmla.interop.launcher import LauncherUnavailable
+    from funcmla.interop.launcher.extend import ExtendLaunchConfig, extend_launcher
+
+    fp8 = FP8_DTYPES.get(pool.dtype)
+    try:
+        config = ExtendLaunchConfig(
+            num_heads=q3.shape[1], q_capacity=prefill_capacity(q3.shape[0]), batch=batch,
+            pool_rows=pool.shape[0], kv_capacity=kv_indices.shape[0],
+            sm_scale=float(layer.scaling), max_kv_len=max_kv, head_dim=q3.shape[2],
+            v_head_dim=layer.v_head_dim, dtype=str(q3.dtype).removeprefix("torch."),
+            kv_dtype=None if fp8 is None else str(pool.dtype).removeprefix("torch."))
+        return extend_launcher(config, q3.device)
+    except (LauncherUnavailable, ValueError, TypeError) as err:
+        return f"the extend launcher does not take these inputs: {err}"
+
+
+def extend_launch(backend, q: torch.Tensor, layer, step: tuple) -> torch.Tensor | None:
+    """out [T, H * v_head_dim] of an extend-shaped step through the extend launcher, or None
+    (`backend.last_launcher_reason` says why). The step's layout is kept until the next
+    step's metadata (the forward_metadata setter drops it) and recomputed once inside a CUDA
+    graph capture."""
+    _, kv_indptr, kv_indices, max_kv = step
+    fm = backend.forward_metadata
+    if kv_indices is None:
+        backend.last_launcher_reason = "no kv_indices view of the step's capacity"
+        return None
+    heads = layer.tp_q_head_num
+    q3 = q.reshape(-1, heads, layer.qk_head_dim)
+    pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    batch = fm.qo_indptr.shape[0] - 1
+    key = ("extend", q3.shape, q3.dtype, pool.shape, pool.dtype, kv_indices.shape, batch,
+           max_kv, layer.v_head_dim, layer.scaling, q3.device)
+    launcher = backend._decode_launchers.get(key)
+    if launcher is None:
+        launcher = _extend_launcher(q3, pool, kv_indices, batch=batch, max_kv=max_kv,
+                                    layer=layer)
+        backend._decode_launchers[key] = launcher
+    if isinstance(launcher, str):
+        backend.last_launcher_reason = launcher
+        return None
+    capturing = q3.is_cuda and torch.cuda.is_current_stream_capturing()
+    cached = backend._ext_step
+    if cached is not None and cached[0] is launcher and cached[1] == capturing:
+        layout = cached[2]
+    else:
+        layout = launcher.layout(fm.qo_indptr, kv_indptr, kv_indices, num_q=q3.shape[0])
+        backend._ext_step = (launcher, capturing, layout)
+    q3 = q3 if q3.is_contiguous() else q3.contiguous()
+    scale = launcher_scale(layer.k_scale) if pool.dtype in FP8_DTYPES else None
+    out, _ = launcher(q3, pool, layout, k_scale=scale)
+    backend.last_launcher_reason = None
+    return out.reshape(q3.shape[0], heads * layer.v_head_dim)
