@@ -104,6 +104,15 @@ def test_lens_plan_wires_table_start_kv_lens_and_table(page_size):
     assert len(rec.launches) == n
 
 
+@needs_lowering
+def test_fp8_lens_plan_wires_the_scales():
+    """An fp8 pool's extend runs the Triton kernel with k_scale / v_scale operands, as
+    `mla_extend` does."""
+    plan = L.decode_plan(_config(kv_dtype="float8_e4m3fn").decode_config)
+    assert plan.kernel == "triton"
+    assert {"table_start", "kv_lens", "table", "k_scale", "v_scale"} <= set(plan.decode_inputs)
+
+
 def test_config_refuses_what_mla_extend_would():
     with pytest.raises(ValueError, match="kv_capacity=100 must be batch"):
         E.ExtendLaunchConfig(num_heads=16, q_capacity=8, batch=3, pool_rows=64,
