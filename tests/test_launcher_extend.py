@@ -444,3 +444,59 @@ def test_sglang_extend_says_why_the_extend_launcher_did_not_run():
     step = backend._step_key()
     assert LL.extend_launch(backend, q, layer, step) is None
     assert "CUDA devices" in backend.last_launcher_reason
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_sglang_target_verify_of_8_drafts_through_the_launcher_and_a_cuda_graph():
+    """Target verify with 8 draft tokens a request (extend-shaped: s_q > 4) runs the extend
+    launcher eagerly and inside a CUDA-graph capture; the graph replays new lengths; both
+    match SGLang's torch-native extend in float32."""
+    import dataclasses
+
+    from funcmla.interop.sglang_backend import ForwardMode, RadixAttention, SpecInfo
+    from funcmla.interop.torch_native import torch_native_mla_extend
+    from tests.test_interop_sglang import _fb, _setup, rel_err
+
+    n, h, bs = 8, 16, 4
+    prefix = [30, 7, 90, 12]
+    rng, b, pool, backend = _setup(17, prefix, [n] * bs, 16, device="cuda",
+                                   attention_backend="pallas", num_draft_tokens=n)
+    layer = RadixAttention(tp_q_head_num=h, scaling=SCALE)
+    spec = SpecInfo(draft_token_num=n)
+    q = torch.randn(bs * n, h, 576, device="cuda").to(torch.bfloat16)
+    r2t, rpi = b.req_to_token.cuda(), b.req_pool_indices.cuda()
+
+    def want(seq_before):
+        seq = seq_before + n
+        return torch_native_mla_extend(q, pool.kv_buffer[0], r2t, rpi, seq.cuda(),
+                                       seq_before.cuda(), torch.full_like(seq, n).cuda(),
+                                       sm_scale=SCALE, compute_dtype=torch.float32)
+
+    before = b.seq_lens - n
+    fb = _fb(ForwardMode.TARGET_VERIFY, b, [n] * bs, device="cuda", spec=spec)
+    fb = dataclasses.replace(fb, seq_lens=before.cuda(), seq_lens_cpu=before,
+                             seq_lens_sum=int(before.sum()))
+    backend.init_forward_metadata(fb)
+    out = backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
+    assert backend.last_via == "launcher", backend.last_launcher_reason
+    assert rel_err(out.view(bs * n, h, 512), want(before)) < 4e-3
+    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * n)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * n, rpi, before.cuda(), None,
+                                                     ForwardMode.TARGET_VERIFY, spec)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # SGLang's warm-up runs before the capture
+        backend.forward_decode(q, None, None, layer, None, save_kv_cache=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.forward_decode(q, None, None, layer, None, save_kv_cache=False)
+    for lens in ([100, 3, 250, 40], [5, 300, 1, 77]):
+        seq = torch.tensor(lens, dtype=torch.int32)
+        backend.init_forward_metadata_replay_cuda_graph(bs, rpi, seq.cuda(), int(seq.sum()),
+                                                        None, ForwardMode.TARGET_VERIFY, spec,
+                                                        seq)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(static_out.view(bs * n, h, 512), want(seq)) < 4e-3, lens

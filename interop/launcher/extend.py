@@ -181,8 +181,8 @@ class ExtendStep:
     num_q query rows: table_start / kv_lens [P] and the table; q_rows [P * C] (the query token
     of each pseudo-sequence row, -1: padding) and out_rows [num_q] (the pseudo-sequence row of
     each token, -1: a token past qo_indptr[-1]), None where q and out are used as they lie;
-    `gathers` holds what a call's gathers read (sources clamped into range, masks of the
-    rows they zero), computed once for the step's layers."""
+    `gathers` holds what a call's gathers read (sources clamped into range, the mask of the
+    tokens whose out / lse are 0 / +inf), computed once for the step's layers."""
 
     config: ExtendLaunchConfig
     num_q: int
@@ -265,8 +265,7 @@ class ExtendLauncher:
         if ch > 1 or num_q != p:
             q_rows, out_rows = torch_chunk_rows(qo_indptr, chunk_indptr, num_pseudo=p,
                                                 chunk=ch, num_q=num_q)
-            gathers = (q_rows.clamp(min=0), (q_rows < 0)[:, None], out_rows.clamp(min=0),
-                       (out_rows < 0)[:, None])
+            gathers = (q_rows.clamp(min=0), out_rows.clamp(min=0), (out_rows < 0)[:, None])
         return ExtendStep(c, num_q, table_start, kv_lens, table, q_rows, out_rows, gathers)
 
     # ------------------------------------------------------------------------ per layer
@@ -293,12 +292,13 @@ class ExtendLauncher:
                     raise LauncherArgumentError(
                         f"{name} must be contiguous of shape {' or '.join(map(str, shape))}, "
                         f"got {list(x.shape)}")
-        q_src, q_pad, o_src, o_dead = step.gathers
+        q_src, o_src, o_dead = step.gathers
         # rows move as 8-byte words (a 576-column bf16 row is 144 of them): torch's row
-        # gather runs at about twice the bandwidth of 2-byte elements
+        # gather runs at about twice the bandwidth of 2-byte elements. A padding row of a
+        # chunk takes some token's q: the kernels keep rows apart (a row's scores, softmax
+        # and output are its own) and no padding row is stored, so its values never matter.
         words = self._words
         qp = torch.index_select(q.reshape(t, -1).view(words), 0, q_src)
-        qp.masked_fill_(q_pad, 0)  # padding rows: zero queries (their rows are never stored)
         o, l = self.decode(qp.view(q.dtype).view(-1, h, d), kv_pool, step.table_start,
                            step.kv_lens, step.table, k_scale=k_scale, v_scale=v_scale)
         out = torch.empty((t, h, dv), dtype=o.dtype, device=self.device) if out is None \
