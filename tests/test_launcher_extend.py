@@ -6,7 +6,8 @@
 * an extend launcher over a stand-in decode (float64 attention of each pseudo-sequence row, the
   decode kernels' contract) gives each token exactly the attention over its own keys, bit for
   bit: chunks, padding rows, tokens past qo_indptr[-1], empty requests, pages, NaN in unused
-  pool rows.
+  pool rows; bad inputs (tests/bad_inputs_launcher_extend.py) launch nothing;
+* the SGLang backend runs extend-shaped steps through it.
 
 On the GPU (marked `gpu`): bit-identity with `mla_extend` under jit, and a CUDA graph of a
 step's layout and two layers replayed with new lengths."""
@@ -111,18 +112,6 @@ def test_fp8_lens_plan_wires_the_scales():
     plan = L.decode_plan(_config(kv_dtype="float8_e4m3fn").decode_config)
     assert plan.kernel == "triton"
     assert {"table_start", "kv_lens", "table", "k_scale", "v_scale"} <= set(plan.decode_inputs)
-
-
-def test_config_refuses_what_mla_extend_would():
-    with pytest.raises(ValueError, match="kv_capacity=100 must be batch"):
-        E.ExtendLaunchConfig(num_heads=16, q_capacity=8, batch=3, pool_rows=64,
-                             kv_capacity=100, sm_scale=SCALE, page_size=16)
-    with pytest.raises(ValueError, match="max_kv_len is implied"):
-        _config(page_size=16, max_kv_len=64)
-    with pytest.raises(ValueError, match="q_capacity must be an int >= 1"):
-        _config(q_capacity=0)
-    with pytest.raises(ValueError, match="causal must be a bool"):
-        _config(causal=1)
 
 
 # ----------------------------------------------------------------------------- semantics
@@ -240,37 +229,19 @@ def test_extend_launcher_gives_each_token_its_attention(h, page_size, causal, q_
     assert dec.calls == 1 and out.shape == (num_q, h, 512) and lse.shape == (num_q, h)
     np.testing.assert_array_equal(out.float().numpy(), want_out.astype(np.float32))
     np.testing.assert_array_equal(lse.numpy(), want_lse)
+    alone, none = lau(qt, None, step, return_lse=False)  # out alone: the same bits
+    assert none is None and torch.equal(alone, out)
 
 
-def test_layout_and_call_refuse_bad_tensors():
-    cfg = _config()
-    lau = E.ExtendLauncher(cfg, _ContractDecode(cfg.decode_config, None))
-    qo = torch.tensor([0, 3, 5], dtype=torch.int32)
-    kv = torch.tensor([0, 4, 9], dtype=torch.int32)
-    ind = torch.zeros(cfg.kv_capacity, dtype=torch.int32)
-    cases = {
-        "qo_indptr must be torch.int32": lambda: lau.layout(qo.long(), kv, ind, num_q=5),
-        r"qo_indptr has 6 entries; .* B <= batch = 4": lambda: lau.layout(
-            torch.zeros(6, dtype=torch.int32), kv, ind, num_q=5),
-        r"num_q = 25 must be an int in \[0, 24\]": lambda: lau.layout(qo, kv, ind, num_q=25),
-        r"kv_indices has shape \[7\]": lambda: lau.layout(qo, kv, ind[:7], num_q=5),
-        "not page_table": lambda: lau.layout(qo, kv, ind, page_table=ind, num_q=5),
-    }
-    for match, call in cases.items():
-        with pytest.raises(L.LauncherArgumentError, match=match):
-            call()
-    step = lau.layout(qo, kv, ind, num_q=5)
-    q = torch.zeros(5, 16, 576, dtype=torch.bfloat16)
-    for match, call in {
-        r"q has shape \[4, 16, 576\]": lambda: lau(q[:4], None, step),
-        "q must be torch.bfloat16": lambda: lau(q.float(), None, step),
-        "step must be a layout": lambda: lau(q, None, object()),
-        "out must be contiguous": lambda: lau(q, None, step,
-                                              out=torch.empty(5, 16, 500, dtype=q.dtype)),
-    }.items():
-        with pytest.raises(L.LauncherArgumentError, match=match):
-            call()
-    assert lau.decode.calls == 0
+def test_bad_inputs_launch_nothing():
+    """Every case of tests/bad_inputs_launcher_extend.py raises before the decode launch (its
+    stand-in records calls); the battery's messages are checked by tests/test_bad_inputs.py."""
+    from tests import bad_inputs_launcher_extend as B
+
+    for case in B.CASES:
+        with pytest.raises(case.error):
+            case.call()
+    assert B.DECODE_CALLS == []
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -202,7 +202,8 @@ class ExtendLauncher:
     CSR (page_size 1) or a page table (page_size > 1), int32 tensors on the launcher's device
     (torch ops on the current stream; every layer of the step reuses the result).
     __call__(q [num_q, H, 576] (or [num_q, H * 576]), kv_pool, step, *, out=None, lse=None,
-    k_scale=None, v_scale=None) -> (out [num_q, H, 512], lse [num_q, H] float32), semantics
+    k_scale=None, v_scale=None, return_lse=True) -> (out [num_q, H, 512], lse [num_q, H]
+    float32; None with return_lse=False, which skips its gather), semantics
     `mla_extend`'s: bottom-right causal (or full), a query with no key gets out 0 and lse
     +inf, pool rows no request uses never reach an output. Tensors are checked (dtype, shape,
     device) before anything runs; index values are the caller's contract, and any value keeps
@@ -270,7 +271,7 @@ class ExtendLauncher:
 
     # ------------------------------------------------------------------------ per layer
     def __call__(self, q, kv_pool, step: ExtendStep, *, out=None, lse=None, k_scale=None,
-                 v_scale=None):
+                 v_scale=None, return_lse: bool = True):
         torch, c = self._torch, self.config
         if not (isinstance(step, ExtendStep) and step.config == c):
             raise LauncherArgumentError(f"step must be a layout of this launcher, got "
@@ -280,9 +281,12 @@ class ExtendLauncher:
         if tuple(q.shape) not in ((t, h, d), (t, h * d)):
             raise LauncherArgumentError(f"q has shape {list(q.shape)}; the step's layout is for "
                                         f"[{t}, {h}, {d}] (or [{t}, {h * d}])")
+        if not return_lse and lse is not None:
+            raise LauncherArgumentError("lse= is given with return_lse=False")
         if step.q_rows is None:  # q and out as they lie: one foreign call
-            return self.decode(q, kv_pool, step.table_start, step.kv_lens, step.table, out=out,
-                               lse=lse, k_scale=k_scale, v_scale=v_scale)
+            out, lse = self.decode(q, kv_pool, step.table_start, step.kv_lens, step.table,
+                                   out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+            return out, (lse if return_lse else None)
         for name, x, dtype, shape in (("out", out, getattr(torch, c.dtype), ((t, h, dv),
                                                                              (t, h * dv))),
                                       ("lse", lse, torch.float32, ((t, h),))):
@@ -306,6 +310,8 @@ class ExtendLauncher:
         torch.index_select(o.view(o.shape[0], -1).view(words), 0, o_src,
                            out=out.view(t, -1).view(words))
         out.view(t, -1).view(words).masked_fill_(o_dead, 0)
+        if not return_lse:
+            return out, None
         lse = torch.empty((t, h), dtype=torch.float32, device=self.device) if lse is None \
             else lse
         torch.index_select(l, 0, o_src, out=lse)

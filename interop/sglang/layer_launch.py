@@ -132,6 +132,6 @@ def extend_launch(backend, q: torch.Tensor, layer, step: tuple) -> torch.Tensor 
         backend._ext_step = (launcher, capturing, layout)
     q3 = q3 if q3.is_contiguous() else q3.contiguous()
     scale = launcher_scale(layer.k_scale) if pool.dtype in FP8_DTYPES else None
-    out, _ = launcher(q3, pool, layout, k_scale=scale)
+    out, _ = launcher(q3, pool, layout, k_scale=scale, return_lse=False)
     backend.last_launcher_reason = None
     return out.reshape(q3.shape[0], heads * layer.v_head_dim)
