@@ -231,6 +231,11 @@ def test_extend_launcher_gives_each_token_its_attention(h, page_size, causal, q_
     np.testing.assert_array_equal(lse.numpy(), want_lse)
     alone, none = lau(qt, None, step, return_lse=False)  # out alone: the same bits
     assert none is None and torch.equal(alone, out)
+    if cfg.chunk > 1:  # no query rows at all: empty results, nothing launched
+        empty = lau.layout(torch.from_numpy(qo * 0), num_q=0, **idx)
+        calls = dec.calls
+        o0, l0 = lau(qt[:0], None, empty)
+        assert o0.shape == (0, h, 512) and l0.shape == (0, h) and dec.calls == calls
 
 
 def test_bad_inputs_launch_nothing():

@@ -266,7 +266,10 @@ class ExtendLauncher:
         if ch > 1 or num_q != p:
             q_rows, out_rows = torch_chunk_rows(qo_indptr, chunk_indptr, num_pseudo=p,
                                                 chunk=ch, num_q=num_q)
-            gathers = (q_rows.clamp(min=0), out_rows.clamp(min=0), (out_rows < 0)[:, None])
+            # sources clamped into both tensors: CSR values past their rows (the caller's
+            # contract) gather some row, never one outside
+            gathers = (q_rows.clamp(0, max(num_q - 1, 0)), out_rows.clamp(0, p * ch - 1),
+                       (out_rows < 0)[:, None])
         return ExtendStep(c, num_q, table_start, kv_lens, table, q_rows, out_rows, gathers)
 
     # ------------------------------------------------------------------------ per layer
@@ -287,6 +290,9 @@ class ExtendLauncher:
             out, lse = self.decode(q, kv_pool, step.table_start, step.kv_lens, step.table,
                                    out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
             return out, (lse if return_lse else None)
+        if t == 0:
+            empty = torch.empty((0, h, dv), dtype=q.dtype, device=self.device)
+            return empty, (torch.empty((0, h), device=self.device) if return_lse else None)
         for name, x, dtype, shape in (("out", out, getattr(torch, c.dtype), ((t, h, dv),
                                                                              (t, h * dv))),
                                       ("lse", lse, torch.float32, ((t, h),))):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from funcmla.attention.pallas.prefill_layout import prefill_capacity
 from funcmla.interop.backend_select import _launcher_reason, launcher_scale
 from funcmla.interop.dlpack import FP8_DTYPES
 
@@ -82,7 +83,6 @@ def _resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, *, s_q: int,
 
 def _extend_launcher(q3, pool, kv_indices, *, batch: int, max_kv: int | None, layer):
     """The extend launcher of these shapes, or a string saying why there is none."""
-    from funcmla.attention.pallas.prefill_layout import prefill_capacity
     from funcmla.interop.launcher import LauncherUnavailable
     from funcmla.interop.launcher.extend import ExtendLaunchConfig, extend_launcher
 
@@ -113,8 +113,10 @@ def extend_launch(backend, q: torch.Tensor, layer, step: tuple) -> torch.Tensor 
     q3 = q.reshape(-1, heads, layer.qk_head_dim)
     pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     batch = fm.qo_indptr.shape[0] - 1
-    key = ("extend", q3.shape, q3.dtype, pool.shape, pool.dtype, kv_indices.shape, batch,
-           max_kv, layer.v_head_dim, layer.scaling, q3.device)
+    # keyed by the q-row bucket, not the count: a bounded set of launchers over a serving run
+    key = ("extend", prefill_capacity(q3.shape[0]), q3.shape[1:], q3.dtype, pool.shape,
+           pool.dtype, kv_indices.shape, batch, max_kv, layer.v_head_dim, layer.scaling,
+           q3.device)
     launcher = backend._decode_launchers.get(key)
     if launcher is None:
         launcher = _extend_launcher(q3, pool, kv_indices, batch=batch, max_kv=max_kv,
