@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from funcmla.attention.pallas import KV_FP8_DTYPE, DecodeKernelConfig
 from funcmla.attention.pallas.extend import chunk_tokens, extend_kernel_config, num_pseudo_seqs
 from funcmla.interop.launcher.decode import LensDecodeLauncher, decode_launcher
-from funcmla.interop.launcher.errors import LauncherArgumentError
+from funcmla.interop.launcher.device import cuda_device_index, launcher_unavailable_reason
+from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.plan import DecodeLaunchConfig
 
 __all__ = ["ExtendLaunchConfig", "ExtendStep", "ExtendLauncher", "extend_launcher",
@@ -358,4 +359,8 @@ def extend_launcher(config: ExtendLaunchConfig, device=None) -> ExtendLauncher:
         raise TypeError(f"config must be an ExtendLaunchConfig, got {type(config).__name__}")
     if not (isinstance(config.sm_scale, numbers.Real) and math.isfinite(config.sm_scale)):
         raise ValueError(f"ExtendLaunchConfig.sm_scale={config.sm_scale!r} must be finite")
+    cuda_device_index(device)  # LauncherUnavailable for a device that is not CUDA
+    why = launcher_unavailable_reason()
+    if why is not None:  # before lowering anything
+        raise LauncherUnavailable(why)
     return ExtendLauncher(config, decode_launcher(config.decode_config, device))

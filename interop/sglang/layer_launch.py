@@ -95,7 +95,9 @@ def _extend_launcher(q3, pool, kv_indices, *, batch: int, max_kv: int | None, la
             v_head_dim=layer.v_head_dim, dtype=str(q3.dtype).removeprefix("torch."),
             kv_dtype=None if fp8 is None else str(pool.dtype).removeprefix("torch."))
         return extend_launcher(config, q3.device)
-    except (LauncherUnavailable, ValueError, TypeError) as err:
+    except LauncherUnavailable as err:
+        return f"the extend launcher is unavailable: {err}"
+    except (ValueError, TypeError, RuntimeError) as err:  # a shape or dtype it does not take
         return f"the extend launcher does not take these inputs: {err}"
 
 
