@@ -63,6 +63,20 @@ def _decompressed(b, pool, layer, prefix, extend):
     return ks, vs
 
 
+def _expected(b, pool, layer, prefix, extend, q, k, v):
+    """The float32 restatement of one MHA extend step: each request's keys and values from the
+    pool (a prefix anywhere) or from the model's k / v, then `_torch_reference`."""
+    heads, t = layer.tp_q_head_num, sum(extend)
+    if any(prefix):
+        ks, vs = _decompressed(b, pool, layer, prefix, extend)
+    else:
+        ends = np.cumsum([0] + extend)
+        k3, v3 = k.view(t, heads, 192), v.view(t, heads, 128)
+        ks = [k3[a:e] for a, e in zip(ends[:-1], ends[1:])]
+        vs = [v3[a:e] for a, e in zip(ends[:-1], ends[1:])]
+    return _torch_reference(q.view(t, heads, 192), ks, vs, prefix, extend)
+
+
 def _step(heads, prefix, extend, seed, backend_name="reference"):
     rng, b, pool, backend = _setup(seed, prefix, extend, 16, attention_backend="reference")
     backend.attention_backend = backend_name  # "pallas": as selected on an NVIDIA GPU
@@ -75,14 +89,7 @@ def _step(heads, prefix, extend, seed, backend_name="reference"):
     backend.init_forward_metadata(fb)
     out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
     assert out.shape == (t, heads * 128) and out.dtype == torch.bfloat16
-    if any(prefix):
-        ks, vs = _decompressed(b, pool, layer, prefix, extend)
-    else:
-        ends = np.cumsum([0] + extend)
-        k3, v3 = k.view(t, heads, 192), v.view(t, heads, 128)
-        ks = [k3[a:e] for a, e in zip(ends[:-1], ends[1:])]
-        vs = [v3[a:e] for a, e in zip(ends[:-1], ends[1:])]
-    want = _torch_reference(q.view(t, heads, 192), ks, vs, prefix, extend)
+    want = _expected(b, pool, layer, prefix, extend, q, k, v)
     return backend, out.view(t, heads, 128), want, layer, fb, (q, k, v)
 
 
@@ -263,13 +270,7 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
             _no_host_reads(m)
             out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
         assert backend.last_backend == "pallas" and out.shape == (t, 4 * 128)
-        if any(prefix):
-            ks, vs = _decompressed(b, pool, layer, prefix, extend)
-        else:
-            ends = np.cumsum([0] + extend)
-            ks = [k.view(t, 4, 192)[a:e] for a, e in zip(ends[:-1], ends[1:])]
-            vs = [v.view(t, 4, 128)[a:e] for a, e in zip(ends[:-1], ends[1:])]
-        want = _torch_reference(q.view(t, 4, 192), ks, vs, prefix, extend)
+        want = _expected(b, pool, layer, prefix, extend, q, k, v)
         assert rel_err(out.view(t, 4, 128), want) < 8e-3
     assert len(seen) == 2 and seen[0] == seen[1], seen
     (qs, ks_, vs_, qos, kvs), = set(seen)
@@ -301,11 +302,5 @@ def test_gpu_mha_extend_launcher_equals_the_jax_path(prefix, extend):
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
     assert torch.equal(bits(out), bits(via_jax))
-    if any(prefix):
-        ks, vs = _decompressed(b, pool, layer, prefix, extend)
-    else:
-        ends = np.cumsum([0] + extend)
-        ks = [k.view(t, 16, 192)[a:e] for a, e in zip(ends[:-1], ends[1:])]
-        vs = [v.view(t, 16, 128)[a:e] for a, e in zip(ends[:-1], ends[1:])]
-    want = _torch_reference(q.view(t, 16, 192), ks, vs, prefix, extend)
+    want = _expected(b, pool, layer, prefix, extend, q, k, v)
     assert rel_err(out.view(t, 16, 128).float(), want.float()) < 8e-3
