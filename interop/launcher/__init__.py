@@ -24,6 +24,7 @@ Modules, in the order a launcher is built:
                every batch within a configuration's capacities (prefill_layout: its
                realigned layout in torch ops).
   torch_entry  `torch_decode` and the torch op `torch.ops.funcmla.mla_decode`.
+  segments     `funcmla.segments.segment_positions` in torch ops (the per-step layouts).
   support      the jaxlib versions the extraction was tested on.
   device       whether a launcher can run here, the CUDA device index, torch's raw stream.
 """

@@ -61,5 +61,17 @@ class TensorSpec:
         return ptr
 
 
+def expect_tensor(name: str, x, dtype, device_index: int, device) -> None:
+    """x is a torch tensor of `dtype` (or of one of a tuple of dtypes) on `device_index`
+    (torch's `get_device()`; `device` names it); else LauncherArgumentError naming `name`.
+    The launchers whose tensors take several shapes check shapes themselves."""
+    import torch
 
-
+    if not isinstance(x, torch.Tensor):
+        raise LauncherArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        want = " or ".join(map(str, dtype)) if isinstance(dtype, tuple) else dtype
+        raise LauncherArgumentError(f"{name} must be {want}, got {x.dtype}")
+    if x.get_device() != device_index:
+        raise LauncherArgumentError(f"{name} is on {x.device}; the launcher was built for "
+                                    f"{device}")

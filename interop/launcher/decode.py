@@ -12,7 +12,7 @@ from funcmla.interop.launcher.compile import compile_plan
 from funcmla.interop.launcher.device import (
     cuda_device_index,
     current_raw_stream_fn,
-    launcher_unavailable_reason,
+    launch_device,
 )
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.load import LoadedKernel
@@ -48,22 +48,11 @@ class _DecodeLauncherBase:
 
         from funcmla.interop import _launch
 
-        device = torch.device(device)
         c = plan.config
-        if kernel_factory is None:
-            reason = launcher_unavailable_reason()
-            if reason is not None:
-                raise LauncherUnavailable(reason)
-            if device.type != "cuda":
-                raise LauncherUnavailable(f"the launcher runs on CUDA devices, got {device}")
-        device_index = device.index if device.type == "cuda" else -1
+        device, device_index = launch_device(torch, device, real=kernel_factory is None)
         if device.type == "cuda":
-            if device_index is None:
-                device_index = torch.cuda.current_device()
-                device = torch.device("cuda", device_index)
             major, minor = torch.cuda.get_device_capability(device)
             arch = f"{major}.{minor}"
-            torch.cuda.current_stream(device)  # initialises torch's context on the device
         else:
             arch = "cpu"
         if kernel_factory is None:

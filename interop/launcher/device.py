@@ -6,7 +6,8 @@ from __future__ import annotations
 from funcmla.interop.launcher.errors import LauncherUnavailable
 from funcmla.interop.launcher.support import jaxlib_unsupported_reason
 
-__all__ = ["launcher_unavailable_reason", "cuda_device_index", "current_raw_stream_fn"]
+__all__ = ["launcher_unavailable_reason", "cuda_device_index", "current_raw_stream_fn",
+           "launch_device"]
 
 
 def launcher_unavailable_reason(device=None) -> str | None:
@@ -52,3 +53,23 @@ def current_raw_stream_fn(torch):
     if raw is not None:
         return raw
     return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+def launch_device(torch, device, *, real: bool):
+    """(torch.device, its index: -1 for the CPU) a launcher is built on. real (no stand-in
+    kernels): LauncherUnavailable unless the launcher can run here and the device is CUDA. A
+    CUDA device without an index is torch's current one; torch's context on it is initialised
+    (its current stream)."""
+    device = torch.device(device)
+    if real:
+        reason = launcher_unavailable_reason()
+        if reason is not None:
+            raise LauncherUnavailable(reason)
+        if device.type != "cuda":
+            raise LauncherUnavailable(f"the launcher runs on CUDA devices, got {device}")
+    if device.type != "cuda":
+        return device, -1
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.current_stream(device)  # initialises torch's context on the device
+    return device, device.index

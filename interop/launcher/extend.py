@@ -22,10 +22,12 @@ import jax.numpy as jnp
 
 from funcmla.attention.pallas import KV_FP8_DTYPE, DecodeKernelConfig
 from funcmla.attention.pallas.extend import chunk_tokens, extend_kernel_config, num_pseudo_seqs
+from funcmla.interop.launcher.checks import expect_tensor
 from funcmla.interop.launcher.decode import LensDecodeLauncher, decode_launcher
 from funcmla.interop.launcher.device import cuda_device_index, launcher_unavailable_reason
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.plan import DecodeLaunchConfig
+from funcmla.interop.launcher.segments import segment_positions
 
 __all__ = ["ExtendLaunchConfig", "ExtendStep", "ExtendLauncher", "extend_launcher",
            "torch_extend_chunks", "torch_chunk_rows"]
@@ -124,16 +126,6 @@ class ExtendLaunchConfig:
             page_size=self.page_size, kv_dtype=self.kv_dtype, lens=True)
 
 
-def _segment_positions(torch, indptr, size: int):
-    """`funcmla.segments.segment_positions` in torch ops: (row clamped to the last one, offset,
-    live) of each position in [0, size) for an int32 CSR [B + 1]."""
-    b = indptr.shape[0] - 1
-    t = torch.arange(size, dtype=torch.int32, device=indptr.device)
-    seg = torch.searchsorted(indptr[1:], t, right=True, out_int32=True)
-    row = seg.clamp(max=b - 1)
-    return row, t - indptr[row], seg < b
-
-
 def torch_extend_chunks(qo_indptr, req_start, req_kv_lens, *, num_pseudo: int, chunk: int,
                         causal: bool):
     """`funcmla.attention.pallas.extend.extend_chunks` for int32 torch tensors on one device:
@@ -145,7 +137,7 @@ def torch_extend_chunks(qo_indptr, req_start, req_kv_lens, *, num_pseudo: int, c
     n = (q_lens.clamp(min=0) + chunk - 1) // chunk
     chunk_indptr = torch.cat([torch.zeros(1, dtype=i32, device=qo_indptr.device),
                               torch.cumsum(n, 0, dtype=i32)])
-    req, c, live = _segment_positions(torch, chunk_indptr, num_pseudo)
+    req, c, live = segment_positions(chunk_indptr, num_pseudo)
     kv = req_kv_lens[req]
     if causal:
         kv = kv - (n[req] - 1 - c) * chunk
@@ -164,11 +156,11 @@ def torch_chunk_rows(qo_indptr, chunk_indptr, *, num_pseudo: int, chunk: int, nu
     i32 = torch.int32
     q_lens = qo_indptr[1:] - qo_indptr[:-1]
     n = chunk_indptr[1:] - chunk_indptr[:-1]
-    req, k, live = _segment_positions(torch, chunk_indptr, num_pseudo)
+    req, k, live = segment_positions(chunk_indptr, num_pseudo)
     j = (q_lens[req] - (n[req] - k) * chunk)[:, None] + torch.arange(
         chunk, dtype=i32, device=qo_indptr.device)
     q_rows = torch.where(live[:, None] & (j >= 0), qo_indptr[req][:, None] + j, -1)
-    req, j, live = _segment_positions(torch, qo_indptr, num_q)
+    req, j, live = segment_positions(qo_indptr, num_q)
     back = q_lens[req] - 1 - j
     pseudo = chunk_indptr[req] + n[req] - 1 - torch.div(back, chunk, rounding_mode="floor")
     row = pseudo * chunk + chunk - 1 - torch.remainder(back, chunk)
@@ -327,16 +319,9 @@ class ExtendLauncher:
 
     # ------------------------------------------------------------------------ checks
     def _expect(self, name, x, dtype=None) -> None:
-        torch = self._torch
-        if not isinstance(x, torch.Tensor):
-            raise LauncherArgumentError(f"{name} must be a torch.Tensor, got "
-                                        f"{type(x).__name__}")
-        dtype = self._i32 if dtype is None else dtype
-        if x.dtype is not dtype:
-            raise LauncherArgumentError(f"{name} must be {dtype}, got {x.dtype}")
-        if x.get_device() != self.device_index:
-            raise LauncherArgumentError(f"{name} is on {x.device}; the launcher was built for "
-                                        f"{self.device}")
+        """x is a torch tensor of `dtype` (default int32) on the launcher's device."""
+        expect_tensor(name, x, self._i32 if dtype is None else dtype, self.device_index,
+                      self.device)
 
     def _vector(self, name, x, size: int | None) -> None:
         self._expect(name, x)

@@ -39,11 +39,11 @@ from funcmla.attention.pallas.prefill_mgpu import (
     MgpuPrefillConfig,
     prefill_kernel,
 )
-from funcmla.interop.launcher.checks import _SHORT_DTYPES
+from funcmla.interop.launcher.checks import _SHORT_DTYPES, expect_tensor
 from funcmla.interop.launcher.device import (
     cuda_device_index,
     current_raw_stream_fn,
-    launcher_unavailable_reason,
+    launch_device,
 )
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
 from funcmla.interop.launcher.extract import MosaicCall, extract_kernel_calls, lower_for_cuda
@@ -194,22 +194,11 @@ class PrefillLauncher:
 
         from funcmla.interop import _launch
 
-        device = torch.device(device)
+        device, index = launch_device(torch, device, real=kernel_factory is None)
         if kernel_factory is None:
-            reason = launcher_unavailable_reason()
-            if reason is not None:
-                raise LauncherUnavailable(reason)
-            if device.type != "cuda":
-                raise LauncherUnavailable(f"the launcher runs on CUDA devices, got {device}")
             from funcmla.interop.launcher.mosaic import MosaicKernel
 
             kernel_factory = MosaicKernel
-        index = device.index if device.type == "cuda" else -1
-        if device.type == "cuda":
-            if index is None:
-                index = torch.cuda.current_device()
-                device = torch.device("cuda", index)
-            torch.cuda.current_stream(device)  # initialises torch's context on the device
         if launch_address is None:
             from funcmla.interop import _cuda_driver
 
@@ -320,17 +309,7 @@ class PrefillLauncher:
         return out, lse
 
     def _expect(self, name, x, dtype) -> None:
-        """x is a torch tensor of `dtype` (or one of a tuple of dtypes) on the device."""
-        torch = self._torch
-        if not isinstance(x, torch.Tensor):
-            raise LauncherArgumentError(f"{name} must be a torch.Tensor, got "
-                                        f"{type(x).__name__}")
-        if x.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
-            want = " or ".join(map(str, dtype)) if isinstance(dtype, tuple) else dtype
-            raise LauncherArgumentError(f"{name} must be {want}, got {x.dtype}")
-        if x.get_device() != self.device_index:
-            raise LauncherArgumentError(f"{name} is on {x.device}; the launcher was built for "
-                                        f"{self.device}")
+        expect_tensor(name, x, dtype, self.device_index, self.device)
 
     def _scale(self, name: str, value, x):
         """An fp8 operand's scale as `_bf16` applies it: None, the float32 value of a real, or

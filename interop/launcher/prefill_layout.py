@@ -18,6 +18,7 @@ from funcmla.attention.pallas.prefill_layout import (
     check_fits,
 )
 from funcmla.attention.pallas.prefill_mgpu import BLOCK_Q
+from funcmla.interop.launcher.segments import segment_positions
 
 __all__ = ["torch_prefill_layout"]
 
@@ -43,10 +44,7 @@ def torch_prefill_layout(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, tq: i
     req = torch.searchsorted(ends, slot, right=True, out_int32=True)
     live = req < r
     first = (slot - starts[req.clamp(max=r - 1)]) * BLOCK_Q
-    # segment_positions(qo, tq): every row < tq lies in a request (qo[-1] = tq)
-    t = torch.arange(tq, dtype=torch.int32, device=dev)
-    row = torch.searchsorted(qo[1:], t, right=True, out_int32=True).clamp(max=r - 1)
-    j = t - qo[row]
+    row, j, _ = segment_positions(qo, tq)  # every row < tq lies in a request (qo[-1] = tq)
     q_tiles = (qo[1:] - qo[:-1] + BLOCK_Q - 1) // BLOCK_Q
     q_first = torch.cumsum(q_tiles, 0, dtype=torch.int32) - q_tiles
     i32 = torch.int32
@@ -72,9 +70,6 @@ def _aligned(indptr: torch.Tensor) -> torch.Tensor:
 
 def _sources(indptr: torch.Tensor, aligned: torch.Tensor, rows: int, t: int) -> torch.Tensor:
     """`prefill_layout._sources`: the source row of each of `rows` realigned rows."""
-    d = torch.arange(rows, dtype=torch.int32, device=indptr.device)
-    req = torch.searchsorted(aligned[1:], d, right=True, out_int32=True)
-    req = req.clamp(0, indptr.shape[0] - 2)
-    j = d - aligned[req]
+    req, j, _ = segment_positions(aligned, rows)
     src = torch.where(j < indptr[req + 1] - indptr[req], indptr[req] + j, 0)
     return src.clamp(0, max(t - 1, 0)).to(torch.int32)
