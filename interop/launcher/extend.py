@@ -285,7 +285,8 @@ class ExtendLauncher:
             return out, (lse if return_lse else None)
         if t == 0:
             empty = torch.empty((0, h, dv), dtype=q.dtype, device=self.device)
-            return empty, (torch.empty((0, h), device=self.device) if return_lse else None)
+            return empty, (torch.empty((0, h), dtype=torch.float32, device=self.device)
+                           if return_lse else None)
         for name, x, dtype, shape in (("out", out, getattr(torch, c.dtype), ((t, h, dv),
                                                                              (t, h * dv))),
                                       ("lse", lse, torch.float32, ((t, h),))):
