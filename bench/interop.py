@@ -36,7 +36,9 @@ against the JAX path in the same run, decode and target verify (n=4), batch 1 / 
   layer_host_us              (step61_host_us - metadata_host_us) / 61: host time per layer
                              (61 layer objects, one pool layer each) through each layer's
                              resolved launch; `_mla_attention`: the same with every layer
-                             through `mla_attention` (the general entry).
+                             through `mla_attention` (the general entry). Both steps and the
+                             metadata are timed with the device synchronized after every call
+                             (untimed), so no queued work stalls the host inside a step.
   `--launch-only` runs Part 4 alone. Target: eager and replay <= 60 us at batch 64, flat to 256.
 The hand-off target is at most 30 us whatever the batch. Writes out/interop.json.
 """
@@ -68,9 +70,10 @@ from funcmla.interop.sglang_backend import (
 HANDOFF_TARGET_US = 30.0
 
 
-def host_us(fn, *, reps, sync=None, warmup=3) -> float:
-    """Median host time of fn() in microseconds; `sync` (untimed) runs every 50 calls."""
-    return timing.host_us(fn, reps, sync, warmup=warmup, sync_every=50)
+def host_us(fn, *, reps, sync=None, warmup=3, sync_every=50) -> float:
+    """Median host time of fn() in microseconds; `sync` (untimed) runs every `sync_every`
+    calls."""
+    return timing.host_us(fn, reps, sync, warmup=warmup, sync_every=sync_every)
 
 
 def conversion_rows(device: str, sizes_mb: list[int], reps: int) -> list[dict]:
@@ -335,16 +338,19 @@ def full_step_rows(device: str, batches: list[int], ctx: int, reps: int,
         torch.cuda.synchronize()
         row = dict(batch=bs, ctx=ctx, layers=layers, via=backend.last_via,
                    launcher_reason=backend.metadata_launcher_reason)
+        # the device synchronized after every step (and every metadata call), untimed: a step
+        # queues 61+ kernels, so a sync every few steps would let the launch queue fill and
+        # stall the host mid-step; these are host times alone
         row["step61_host_us"] = host_us(step, reps=max(5, reps // 10),
-                                        sync=torch.cuda.synchronize)
+                                        sync=torch.cuda.synchronize, sync_every=1)
         row["metadata_host_us"] = host_us(lambda: backend.init_forward_metadata(fb),
-                                          reps=reps, sync=torch.cuda.synchronize)
+                                          reps=reps, sync=torch.cuda.synchronize, sync_every=1)
         row["layer_host_us"] = (row["step61_host_us"] - row["metadata_host_us"]) / layers
         # the same step with every layer through mla_attention (the general entry: route,
         # fallback and launcher checks per call) instead of the step's cached launcher
         backend._launch_decode = lambda q3, layer: None
         row["step61_host_us_mla_attention"] = host_us(step, reps=max(5, reps // 10),
-                                                      sync=torch.cuda.synchronize)
+                                                      sync=torch.cuda.synchronize, sync_every=1)
         row["layer_host_us_mla_attention"] = (row["step61_host_us_mla_attention"]
                                               - row["metadata_host_us"]) / layers
         del backend._launch_decode

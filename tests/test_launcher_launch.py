@@ -383,6 +383,126 @@ def test_misuse_raises_and_never_launches(c_checks):
     assert len(rec.launches) == 4
 
 
+# ----------------------------------------------------------------------------- bind_step
+@needs_lowering
+@pytest.mark.parametrize("splits,page_size,native,c_checks", [
+    (1, 1, True, True), (4, 1, True, True), (4, 1, True, False), (4, 1, False, False),
+    (1, 16, True, True)])
+def test_bound_launch_wires_what_the_unbound_call_wires(splits, page_size, native, c_checks):
+    """bind_step(x, y, lse) -> launch(q, kv_pool, out): the same launches, pointer for pointer,
+    as the unbound call with those x, y and lse; q, kv_pool and out are read on each call (a
+    new one re-targets the kernels), and so are the bound tensors' data pointers (a bound
+    tensor given new storage is launched with it)."""
+    if native and _launch.native_reason() is not None:
+        pytest.skip(_launch.native_reason())
+    cap = 32 if page_size == 1 else 2 * 4
+    cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=cap,
+                               num_splits=splits, sm_scale=SCALE, page_size=page_size)
+    lau, rec = _fake_launcher(cfg, native, c_checks)
+    q, kv, x, y = _cpu_inputs(cfg)
+    out, lse = torch.empty(2, 16 * 512, dtype=torch.bfloat16), torch.empty(2, 16)
+    python_path, real = [], lau._call_python
+    lau._call_python = lambda *a: python_path.append(1) or real(*a)
+    launch = lau.bind_step(x, y, lse)
+    assert launch(q.view(2, -1), kv, out) is out
+    assert bool(python_path) == (lau.checks.startswith("python") or not c_checks)
+    bound = rec.launches[:]
+    rec.launches.clear()
+    lau(q.view(2, -1), kv, x, y, out=out, lse=lse)
+    assert rec.launches == bound and len(bound) == (1 if splits == 1 else 2)
+    q2, kv2, out2 = q.clone(), kv.view(64, 576).clone(), torch.empty(2, 16, 512,
+                                                                     dtype=torch.bfloat16)
+    assert launch(q2, kv2, out2) is out2
+    first, last = rec.launches[-len(bound)][5], rec.launches[-1][5]
+    assert first[2:4] == (q2.data_ptr(), kv2.data_ptr())
+    assert last[4 if splits == 1 else 2] == out2.data_ptr()
+    y.data = torch.zeros_like(y)  # new storage behind the bound tensor: its pointer is read afresh
+    launch(q, kv, out)
+    meta, table = (x, y) if page_size == 1 else (y, x)
+    assert rec.launches[-len(bound)][5][:2] == (meta.data_ptr(), table.data_ptr())
+
+    class Sub(torch.Tensor):  # a tensor subclass: its _cdata may be no address
+        pass
+
+    n = len(rec.launches)
+    assert launch(q.as_subclass(Sub), kv, out) is out and len(rec.launches) == n + len(bound)
+    got = launch(q, kv, None)  # no out: the Python path allocates it
+    assert got.shape == (2, 16, 512) and got.dtype == torch.bfloat16
+    assert rec.launches[-1][5][4 if splits == 1 else 2] == got.data_ptr()
+
+
+@needs_lowering
+@pytest.mark.parametrize("c_checks", [True, False])
+def test_bound_launch_misuse_names_the_argument_and_never_launches(c_checks):
+    """A bad per-call argument, a bad bound one (given to bind_step, or changed in place after
+    it) or a scale for a bf16 pool raises LauncherArgumentError naming it; nothing launches."""
+    cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32,
+                               num_splits=2, sm_scale=SCALE)
+    lau, rec = _fake_launcher(cfg, c_checks=c_checks)
+    q, kv, indptr, indices = _cpu_inputs(cfg)
+    out, lse = torch.empty(2, 16, 512, dtype=torch.bfloat16), torch.empty(2, 16)
+    launch = lau.bind_step(indptr, indices, lse)
+    qbig = torch.zeros(q.numel() + 8, dtype=q.dtype)
+    per_call = {
+        "q must be torch.bfloat16": dict(q=q.half()),
+        "kv_pool has shape": dict(kv=kv[:-1]),
+        "q must be contiguous": dict(q=q.transpose(0, 1).contiguous().transpose(0, 1)),
+        "q data pointer .* not 32-byte aligned": dict(q=qbig[1:1 + q.numel()].view(q.shape)),
+        "out has shape": dict(out=torch.zeros(2, 16, 511, dtype=torch.bfloat16)),
+        "kv_pool must be a torch.Tensor": dict(kv=np.zeros((64, 576), np.float32)),
+    }
+    for match, change in per_call.items():
+        kw = {"q": q, "kv": kv, "out": out, **change}
+        with pytest.raises(L.LauncherArgumentError, match=match):
+            launch(kw["q"], kw["kv"], kw["out"])
+    with pytest.raises(L.LauncherArgumentError, match="k_scale applies to an fp8 kv_pool"):
+        launch(q, kv, out, torch.ones(1))
+    bound = {
+        "kv_indptr must be torch.int32": (indptr.long(), indices, lse),
+        "kv_indices has shape": (indptr, indices[:-1], lse),
+        "lse must be torch.float32": (indptr, indices, torch.zeros(2, 16, dtype=torch.bfloat16)),
+        "kv_indices must be a torch.Tensor": (indptr, np.zeros(32, np.int32), lse),
+    }
+    for match, args in bound.items():
+        with pytest.raises(L.LauncherArgumentError, match=match):
+            lau.bind_step(*args)(q, kv, out)
+    assert rec.launches == []
+    launch(q, kv, out)
+    assert len(rec.launches) == 2
+    indices.resize_(31)  # a bound tensor changed in place after bind_step: refused
+    with pytest.raises(L.LauncherArgumentError, match="kv_indices has shape"):
+        launch(q, kv, out)
+    assert len(rec.launches) == 2
+
+
+@needs_lowering
+@pytest.mark.parametrize("c_checks", [True, False])
+def test_bound_launch_wires_fp8_scales_like_the_unbound_call(c_checks):
+    """An fp8 launcher's bound launch takes k_scale per call (v_scale = k_scale): a float's
+    device copy, a tensor's pointer or the default 1, as the unbound call wires them; a bad
+    scale is named."""
+    cfg = fp8_config(16, 1)
+    lau, rec = _fake_launcher(cfg, c_checks=c_checks)
+    q, kv, x, y = _cpu_inputs(cfg)
+    t = cfg.num_seqs * cfg.s_q
+    out, lse = torch.empty(t, 16, 512, dtype=torch.bfloat16), torch.empty(t, 16)
+    launch = lau.bind_step(x, y, lse)
+    for scale in (0.25, torch.full((1,), 0.5), None):
+        rec.launches.clear()
+        assert launch(q, kv, out, scale) is out
+        bound = rec.launches[:]
+        rec.launches.clear()
+        lau(q, kv, x, y, out=out, lse=lse, k_scale=scale)
+        assert rec.launches == bound and bound
+    rec.launches.clear()
+    for bad, match in ((-1.0, r"k_scale=\[-1.0\] must be a positive finite float"),
+                       (torch.ones(1).double(), "k_scale must be torch.float32"),
+                       ("0.5", "k_scale must be a float or a float32 torch tensor")):
+        with pytest.raises(L.LauncherArgumentError, match=match):
+            launch(q, kv, out, bad)
+    assert rec.launches == []
+
+
 # ----------------------------------------------------------------------------- fp8 scales
 @needs_lowering
 @pytest.mark.parametrize("h,page_size,native,c_checks", [
