@@ -5,9 +5,10 @@ over the dequantized cache.
 
 Cases (the fp8 targets in docs/decode_kernel.md, H200): H16 B128 ctx 16k <= 300 us, H16 B32
 ctx 4k <= 28 us, H128 B128 ctx 16k no slower than bf16; pages 1 and 64; error < 1e-2.
-`--fp8-variants` also times the fp8 cases at the Triton tilings of `FP8_VARIANTS` (16 heads:
-4 warps instead of `FP8_NARROW_TILING`'s 8; 128 heads: the 64-row wgmma tiling does not fit
-beside two stages, so one stage, against 32-row blocks).
+`--fp8-variants` also times the fp8 cases at the variants of `FP8_VARIANTS` (16 heads: the
+fp8 Mosaic GPU kernel, and Triton at 4 warps instead of `FP8_NARROW_TILING`'s 8; 128 heads:
+the 64-row wgmma tiling does not fit beside two stages, so one stage, against 32-row
+blocks).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ FP8_CASES = ((16, 32, 4096), (16, 128, 16384), (128, 128, 16384))
 # normal values / KV_SCALE stay far below e4m3's 448.
 KV_SCALE = 0.03
 # Tilings timed by --fp8-variants, by heads (DecodeKernelConfig fields).
-FP8_VARIANTS = {16: (dict(num_warps=4),),
+FP8_VARIANTS = {16: (dict(num_warps=4), dict(kernel="mgpu")),
                 128: (dict(block_m=64, num_stages=1), dict(block_m=32, num_stages=3))}
 # Targets in us, device time per call (None: no slower than the case's bf16 time).
 FP8_TARGET_US = {(16, 32, 4096): 28.0, (16, 128, 16384): 300.0, (128, 128, 16384): None}

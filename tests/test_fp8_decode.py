@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcmla.attention.pallas import DecodeKernelConfig, kernel_choice, mla_decode
+from funcmla.attention.pallas import DecodeKernelConfig, decode_mgpu_fp8, kernel_choice, mla_decode
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.config import MLADims
 from funcmla.layout import PageTable
@@ -172,15 +172,48 @@ def test_fp8_q_beyond_f16_range_and_tiny(q_dtype):
     _check(out, lse, *oracle(q, p["pool"], p["slot_lists"], 1, 0.37, 1.9))
 
 
-def test_fp8_dispatch_runs_triton_and_mgpu_refuses():
+def test_fp8_dispatch_runs_the_fp8_mosaic_kernel_when_asked_where_it_applies():
     q = jax.ShapeDtypeStruct((4, 128, D), jnp.bfloat16)
     name, why = kernel_choice(DecodeKernelConfig(), q, 64, 1, kv_dtype=FP8)
-    assert name == "triton" and "float8_e4m3fn" in why
-    with pytest.raises(ValueError, match="kernel='mgpu'.*float8_e4m3fn"):
+    assert name == "triton" and "float8_e4m3fn" in why and "128 is not one of" in why
+    with pytest.raises(ValueError, match="kernel='mgpu'.*float8_e4m3fn.*128"):
         kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1, kv_dtype=FP8)
     assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1)[0] == "mgpu"
-    q16 = jax.ShapeDtypeStruct((4, 16, D), jnp.bfloat16)  # the dtype is the reason named
-    assert "float8_e4m3fn" in kernel_choice(DecodeKernelConfig(), q16, 1, 1, kv_dtype=FP8)[1]
+    q16 = jax.ShapeDtypeStruct((4, 16, D), jnp.bfloat16)
+    assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q16, 1, 1, kv_dtype=FP8)[0] == "mgpu"
+    q8 = jax.ShapeDtypeStruct((4, 8, D), jnp.bfloat16)  # s_q 2 x 8 heads = 16 rows
+    assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q8, 16, 2, kv_dtype=FP8)[0] == "mgpu"
+    # auto keeps fp8 pools on Triton (the fp8 Mosaic GPU kernel is asked for by name)
+    name, why = kernel_choice(DecodeKernelConfig(), q16, 1, 1, kv_dtype=FP8)
+    assert name == "triton" and "kernel='mgpu'" in why and "2^40" in why
+    with pytest.raises(ValueError, match="page size 3"):
+        kernel_choice(DecodeKernelConfig(kernel="mgpu"), q16, 3, 1, kv_dtype=FP8)
+
+
+@pytest.mark.parametrize("rows,page,d,dv,qd,kd,match", [
+    (64, 64, 576, 512, jnp.bfloat16, FP8, "64 is not one of"),
+    (32, 64, 576, 512, jnp.bfloat16, FP8, "32 is not one of"),
+    (16, 64, 576, 512, jnp.bfloat16, jnp.float8_e4m3fnuz, "float8_e4m3fnuz"),
+    (16, 64, 576, 512, jnp.float32, FP8, "float32"),
+    (16, 64, 320, 256, jnp.bfloat16, FP8, "head dims"),
+    (16, 96, 576, 512, jnp.bfloat16, FP8, "page size 96"),
+])
+def test_fp8_mosaic_kernel_names_what_it_does_not_take(rows, page, d, dv, qd, kd, match):
+    why = decode_mgpu_fp8.fp8_narrow_supported(rows, page, d, dv, qd, kd)
+    assert why is not None and match in why
+    assert decode_mgpu_fp8.fp8_narrow_supported(16, 1, 576, 512, jnp.bfloat16, FP8) is None
+
+
+def _fp8_mosaic(p, *, page_size, s_q, num_splits, interpret, ks=0.37, vs=1.9):
+    """The fp8 Mosaic GPU kernel + merge over problem `p` (token CSR at page 1)."""
+    if page_size == 1:
+        indptr, indices = _csr(p["slot_lists"])
+        meta = dict(kv_indptr=jnp.asarray(indptr), kv_indices=jnp.asarray(indices))
+    else:
+        meta = dict(page_table=PageTable(p["table"], p["lens"], page_size))
+    return mla_decode(p["q"], p["pool"], sm_scale=SCALE, s_q=s_q, num_splits=num_splits,
+                      config=DecodeKernelConfig(kernel="mgpu"), interpret=interpret,
+                      k_scale=ks, v_scale=jnp.asarray([vs], jnp.float32), **meta)
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -206,21 +239,52 @@ def test_gpu_fp8_matches_dequantized_reference(heads, page_size):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool():
-    """The compiled fp8 kernel against the bf16 kernel on the dequantized pool (power-of-two
-    scales): the same exact products (f16 below 64 rows) summed in another order, so lse
-    agrees to float32 rounding; P V is rounded differently (f16 P, another operand layout), so
-    out is compared with a tolerance."""
+@pytest.mark.parametrize("kernel,lse_tol", [("triton", 1e-5), ("mgpu", 1e-4)])
+def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool(kernel, lse_tol):
+    """Each compiled fp8 kernel against the bf16 kernel on the dequantized pool (power-of-two
+    scales): the same exact products (f16) summed in another order, so lse agrees to float32
+    rounding (the Mosaic GPU kernel's exp2 / log2 are approximate: 1e-4); P V is rounded
+    differently (f16 P, another operand layout), so out is compared with a tolerance."""
     rng = np.random.default_rng(3)
     p = _problem(rng, batch=3, heads=16, s_q=1, page_size=64, lens=[700, 64, 5])
     pt = PageTable(p["table"], p["lens"], 64)
     out8, lse8 = mla_decode(p["q"], p["pool"], page_table=pt, sm_scale=SCALE, k_scale=0.25,
-                            v_scale=0.25)
+                            v_scale=0.25, config=DecodeKernelConfig(kernel=kernel))
     deq = (p["pool"].astype(jnp.float32) * 0.25).astype(jnp.bfloat16)
     out, lse = mla_decode(p["q"], deq, page_table=pt, sm_scale=SCALE,
                           config=DecodeKernelConfig(kernel="triton"))
-    np.testing.assert_allclose(np.asarray(lse8), np.asarray(lse), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse8), np.asarray(lse), rtol=lse_tol, atol=lse_tol)
     assert rel_err(np.asarray(out8, np.float32), np.asarray(out, np.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="the fp8 Mosaic GPU kernel gives NaN (lse +inf) on query "
+                   "rows of magnitude ~2^40 (measured on the H200; 2^20 is fine); not diagnosed, "
+                   "so kernel='auto' keeps fp8 pools on Triton")
+def test_gpu_fp8_mosaic_kernel_on_query_rows_far_above_f16_range():
+    rng = np.random.default_rng(80)
+    p = _problem(rng, batch=4, heads=16, s_q=1, page_size=64, lens=[1000, 0, 513, 7])
+    mag = np.array([2.0**40, 2.0**-40, 2.0**17, 1.0] * 4, np.float32)
+    p["q"] = (p["q"].astype(jnp.float32) * mag[None, :, None]).astype(jnp.bfloat16)
+    out, lse = _fp8_mosaic(p, page_size=64, s_q=1, num_splits=None, interpret=False)
+    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], 1, 0.37, 1.9))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
+    (64, 1, 16, [130, 0, 65, 2000], None), (64, 1, 16, [130, 0, 65], 2),
+    (16, 2, 8, [200, 3, 64], 1), (1, 1, 16, [130, 0, 65], 2), (1, 1, 16, [1000, 1, 64, 63], 1),
+    (8, 1, 16, [77, 129], 3), (4, 2, 8, [100, 0], 1)])
+def test_gpu_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_q, heads, lens,
+                                                             num_splits):
+    """The compiled fp8 Mosaic GPU kernel: pages 1 (row gather), 4, 8, 16, 64 (TMA), s_q 2
+    (causal columns), empty sequences, splits, against float64 over the dequantized pool with
+    NaN in every unused row."""
+    rng = np.random.default_rng(page_size * 7 + s_q)
+    p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
+    out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
+                           interpret=False)
+    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
 
 
 def test_uint8_bytes_with_kv_dtype_equal_the_fp8_pool():

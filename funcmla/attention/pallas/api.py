@@ -6,7 +6,8 @@ it applies and the batch fills a quarter of the GPU, else the Triton-lowered one
 the split rule's count (`decode_num_splits`) and merges the splits (`merge_splits_pallas`).
 `mla_decode_rows` and `mla_decode_rows_mgpu` run one kernel alone. An fp8 pool
 (float8_e4m3fn, with `k_scale` / `v_scale`: `funcmla.attention.kv_quant`) runs the Triton
-kernel, which reads fp8 bytes and converts them on chip; the Mosaic GPU kernel reads bf16 only. `validate_decode_inputs` is
+kernel, or with kernel="mgpu" at 16 folded rows the fp8 Mosaic GPU kernel (`decode_mgpu_fp8`);
+both read fp8 bytes and convert them on chip. `validate_decode_inputs` is
 the eager check of index values. Why the rule picks what it does: docs/decode_kernel.md;
 reproduce with `python -m bench.decode --only "H128 B1 L4096"`.
 """
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcmla.attention.kv_quant import kv_scales
-from funcmla.attention.pallas import decode_mgpu, decode_triton
+from funcmla.attention.pallas import decode_mgpu, decode_mgpu_fp8, decode_triton
 from funcmla.attention.pallas.decode_common import (
     MAX_POOL_ROWS,
     PARTIAL_DTYPES,
@@ -111,9 +112,10 @@ def decode_num_splits(config: DecodeKernelConfig, num_seqs: int, rows: int, max_
                       *, mgpu: bool) -> int:
     """The split rule's KV split count for `num_seqs` sequences of `rows` folded query rows
     (s_q * H) and up to `max_kv_len` tokens, for the kernel `mla_decode` runs: 64-row blocks
-    and `mgpu_split_config` for the Mosaic GPU kernel, `config`'s block rows for Triton."""
+    (one a sequence and split for the fp8 kernel's 16 rows; one block an SM either way) and
+    `mgpu_split_config` for the Mosaic GPU kernels, `config`'s block rows for Triton."""
     if mgpu:
-        return choose_num_splits(num_seqs, rows // MGPU_BLOCK_M, max_kv_len,
+        return choose_num_splits(num_seqs, max(1, rows // MGPU_BLOCK_M), max_kv_len,
                                  mgpu_split_config(config), MGPU_BLOCK_M)
     block_m = config.resolved_block_m(rows)
     return choose_num_splits(num_seqs, num_row_blocks(rows, block_m), max_kv_len, config,
@@ -127,27 +129,39 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     of `kv_dtype` (default q's) at this page size (`DecodeKernelConfig.kernel`); raises for
     kernel="mgpu" on a shape or dtype it does not take.
 
-    "auto" keeps batches of fewer than `config.mgpu_min_blocks` blocks of 64 rows on Triton:
-    there a Mosaic GPU block's fixed cost outweighs its matrix rate (`python -m
-    bench.decode_dispatch`). An fp8 pool runs Triton (the Mosaic GPU kernel reads bf16).
+    "mgpu" is one of two Mosaic GPU kernels: `decode_mgpu` for a bf16 pool, `decode_mgpu_fp8`
+    for an fp8 pool at 16 folded rows. "auto" keeps bf16 batches of fewer than
+    `config.mgpu_min_blocks` blocks of 64 rows on Triton: there a Mosaic GPU block's fixed
+    cost outweighs its matrix rate (`python -m bench.decode_dispatch`). "auto" runs fp8 pools
+    on Triton: the fp8 Mosaic GPU kernel is faster at 16 heads (`python -m bench.decode
+    --kv-dtype fp8 --fp8-variants`) but gives NaN on query rows of magnitude ~2^40, which
+    the Triton kernel handles (docs/decode_kernel.md, "fp8 KV"), so it runs only when asked
+    for (kernel="mgpu").
     """
     if config.kernel == "triton":
         return "triton", "DecodeKernelConfig.kernel='triton'"
+    rows = s_q * q.shape[1]
     dtype = q.dtype if kv_dtype is None else kv_dtype
-    if jnp.dtype(dtype) != jnp.dtype(q.dtype):
-        why = f"kv_pool dtype {jnp.dtype(dtype).name} is not bfloat16"
+    fp8 = jnp.dtype(dtype) != jnp.dtype(q.dtype)
+    if fp8:
+        why = decode_mgpu_fp8.fp8_narrow_supported(rows, page_size, q.shape[2], v_head_dim,
+                                                   q.dtype, dtype)
+        if why is not None:
+            why = f"kv_pool dtype {jnp.dtype(dtype).name}: the fp8 Mosaic GPU kernel {why}"
     else:
-        why = mgpu_decode_supported(s_q * q.shape[1], page_size, q.shape[2], v_head_dim,
-                                    q.dtype)
+        why = mgpu_decode_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype)
     if config.kernel == "mgpu":
         if why is not None:
             raise ValueError(f"DecodeKernelConfig.kernel='mgpu': {why}")
         return "mgpu", "DecodeKernelConfig.kernel='mgpu'"
     if why is not None:
         return "triton", f"the Mosaic GPU kernel does not apply: {why}"
+    if fp8:
+        return "triton", ("fp8 pool: the fp8 Mosaic GPU kernel runs only with kernel='mgpu' "
+                          "(NaN on query rows of magnitude ~2^40)")
     if interpret or jax.default_backend() != "gpu":
         return "triton", "interpret mode or no GPU backend"
-    blocks = (q.shape[0] // s_q) * (s_q * q.shape[1] // MGPU_BLOCK_M)
+    blocks = (q.shape[0] // s_q) * (rows // MGPU_BLOCK_M)
     if blocks < config.mgpu_min_blocks:
         return "triton", (f"{blocks} blocks of 64 rows < mgpu_min_blocks = "
                           f"{config.mgpu_min_blocks}")
@@ -248,8 +262,16 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits,
                       v_head_dim=v_head_dim)
     t, h, _ = q.shape
     rows = s_q * h
-    if uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret,
-                 kv_dtype=kv_pool.dtype):
+    mgpu = uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret,
+                     kv_dtype=kv_pool.dtype)
+    if mgpu and scales is not None:
+        ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
+        o, lse = decode_mgpu_fp8.decode_call(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
+                                             num_splits=ns, k_scale=scales[0],
+                                             v_scale=scales[1], v_head_dim=v_head_dim,
+                                             partial_dtype=config.partial_dtype,
+                                             interpret=interpret)
+    elif mgpu:
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
         o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
                                       num_splits=ns, v_head_dim=v_head_dim,
@@ -294,7 +316,8 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
     k_scale, v_scale: an fp8 pool's per-layer scales (a float or a float32 array of shape
                 () or [1]; v_scale defaults to k_scale, k_scale to 1): scores use k_scale * x,
                 the output v_scale * x (`funcmla.attention.kv_quant`). An error for other
-                pools. An fp8 pool runs the Triton kernel.
+                pools. An fp8 pool runs the Triton kernel, or the fp8 Mosaic GPU kernel
+                with config kernel="mgpu" (16 folded rows; `kernel_choice`).
     kv_dtype:   None, or "float8_e4m3fn" for a uint8 kv_pool holding fp8 bytes (the zero-copy
                 form `funcmla.interop.dlpack.to_jax(t, fp8="bits")` gives): bitcast inside
                 the jit, so the pool is never copied.

@@ -41,6 +41,7 @@ from funcmla.attention.pallas.decode_common import (
     DecodeKernelConfig,
     KVRows,
     causal_limit,
+    f16_row_scales,
     num_row_blocks,
     seq_start_and_len,
     split_tile_range,
@@ -53,18 +54,11 @@ _LN2 = 0.6931471805599453
 
 
 def _f16_row_scales(q_ref, d_v: int, d_rope: int):
-    """Per-row powers of two (up, down = 1 / up) such that q * up fits f16: each row's largest
-    |q| lands in [2^14, 2^15). Built from the exponent bits, so both are exact and q * up
-    rounds nothing that bf16 holds (f16 has more mantissa bits); down undoes up on the float32
-    scores."""
+    """`f16_row_scales` of q's rows (the nope and rope parts load apart: Triton tiles powers
+    of two)."""
     qn = q_ref[:, pl.ds(0, d_v)].astype(jnp.float32)
     qp = q_ref[:, pl.ds(d_v, d_rope)].astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(qn), axis=1), jnp.max(jnp.abs(qp), axis=1))
-    e = lax.shift_right_logical(lax.bitcast_convert_type(amax, jnp.int32), 23) & 0xFF
-    e = jnp.clip(e, 15, 254)  # biased exponent; clipped so both scales stay normal floats
-    up = lax.bitcast_convert_type(lax.shift_left(268 - e, 23), jnp.float32)
-    down = lax.bitcast_convert_type(lax.shift_left(e - 14, 23), jnp.float32)
-    return up, down
+    return f16_row_scales(jnp.maximum(jnp.max(jnp.abs(qn), axis=1), jnp.max(jnp.abs(qp), axis=1)))
 
 
 def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, page_size: int,

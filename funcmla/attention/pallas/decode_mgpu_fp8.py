@@ -1,0 +1,597 @@
+"""Absorbed MLA decode over an fp8 pool on Hopper's matrix units, for few query rows.
+
+For s_q * H = 16 folded query rows (16 heads, or 8 heads at s_q = 2), where decode is memory
+bound and fp8 halves the bytes. The products run transposed, so the narrow query side is
+wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
+
+* S^T = K q^T   [64 tokens, N]: K (fp8 bytes, converted to f16 in registers, `cvt` a pair)
+  is the register A operand, q^T (f16, in shared memory) is B;
+* O^T += V^T P^T [512, N]: V^T (the same f16 registers, stored once to shared memory) is a
+  transposed A from shared memory, P^T (f16) is B. An 8-bit V could be neither (fp8 wgmma
+  operands must be K-major, and V's K is the token axis).
+
+One CUDA block handles one sequence and one KV split, with three warpgroups:
+
+* warpgroup 2 (producer): TMA-copies q (f16) and the column scales once, then each 64-token
+  fp8 tile into one of two landing stages (page >= 8: one TMA copy a tile or a page; page 1
+  to 4: a `cp.async` row gather), and refills a stage once its consumer has converted it;
+* warpgroups 0 and 1 (consumers): the tiles alternate between them (tile i goes to consumer
+  i % 2, through stage i % 2), each running its own online softmax over its tiles with its
+  own accumulator (64 fp32 registers a thread at N = 16); at the end consumer 1 hands its
+  (O^T, max, sum) through shared memory and consumer 0 merges the two and stores.
+
+Scales: q is scaled per row by a power of two into f16's range (exact,
+`decode_common.f16_row_scales`); the kernel multiplies each score column by that row's
+inverse times sm_scale * k_scale * log2(e) (an operand, so one kernel serves every layer) and
+the output by v_scale. e4m3 -> f16 is exact, so the products see the pool's values.
+
+Softmax reductions over the token axis cross the 4 warps of a warpgroup; each consumer does
+them in its own shared-memory scratch (Mosaic GPU's built-in reduction scratch is one region
+for the whole block, which two warpgroups reducing at once would share).
+
+Masking as in `decode_mgpu`: scores past a column's causal limit are selected to -inf, and
+in a partial last tile the converted K/V rows past kv_len are zeroed before they are used,
+so no unused pool row (NaN, Inf) reaches the result. The output leaves transposed
+([B, S, 512, N]); `decode_call` returns it as [B, S, N, 512] (one XLA transpose; it and the
+f16 q / scales of `prepare_q` are three small XLA kernels around the launch). Splits and partials are those of the other decode
+kernels (`split_tile_range`), so they share the merge. Runs on sm_90a. Mosaic GPU's
+interpreter (jax 0.10.2) stalls on it (two warpgroups blocked in barrier waits; not
+diagnosed), so CPU tests cover its dispatch and refusals and the GPU tests its results.
+
+`mla_decode` runs it only with `DecodeKernelConfig(kernel="mgpu")`: query rows of magnitude
+~2^40 give NaN (rows of 2^20 do not; not diagnosed), which the Triton kernel handles. Why
+this design and what it measures: docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode
+--kv-dtype fp8 --fp8-variants`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from funcmla.attention.pallas.decode_common import (
+    KVRows,
+    causal_limit,
+    f16_row_scales,
+    seq_start_and_len,
+    split_tile_range,
+)
+from funcmla.attention.pallas.decode_mgpu import (
+    _in_layout,
+    _iota,
+    _load,
+    _mgpu_params,
+    _tile_source,
+)
+
+__all__ = ["fp8_narrow_supported", "decode_call", "ROWS", "BLOCK_KV"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+# Folded query rows taken (wgmma N). 32 would fit the registers (O^T is 4 * N a thread) but
+# not shared memory: q and P double, 255 KB of the 227 an SM has.
+ROWS = (16,)
+BLOCK_KV = 64     # KV tokens per tile (wgmma M of S^T, K of O^T)
+_CHUNK = 64       # columns per fp8 load and per q k^T group (128-byte f16 swizzle)
+_FP8_SWIZZLE = 64  # bytes; 64 fp8 columns per swizzle tile (576 is 9 of them)
+_Q_SWIZZLE = 128
+_STAGES = 2       # fp8 landing stages: one per consumer
+_CONSUMERS = 2
+# Per-consumer scratch of a cross-warp column reduction of [64, N] fp32: 4 warps x 32 lanes
+# x 2 values, enough for one register of the result at a time (shared memory is tight).
+_RED_BYTES = 4 * 32 * 2 * 4  # one register at a time
+_GATHER_ROWS = (BLOCK_KV // 32) * 128  # 2 rows a thread (row gather, page < 8)
+
+
+def fp8_narrow_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
+                         q_dtype, kv_dtype) -> str | None:
+    """None when this kernel handles the shape, else the reason it does not."""
+    if rows not in ROWS:
+        return f"folded rows s_q*H = {rows} is not one of {ROWS}"
+    if jnp.dtype(kv_dtype) != jnp.float8_e4m3fn:
+        return f"kv_pool dtype {jnp.dtype(kv_dtype).name} is not float8_e4m3fn"
+    if jnp.dtype(q_dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {jnp.dtype(q_dtype).name} is not bfloat16 or float16"
+    if v_head_dim != 512 or head_dim != 576:
+        return f"head dims ({head_dim}, {v_head_dim}) are not (576, 512)"
+    if page_size < BLOCK_KV and BLOCK_KV % page_size:
+        return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
+    if page_size > BLOCK_KV and page_size % BLOCK_KV:
+        return f"page size {page_size} is not a multiple of the {BLOCK_KV}-token tile"
+    return None
+
+
+def _gathers(page_size: int) -> bool:
+    """Pages under 8 tokens are gathered row by row: a TMA copy cannot place them inside an
+    8-row tile (Hopper's TMA has no row gather)."""
+    return page_size < 8
+
+
+def _col_reduce(x, op: str, scratch, interpret: bool):
+    """x [64, N] fp32 (WGMMA layout) reduced over its token axis to [N], through this
+    warpgroup's own `scratch` for the cross-warp step."""
+    if interpret:
+        return x.max(axis=0) if op == "max" else x.sum(axis=0)
+    n = x.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA.reduce(0)))
+    def reduce(ctx, x, scratch):
+        del ctx
+        return x.reduce(op, 0, scratch=scratch)
+
+    return reduce(x, scratch)
+
+
+def _tiled(swizzle: int, itemsize: int):
+    """Shared-memory transforms of a `swizzle`-byte swizzled operand: (8, swizzle / itemsize)
+    tiles."""
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _store_cols(ref, x, col0: int, swizzle: int, interpret: bool):
+    """ref[:, col0 : col0 + x.shape[1]] = x (f16, WGMMA layout) into a (8, swizzle / 2)-tiled
+    ref, as plain `stmatrix` stores: no read of the old values and no warpgroup barrier
+    around them (Pallas's store does both); the caller orders them (`_wg_sync`)."""
+    if interpret:
+        ref[:, pl.ds(col0, x.shape[1])] = x
+        return
+    tile_cols = swizzle // 2
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(_tiled(swizzle, 2))))
+    def store(ctx, x, ref):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        t0 = col0 // tile_cols
+        sub = mu.memref_slice(ref, (slice(None), slice(t0, t0 + x.shape[1] // tile_cols)))
+        x.store_tiled(sub, swizzle=swizzle)
+
+    store(x, ref)
+
+
+def _wg_sync(interpret: bool):
+    """This warpgroup's threads meet (`bar.sync` on the warpgroup's own barrier): orders their
+    shared-memory stores (`_store_cols`, fenced by `commit_smem`) before a `wgmma` reads them."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        mu.warpgroup_barrier()
+
+    sync()
+
+
+def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret: bool):
+    """Producer: pool rows of tokens tok0 .. tok0 + 63 for `_gather_issue`, each token clamped
+    to [0, last_tok] and each table entry to the table (so it may run ahead of the tile's
+    turn without reading out of bounds). Thread t holds the rows of tokens tok0 + t // 4 + 32 j
+    (j < 2), as int32 [256] in the strided warpgroup layout (element t + 128 j). Interpret
+    mode returns a placeholder (`_gather_issue` reads the table itself)."""
+    if interpret:
+        return jnp.zeros((_GATHER_ROWS,), jnp.int32)
+    splat = plgpu.Layout.WG_SPLAT(())
+    layout = plgpu.Layout.WG_STRIDED((_GATHER_ROWS,), vec_size=1)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
+                       return_type=plgpu.ShapeDtypeStruct((_GATHER_ROWS,), jnp.int32,
+                                                          layout=layout))
+    def rows(ctx, table, entry0, tok0, last_tok):
+        del ctx
+        import numpy as np
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, memref, vector
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i32 = ir.IntegerType.get_signless(32)
+        entry0, tok0, last_tok = (x.registers.item() for x in (entry0, tok0, last_tok))
+
+        def k(n):
+            return mu.c(n, i32)
+
+        r0 = arith.shrui(arith.remui(mu.thread_idx(), k(128)), k(2))
+        log2_page = page_size.bit_length() - 1
+        last_entry = k(ir.MemRefType(table.type).shape[0] - 1)
+        regs = []
+        for j in range(BLOCK_KV // 32):
+            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(32 * j))), last_tok)
+            tok = arith.maxsi(tok, k(0))
+            entry = arith.minsi(arith.addi(entry0, arith.shrui(tok, k(log2_page))), last_entry)
+            row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
+            if page_size > 1:
+                row = arith.addi(arith.shli(row, k(log2_page)), arith.andi(tok, k(page_size - 1)))
+            regs.append(vector.broadcast(ir.VectorType.get((1,), i32), row))
+        return mgpu.FragmentedArray(_registers=np.array(regs), _layout=mgpu.WGStridedFragLayout(
+            (_GATHER_ROWS,), 1), _is_signed=True)
+
+    return rows(table_ref, entry0, tok0, last_tok)
+
+
+def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok, *,
+                  page_size: int, interpret: bool):
+    """Producer: starts copying pool `rows` (`_gather_rows`) into fp8 stage `slot`, in its
+    (8, 64)-tiled, 64-byte-swizzled layout, as one committed group of 16-byte `cp.async`
+    copies (`_gather_wait` waits for it). Thread t copies 16-byte vector t % 4 of each
+    64-column chunk of rows t // 4 + 32 j (j < 2): 18 copies a thread, a warp reading 8 whole
+    64-byte row segments an instruction. Pool byte offsets are 64-bit. The interpreter has no
+    inline Mosaic GPU: there the rows are copied one by one, from the table."""
+    _, d = kv_ref.shape
+    if interpret:
+        def row(r, carry):
+            tok = jnp.minimum(tok0 + r, last_tok)
+            src = table_ref[entry0 + tok // page_size] * page_size + tok % page_size
+            stages[slot, pl.ds(r, 1), :] = kv_ref[pl.ds(src, 1), :]
+            return carry
+
+        lax.fori_loop(0, BLOCK_KV, row, 0)
+        return
+
+    splat = plgpu.Layout.WG_SPLAT(())
+    transforms = (plgpu.TilingTransform((8, _FP8_SWIZZLE)), plgpu.SwizzleTransform(_FP8_SWIZZLE))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms), splat,
+                                  plgpu.Layout.WG_STRIDED((_GATHER_ROWS,), vec_size=1)))
+    def copy(ctx, pool, stages, slot, rows):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, nvvm, vector
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        slot = slot.registers.item()
+        src_rows = [vector.extract(r, dynamic_position=[], static_position=[0])
+                    for r in rows.registers.flat]
+
+        def k(n):
+            return mu.c(n, i32)
+
+        tile_bytes = 8 * _FP8_SWIZZLE          # one 8-row x 64-column tile
+        n_chunks = d // _FP8_SWIZZLE            # 64-column chunks per row (9)
+        t = arith.remui(mu.thread_idx(), k(128))
+        vec = arith.andi(t, k(3))               # 16-byte vector within a 64-byte chunk row
+        r0 = arith.shrui(t, k(2))               # first row, 0..31; rows r0 + 32 j
+        r8 = arith.andi(r0, k(7))               # row within its 8-row tile (same for every j)
+        # Element (r, c) of stage s lives at byte s * 36864 + ((r // 8) * 9 + c // 64) * 512
+        # + (r % 8) * 64 + (((c % 64) // 16) ^ ((r % 8) // 2)) * 16 + c % 16 (64-byte
+        # swizzle: the 16-byte vector index XOR bits 7-8 of the offset in the tile).
+        dst_off = arith.addi(
+            arith.addi(arith.muli(slot, k(BLOCK_KV * d)),
+                       arith.muli(arith.shrui(r0, k(3)), k(n_chunks * tile_bytes))),
+            arith.addi(arith.muli(r8, k(_FP8_SWIZZLE)),
+                       arith.shli(arith.xori(vec, arith.shrui(r8, k(1))), k(4))))
+        dst0 = mu.getelementptr(mu.memref_ptr(stages), [dst_off], i8)
+        pool_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                      mu.memref_ptr(pool))
+        vec_bytes = arith.extui(i64, arith.shli(vec, k(4)))
+        srcs = [mu.getelementptr(pool_ptr, [arith.addi(arith.muli(
+            arith.extui(i64, r), mu.c(d, i64)), vec_bytes)], i8) for r in src_rows]
+        for j, src in enumerate(srcs):
+            for c in range(n_chunks):
+                # rows r0 + 32 j are 4 row tiles further down per j
+                nvvm.cp_async_shared_global(
+                    mu.getelementptr(dst0, [(4 * j * n_chunks + c) * tile_bytes], i8),
+                    mu.getelementptr(src, [c * _FP8_SWIZZLE], i8),
+                    16, nvvm.LoadCacheModifierKind.CG)
+        nvvm.cp_async_commit_group()
+
+    copy(kv_ref, stages, slot, rows)
+
+
+def _gather_wait(interpret: bool):
+    """Producer: waits for the row gather's copies and makes them visible to the consumers'
+    loads (plain loads, generic proxy: no async-proxy fence needed, the barrier orders them)."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        from jax._src.lib.mlir.dialects import nvvm
+
+        nvvm.cp_async_wait_group(0)
+
+    wait()
+
+
+def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
+            s_q: int, num_heads: int, d_v: int, final: bool, interpret: bool):
+    n_meta = len(refs) - 7
+    meta, (table_ref, q_ref, scale_ref, kv_ref, o_ref, lse_ref, scratch) = (refs[:n_meta],
+                                                                           refs[n_meta:])
+    (q_smem, scale_smem, stages, union0, union1, p_smem, red, q_bar, k_full, k_empty,
+     handed) = scratch
+    (v16_0,), (o_stage, lse_stage) = union0
+    (v16_1,), (acc1_smem, m_smem, l_smem) = union1
+
+    blk = lax.axis_index("blk")
+    split = lax.rem(blk, num_splits)
+    b = lax.div(blk, num_splits)
+    wg = lax.axis_index("wg")
+    rows = s_q * num_heads
+    d = kv_ref.shape[1]
+    pv_swizzle = 2 * rows  # bytes of one P^T row (f16); V's tiles match it
+
+    start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
+    first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
+    count = jnp.maximum(last - first, 0)
+    gather = _gathers(page_size)
+    copies = 1 if gather else max(1, BLOCK_KV // page_size)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(scale_ref.at[b], scale_smem, q_bar)
+
+        def free_stage(i, slot):  # the stage's previous tile was converted by its consumer
+            @pl.when(i >= _STAGES)
+            def _():
+                plgpu.barrier_wait(k_empty.at[slot])
+
+        def gather_tile(i, rows_):
+            slot = lax.rem(i, _STAGES)
+            tile = first + i
+            free_stage(i, slot)
+            _gather_issue(kv_ref, table_ref, stages, slot, rows_, start_entry,
+                          tile * BLOCK_KV, kv_len - 1, page_size=page_size, interpret=interpret)
+            rows_ = _gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
+                                 page_size=page_size, interpret=interpret)
+            _gather_wait(interpret)
+            plgpu.barrier_arrive(k_full.at[slot])
+            return rows_
+
+        def copy_tile(i, carry):
+            slot = lax.rem(i, _STAGES)
+            tile = first + i
+            free_stage(i, slot)
+            dst = stages.at[slot]
+            n = min(page_size, BLOCK_KV)
+            for j in range(copies):
+                tok = tile * BLOCK_KV + j * n
+                if copies == 1:
+                    src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
+                    plgpu.copy_gmem_to_smem(src, dst, k_full.at[slot])
+                else:
+                    # copies wholly past kv_len read nothing; they still arrive
+                    @pl.when(tok < kv_len)
+                    def _():
+                        src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
+                        plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * n, n)], k_full.at[slot])
+
+                    @pl.when(tok >= kv_len)
+                    def _():
+                        plgpu.barrier_arrive(k_full.at[slot])
+            return carry
+
+        if gather:
+            lax.fori_loop(0, count, gather_tile,
+                          _gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
+                                       page_size=page_size, interpret=interpret))
+        else:
+            lax.fori_loop(0, count, copy_tile, 0)
+        for st in range(_STAGES):  # observe each stage's last release
+            @pl.when(count > st)
+            def _():
+                plgpu.barrier_wait(k_empty.at[st])
+
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def consumer(c: int):
+        """Consumer c: tiles c, c + 2, ... through stage c and its own f16 V tile."""
+        plgpu.set_max_registers(232, action="increase")
+        v_ref = (v16_0, v16_1)[c]
+        p_ref = p_smem.at[c]
+        stage = stages.at[c]
+        plgpu.barrier_wait(q_bar)
+        col_scale = _load(scale_smem.at[0], col_layout, interpret)
+        acc0 = _in_layout(jnp.zeros((d_v, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
+        m0 = _in_layout(jnp.full((rows,), -jnp.inf, jnp.float32), col_layout, interpret)
+        l0 = _in_layout(jnp.zeros((rows,), jnp.float32), col_layout, interpret)
+        n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
+
+        n_chunks = d // _CHUNK
+
+        def scores(valid, masked: bool):
+            """S^T of the stage's tile [64, rows] fp32 (unscaled), a 64-column chunk at a time:
+            its fp8 bytes loaded and converted to f16 (rows past `valid` zeroed when
+            `masked`), its V columns stored to v_ref, its q k^T issued while the next chunk
+            converts; the stage is released once its last bytes are in registers."""
+            plgpu.barrier_wait(k_full.at[c])
+
+            def convert(j):
+                x8 = _load(stage.at[:, pl.ds(j * _CHUNK, _CHUNK)], plgpu.Layout.WGMMA_UPCAST_2X,
+                           interpret)
+                if j == n_chunks - 1:
+                    plgpu.barrier_arrive(k_empty.at[c])  # the last bytes are in registers
+                x = _in_layout(x8.astype(jnp.float16), plgpu.Layout.WGMMA, interpret)
+                if masked:
+                    x = jnp.where(_iota((BLOCK_KV, _CHUNK), 0, interpret) < valid, x,
+                                  jnp.zeros_like(x))
+                if j * _CHUNK < d_v:
+                    _store_cols(v_ref, x, j * _CHUNK, pv_swizzle, interpret)
+                return x
+
+            if interpret:
+                s = jnp.zeros((BLOCK_KV, rows), jnp.float32)
+                for j in range(n_chunks):
+                    s = s + lax.dot_general(
+                        convert(j).astype(jnp.float32),
+                        q_smem[:, pl.ds(j * _CHUNK, _CHUNK)].astype(jnp.float32),
+                        (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                return s
+
+            def body(acc_ref):
+                for j in range(n_chunks):
+                    plgpu.wgmma(acc_ref, convert(j),
+                                q_smem.at[:, pl.ds(j * _CHUNK, _CHUNK)].transpose((1, 0)))
+                    plgpu.wgmma_wait(1)
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            return pl.run_scoped(body, plgpu.ACC((BLOCK_KV, rows), jnp.float32))
+
+        def step(j, carry, masked: bool):
+            acc, m_i, l_i = carry
+            tile = first + c + 2 * j
+            valid = kv_len - tile * BLOCK_KV
+            s = scores(valid, masked)
+            s = s * lax.broadcast_in_dim(col_scale, s.shape, [1])
+            if masked:  # the iotas live only here (registers)
+                tok_iota = _iota((BLOCK_KV, rows), 0, interpret)
+                col_iota = _iota((BLOCK_KV, rows), 1, interpret)
+                limit = causal_limit(kv_len, s_q, col_iota // num_heads)
+                s = jnp.where(tile * BLOCK_KV + tok_iota < limit, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, _col_reduce(s, "max", red.at[c], interpret))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+            l_i = l_i * alpha + _col_reduce(p, "add", red.at[c], interpret)
+            _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
+            plgpu.commit_smem()
+            _wg_sync(interpret)  # every thread's V and P stores, before P V reads them
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+            return _pv(acc, v_ref, p_ref, interpret), m_new, l_i
+
+        n_mine = jnp.maximum((count - c + 1) // 2, 0)
+        n_plain_mine = jnp.clip((n_plain - c + 1) // 2, 0, n_mine)
+        carry = lax.fori_loop(0, n_plain_mine, functools.partial(step, masked=False),
+                              (acc0, m0, l0))
+        acc, m_i, l_i = lax.fori_loop(n_plain_mine, n_mine,
+                                      functools.partial(step, masked=True), carry)
+        if c == 1:  # hand over (its V tile is dead: the hand-off reuses its memory)
+            acc1_smem[...] = acc
+            m_smem[...] = m_i
+            l_smem[...] = l_i
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(handed)
+            return
+        plgpu.barrier_wait(handed)
+        acc1 = _load(acc1_smem, plgpu.Layout.WGMMA, interpret)
+        m1 = _load(m_smem, col_layout, interpret)
+        l1 = _load(l_smem, col_layout, interpret)
+        m = jnp.maximum(m_i, m1)
+        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+        a0 = jnp.exp2(m_i - m_safe)
+        a1 = jnp.exp2(m1 - m_safe)
+        l = l_i * a0 + l1 * a1
+        has = l > 0.0
+        l_safe = jnp.where(has, l, 1.0)
+        v_scale = _load(scale_smem.at[1], col_layout, interpret)
+
+        def bc(x):
+            return lax.broadcast_in_dim(x, acc.shape, [1])
+
+        out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe)
+        empty = jnp.inf if final else -jnp.inf
+        # The output staging reuses consumer 0's V tile (its last P V is done).
+        o_stage[...] = out.astype(o_stage.dtype)
+        lse_stage[...] = jnp.where(has, (m + jnp.log2(l_safe)) * _LN2, empty)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, split])
+        plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    for c in range(_CONSUMERS):
+        pl.when(wg == c)(functools.partial(consumer, c))
+
+
+def _pv(acc, v_ref, p_ref, interpret: bool):
+    """acc [512, N] + V^T P^T (`wgmma`, waited): V^T is a transposed A from shared memory."""
+    if interpret:
+        return acc + lax.dot_general(v_ref[...].astype(jnp.float32),
+                                     p_ref[...].astype(jnp.float32),
+                                     (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, v_ref.transpose((1, 0)), p_ref)
+        plgpu.wgmma_wait(0)
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def prepare_q(q: jax.Array, *, sm_scale: float, k_scale: jax.Array, v_scale: jax.Array):
+    """(q16 [B, rows, 576] f16, scales [B, 2, rows] fp32) for the kernel from q [B, rows, 576]:
+    q16 = q * up per row (`f16_row_scales`, exact), scales[:, 0] = down * sm_scale * k_scale *
+    log2(e) (the score columns' factor), scales[:, 1] = v_scale."""
+    qf = q.astype(jnp.float32)
+    up, down = f16_row_scales(jnp.max(jnp.abs(qf), axis=-1))
+    q16 = (qf * up[..., None]).astype(jnp.float16)
+    col = down * (float(sm_scale) * _LOG2E) * k_scale.reshape(())
+    vs = jnp.broadcast_to(v_scale.reshape(()), col.shape).astype(jnp.float32)
+    return q16, jnp.stack([col, vs], axis=1)
+
+
+def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
+                num_splits: int, k_scale: jax.Array, v_scale: jax.Array,
+                v_head_dim: int = 512, partial_dtype="bfloat16",
+                interpret=False) -> tuple[jax.Array, jax.Array]:
+    """The pallas call on checked arguments (`api.check_decode_args` and
+    `fp8_narrow_supported`): o [B, S, rows, 512] and lse [B, S, rows], the contract of
+    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]."""
+    t, h, d = q.shape
+    rows = s_q * h
+    b = t // s_q
+    final = num_splits == 1
+    o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
+    q16, scales = prepare_q(q.reshape(b, rows, d), sm_scale=sm_scale, k_scale=k_scale,
+                            v_scale=v_scale)
+
+    pv_swizzle = 2 * rows  # bytes of one P^T row (f16); V's tiles must match it
+    v_tile = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=_tiled(pv_swizzle, 2))
+    copies = 1 if _gathers(kv.page_size) else max(1, BLOCK_KV // kv.page_size)
+
+    def union(*groups):  # the interpreter has no RefUnion (nor a shared-memory limit)
+        return groups if interpret else plgpu.RefUnion(*groups)
+
+    scratch = [
+        plgpu.SMEM((rows, d), jnp.float16, transforms=_tiled(_Q_SWIZZLE, 2)),
+        plgpu.SMEM((2, rows), jnp.float32),
+        plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=_tiled(_FP8_SWIZZLE, 1)),
+        # Each consumer's f16 V tile; once its last P V is done, consumer 0's holds the
+        # output staging and consumer 1's its hand-off.
+        union((v_tile,), (plgpu.SMEM((v_head_dim, rows), o_dtype),
+                          plgpu.SMEM((rows,), jnp.float32))),
+        union((v_tile,), (plgpu.SMEM((v_head_dim, rows), jnp.float32),
+                          plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.float32))),
+        plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=_tiled(pv_swizzle, 2)),
+        plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
+        plgpu.Barrier(num_arrivals=2),  # q and the scales landed
+        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
+        plgpu.Barrier(num_barriers=_STAGES),  # stage converted by its consumer
+        plgpu.Barrier(),  # consumer 1's (O^T, max, sum) handed over
+    ]
+    meta = kv.meta_operands()
+    kernel = functools.partial(
+        _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
+        num_splits=num_splits, s_q=s_q, num_heads=h, d_v=v_head_dim, final=final,
+        interpret=interpret)
+    n_io = len(meta) + 6  # meta, table, q16, scales, pool; o, lse
+    call = plgpu.kernel(
+        lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
+        out_type=(jax.ShapeDtypeStruct((b, num_splits, v_head_dim, rows), o_dtype),
+                  jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
+        scratch_types=scratch,
+        grid=(b * num_splits,),
+        grid_names=("blk",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_mgpu_params(interpret),
+        kernel_name=f"mla_decode_mgpu_fp8_ps{kv.page_size}",
+    )
+    o_t, lse = call(*meta, kv.table, q16, scales, kv_pool)
+    return jnp.swapaxes(o_t, 2, 3), lse
