@@ -451,12 +451,6 @@ def _stand_in_launcher(builds: list, calls: list):
                                           kv_indptr, kv_indices, sm_scale=sm_scale)
             out.copy_(got.to(out.dtype).view(out.shape))
             return out, lse
-
-        def bind_step(kv_indptr, kv_indices, lse):  # DecodeLauncher.bind_step's contract
-            return lambda q, kv_pool, out, k_scale=None: run(
-                q, kv_pool, kv_indptr, kv_indices, out=out, lse=lse, k_scale=k_scale)[0]
-
-        run.bind_step = bind_step
         return run
     return build
 
@@ -551,14 +545,9 @@ def test_layer_launch_is_resolved_once_per_step_key_and_layer(monkeypatch):
         assert resolved == [0, 1] * (step + 1), resolved  # new views each eager step
     assert len(calls) == 12 and len(builds) == 1  # one launcher for both layers' shapes
     backend.forward_metadata = backend.forward_metadata  # a step that keeps the views
-    kept = [backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
-            for layer in layers]
+    for layer in layers:
+        backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
     assert len(resolved) == 4 and len(calls) == 14  # the same step key: no resolve
-    # each call's out is a fresh contiguous [T, H * 512] tensor (empty_like of an expanded
-    # one-element view): outputs kept by the caller never share memory
-    assert all(o.is_contiguous() and o.stride() == (H * 512, 1) for o in kept)
-    assert kept[0].data_ptr() != kept[1].data_ptr()
-    assert kept[0].untyped_storage().nbytes() == 4 * H * 512 * 2
     twin = RadixAttention(H, SCALE, 0)  # same id, another layer object: resolved for itself
     backend.forward_decode(q, None, None, twin, fb, save_kv_cache=False)
     assert resolved[-1] == 0 and len(resolved) == 5

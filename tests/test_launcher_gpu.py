@@ -195,83 +195,6 @@ def test_gpu_sglang_backend_decode_runs_the_mosaic_kernel_through_the_launcher()
     assert float((o - w).norm() / w.norm()) < 1e-2
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,h,splits,page_size", [
-    (4, 16, 1, 1), (4, 16, None, 1), (40, 128, None, 1), (40, 128, 1, 64)])
-def test_gpu_bound_launch_bit_identical_to_the_unbound_call(b, h, splits, page_size):
-    """bind_step(x, y, lse)(q, kv_pool, out) writes the bits the unbound call writes (out and
-    the bound lse), for Triton and Mosaic GPU kernels, split and unsplit, token CSR and page
-    table; new q per call and a CUDA graph of bound launches replayed after new q and indices
-    equal the unbound calls on that data."""
-    if page_size == 1:
-        cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=8192,
-                                   kv_capacity=b * 512, max_kv_len=512, num_splits=splits,
-                                   sm_scale=SCALE)
-    else:
-        cfg = L.DecodeLaunchConfig(num_seqs=b, num_heads=h, pool_rows=8192, kv_capacity=b * 8,
-                                   num_splits=splits, sm_scale=SCALE, page_size=page_size)
-    lau = L.decode_launcher(cfg)
-    assert lau.padded or lau.checks.startswith("C"), lau.checks  # the bound C path runs
-    q, kv, x, y = _gpu_batch(cfg, 21)
-    dev = q.device
-    lse = torch.empty(b, h, device=dev)
-    launch = lau.bind_step(x, y, lse)
-    layers = 3
-    qs = [q * (i + 1) for i in range(layers)]
-    outs = [torch.empty(b, h * 512, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-    for i in range(layers):
-        assert launch(qs[i].view(b, -1), kv, outs[i]) is outs[i]
-        ref_out, ref_lse = lau(qs[i], kv, x, y)
-        torch.cuda.synchronize()
-        assert torch.equal(bits(outs[i].view(b, h, 512)), bits(ref_out))
-        assert torch.equal(bits(lse), bits(ref_lse))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launch(qs[0], kv, outs[0])
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(layers):
-            launch(qs[i], kv, outs[i])
-    nq, _, nx, ny = _gpu_batch(cfg, 22)
-    for i in range(layers):
-        qs[i].copy_(nq * (i + 1))
-    x.copy_(nx)
-    y.copy_(ny)
-    g.replay()
-    torch.cuda.synchronize()
-    for i in range(layers):
-        ref_out, _ = lau(qs[i], kv, x, y)
-        torch.cuda.synchronize()
-        assert torch.equal(bits(outs[i].view(b, h, 512)), bits(ref_out))
-
-
-@gpu
-@pytest.mark.gpu
-def test_gpu_bound_launch_misuse_leaves_outputs_untouched():
-    """A refused bound launch (a bad per-call argument, or a bound tensor changed in place
-    after bind_step) names the argument and writes nothing."""
-    cfg = L.DecodeLaunchConfig(num_seqs=4, num_heads=16, pool_rows=8192, kv_capacity=4 * 512,
-                               max_kv_len=512, sm_scale=SCALE)
-    lau = L.decode_launcher(cfg)
-    q, kv, indptr, indices = _gpu_batch(cfg, 23)
-    out = torch.full((4, 16, 512), 7.0, dtype=torch.bfloat16, device=q.device)
-    lse = torch.full((4, 16), 7.0, device=q.device)
-    launch = lau.bind_step(indptr, indices, lse)
-    for bad, match in ((dict(q=q.float()), "q must be torch.bfloat16"),
-                       (dict(q=q.cpu()), "q is on"), (dict(out=out[:, :, :-1]), "out has shape")):
-        a = {"q": q, "out": out, **bad}
-        with pytest.raises(L.LauncherArgumentError, match=match):
-            launch(a["q"], kv, a["out"])
-    indices.resize_(4 * 512 - 1)
-    with pytest.raises(L.LauncherArgumentError, match="kv_indices has shape"):
-        launch(q, kv, out)
-    torch.cuda.synchronize()
-    assert bool((out == 7).all()) and bool((lse == 7).all())
-
-
 # ----------------------------------------------------------------------------- fp8 pools
 _K, _V = 0.0625, 1.75  # per-layer scales: a power of two and not
 
@@ -426,24 +349,6 @@ def test_gpu_fp8_misuse_refused_before_launch():
     ref, _ = lau(q, kv, x, y, k_scale=0.5)
     torch.cuda.synchronize()
     assert torch.equal(bits(out), bits(ref))  # the graph holds the one good call
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", ["float", "tensor"])
-def test_gpu_fp8_bound_launch_bit_identical_to_the_unbound_call(form):
-    """An fp8 pool's bound launch with k_scale per call (v_scale = k_scale) writes the bits of
-    the unbound call with the same scales."""
-    cfg = fp8_config(16, 1, b=8, ctx=512)
-    lau = L.decode_launcher(cfg)
-    q, kv, x, y = _gpu_batch(cfg, 24)
-    ks, _ = _fp8_scales(form, q.device)
-    lse = torch.empty(8, 16, device=q.device)
-    out = torch.empty(8, 16, 512, dtype=torch.bfloat16, device=q.device)
-    assert lau.bind_step(x, y, lse)(q, kv, out, ks) is out
-    ref_out, ref_lse = lau(q, kv, x, y, k_scale=ks)
-    torch.cuda.synchronize()
-    assert torch.equal(bits(out), bits(ref_out)) and torch.equal(bits(lse), bits(ref_lse))
 
 
 @gpu

@@ -255,70 +255,6 @@ class _DecodeLauncherBase:
                 # a check failed in C (nothing launched): the Python checks name the argument
         return self._call_python(q, kv_pool, x, y, out, lse, ks, vs, table)
 
-    def bind_step(self, x, y, lse):
-        """launch(q, kv_pool, out, k_scale=None) -> out: this launcher's call with a step's two
-        index tensors (`__call__`'s third and fourth arguments) and an lse scratch fixed, for a
-        caller that launches many layers over one step's indices (SGLang's decode layers).
-        Each call is the checked one-foreign-call path of `__call__` with less Python around
-        it: the bound tensors' addresses (`_cdata`) are read here, once. The C helper still
-        checks every argument, bound ones included, on every call (their shapes and data
-        pointers are read afresh), and a refused argument is named by the same Python checks
-        (LauncherArgumentError), so the result equals `__call__(q, kv_pool, x, y, out=out,
-        lse=lse, k_scale=k_scale)[0]`. The callable holds x, y and lse for its lifetime (which
-        keeps their addresses valid); q, kv_pool, out and k_scale may differ on every call.
-        Without the C checks (padded rows, no native helper or torch shim, a non-tensor bound
-        argument) it calls `__call__`'s path as it is. v_scale is k_scale's (fp8 pools)."""
-        return self._bind(x, y, lse)
-
-    def _bind(self, x, y, lse, table=None):
-        """`bind_step`'s callable; table: the lens form's table tensor (its pointer is checked
-        and read on each call, as `LensDecodeLauncher.__call__` does), else None."""
-        hot, call, call_python = self._checked_hot, self._call, self._call_python
-        table_pointer = self.table_spec.pointer if table is not None else None
-        try:
-            cx, cy, cl = x._cdata, y._cdata, lse._cdata
-            struct.pack("<3Q", cx, cy, cl)  # a subclass's _cdata may be no address
-        except (AttributeError, struct.error, TypeError):
-            hot = None
-        if hot is None:
-            def launch(q, kv_pool, out, k_scale=None):
-                t = 0 if table is None else table_pointer(table)
-                return call(q, kv_pool, x, y, out, lse, k_scale, None, t)[0]
-            return launch
-        pack, buf, mask, run_checked, ref = hot
-        stream_fn, index, lock, scales = self._stream, self.device_index, self._lock, self._scales
-        scale_tensors, launch_failed = self._scale_tensors, self._launch_failed
-
-        def launch(q, kv_pool, out, k_scale=None):
-            if scales is not None:
-                ks, vs = scales(k_scale, None)
-            elif k_scale is not None:
-                ks, vs = scale_tensors(k_scale, None)  # raises: no scale for this pool
-            else:
-                ks = vs = None
-            t = 0 if table is None else table_pointer(table)
-            try:
-                cq, ck, co = q._cdata, kv_pool._cdata, out._cdata
-                cks, cvs = (0, 0) if ks is None else (ks._cdata, vs._cdata)
-            except AttributeError:  # not a tensor (out=None among them): the Python path
-                return call_python(q, kv_pool, x, y, out, lse, ks, vs, t)[0]
-            stream = stream_fn(index)
-            with lock:
-                try:
-                    pack(buf, 0, stream, mask, cx, cy, cq, ck, co, cl, cks, cvs, t)
-                except (struct.error, TypeError):  # a subclass's _cdata is no address
-                    rc = _BAD_ARGUMENT
-                else:
-                    rc = run_checked(ref)
-                    if rc > 0:
-                        launch_failed(rc, mask, ref)
-            if rc >= 0:
-                return out
-            # a check failed in C (nothing launched): the Python checks name the argument
-            return call_python(q, kv_pool, x, y, out, lse, ks, vs, t)[0]
-
-        return launch
-
     def _call_python(self, q, kv_pool, x, y, out, lse, ks=None, vs=None, table=0):
         dt, kdt, i32, f32, kvs, di, m, qs, xs, ys, os_, ls = self._fast
         try:
@@ -469,11 +405,6 @@ class LensDecodeLauncher(_DecodeLauncherBase):
                  k_scale=None, v_scale=None):
         return self._call(q, kv_pool, table_start, kv_lens, out, lse, k_scale, v_scale,
                           self.table_spec.pointer(table))
-
-    def bind_step(self, table_start, kv_lens, table, lse):
-        """`_DecodeLauncherBase.bind_step` with the table bound too (its pointer is checked and
-        read on each call, as `__call__` does)."""
-        return self._bind(table_start, kv_lens, lse, table)
 
 
 _LAUNCHERS: dict[tuple[DecodeLaunchConfig, int], _DecodeLauncherBase] = {}

@@ -1,8 +1,7 @@
 """A layer's attention through the torch launchers: the `FuncMLAAttnBackend` side.
 
 Decode-shaped steps (s_q <= 4 per request) run the decode launcher: `layer_launch` resolves a
-closure q -> out once per step key and layer (the backend caches it; the step's index tensors and
-lse scratch bound to the launcher there, `DecodeLauncher.bind_step`), which then costs one dict
+closure q -> out once per step key and layer (the backend caches it), which then costs one dict
 lookup, out's allocation and one launch. Extend-shaped steps (an extend with a prefix,
 target-verify or draft-extend with more draft tokens) run the extend launcher
 (`funcmla.interop.launcher.extend`, `mla_extend` on torch's stream): `extend_launch` finds the
@@ -44,9 +43,6 @@ def layer_launch(backend, q: torch.Tensor, layer, step: tuple):
     if entry is False:
         return None
     run, lse, fp8 = entry
-    # the step's index tensors and the lse scratch, bound once: each call passes q, the pool,
-    # out (and an fp8 pool's scale), all checked in C on every call
-    bound = run.bind_step(kv_indptr, kv_indices, lse)
     pool_of, layer_id = backend.token_to_kv_pool.get_key_buffer, layer.layer_id
     # out's allocation: empty_like of a zero-memory [T, H * dv] view (one element, expanded),
     # a fresh contiguous tensor of q's dtype and device at less host cost than torch.empty
@@ -60,8 +56,11 @@ def layer_launch(backend, q: torch.Tensor, layer, step: tuple):
         q = q if q.is_contiguous() else q.contiguous()
         out = empty_like(like, memory_format=contiguous)
         if fp8:  # the layer's scale: a float (one cached device copy) or a device tensor
-            return bound(q, pool_of(layer_id), out, launcher_scale(layer.k_scale))
-        return bound(q, pool_of(layer_id), out)
+            run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse,
+                k_scale=launcher_scale(layer.k_scale))
+        else:
+            run(q, pool_of(layer_id), kv_indptr, kv_indices, out=out, lse=lse)
+        return out
 
     return launch
 

@@ -33,10 +33,11 @@ Masking as in `decode_mgpu`: scores past a column's causal limit are selected to
 in a partial last tile the converted K/V rows past kv_len are zeroed before they are used,
 so no unused pool row (NaN, Inf) reaches the result. The output leaves transposed
 ([B, S, 512, N]); `decode_call` returns it as [B, S, N, 512] (one XLA transpose; it and the
-f16 q / scales of `prepare_q` are three small XLA kernels around the launch). Splits and partials are those of the other decode
-kernels (`split_tile_range`), so they share the merge. Runs on sm_90a. Mosaic GPU's
-interpreter (jax 0.10.2) stalls on it (two warpgroups blocked in barrier waits; not
-diagnosed), so CPU tests cover its dispatch and refusals and the GPU tests its results.
+f16 q / scales of `prepare_q` are three small XLA kernels around the launch). Splits and
+partials are those of the other decode kernels (`split_tile_range`), so they share the
+merge. Runs on sm_90a. Mosaic GPU's interpreter (jax 0.10.2) stalls on it (two warpgroups
+blocked in barrier waits; not diagnosed), so CPU tests cover its dispatch and refusals and
+the GPU tests its results.
 
 `mla_decode` runs it only with `DecodeKernelConfig(kernel="mgpu")`: query rows of magnitude
 ~2^40 give NaN (rows of 2^20 do not; not diagnosed), which the Triton kernel handles. Why
@@ -85,7 +86,7 @@ _STAGES = 2       # fp8 landing stages: one per consumer
 _CONSUMERS = 2
 # Per-consumer scratch of a cross-warp column reduction of [64, N] fp32: 4 warps x 32 lanes
 # x 2 values, enough for one register of the result at a time (shared memory is tight).
-_RED_BYTES = 4 * 32 * 2 * 4  # one register at a time
+_RED_BYTES = 4 * 32 * 2 * 4
 _GATHER_ROWS = (BLOCK_KV // 32) * 128  # 2 rows a thread (row gather, page < 8)
 
 
