@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +43,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from funcmla.attention.pallas.mgpu_ops import (
+    in_layout,
+    iota,
+    load,
+    mgpu_params,
+    mma_acc,
+    mma_acc_and,
+)
 from funcmla.attention.pallas.decode_common import (
     DecodeKernelConfig,
     KVRows,
@@ -130,68 +137,6 @@ def mgpu_split_config(config: DecodeKernelConfig) -> DecodeKernelConfig:
     KV tiles per split, since a block's fixed cost (q in, partial out, three warpgroups to
     start) outweighs one tile (docs/decode_kernel.md, "Knobs")."""
     return dataclasses.replace(config, min_blocks_per_split=max(2, config.min_blocks_per_split))
-
-
-# jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
-# is indexed with `.at` first) and lets it be left out.
-_LOAD_NEEDS_INDEX = getattr(inspect.signature(plgpu.load).parameters.get("idx"), "default",
-                            None) is inspect.Parameter.empty
-
-
-def _load(ref, layout, interpret: bool):
-    """ref[...] in `layout`. Mosaic GPU's interpreter has no `plgpu.load` (jax 0.10.2), and
-    layouts do not exist there, so interpret mode reads the ref plainly."""
-    if interpret:
-        return ref[...]
-    if _LOAD_NEEDS_INDEX:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
-
-
-def _in_layout(x, layout, interpret: bool):
-    """x with register layout `layout` (the interpreter has no layouts)."""
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def _iota(shape, dim: int, interpret: bool):
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def _mma_acc(acc, a, b, interpret: bool):
-    """acc + a @ b on the matrix units (`wgmma`, waited). Compiled, the accumulator enters the
-    wgmma in registers (`pl.run_state`). Mosaic GPU's interpreter has neither run_state nor
-    accumulator stores (jax 0.10.2), so there the product goes to a fresh accumulator and is
-    added (the same sum, in another order)."""
-    def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        plgpu.wgmma_wait(0)
-        if interpret:
-            return acc_ref[...]
-
-    if interpret:
-        return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(body)(plgpu.ACC.init(acc))
-
-
-def _mma_acc_and(acc, a, b, x, under, interpret: bool):
-    """(acc + a @ b, under(x)), with `under` (which may also store and arrive on barriers)
-    run while the `wgmma` does; `a` is a shared-memory ref or a bf16 array in registers. The
-    interpreter has no run_state or register operands, so there `under` runs after a plain
-    fp32 dot."""
-    if interpret:
-        a = a if isinstance(a, jax.Array) else a[...]
-        acc = acc + lax.dot_general(a, b[...], (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-        return acc, under(x)
-
-    def body(refs):
-        acc_ref, x_ref = refs
-        plgpu.wgmma(acc_ref, a, b)
-        x_ref[...] = under(x_ref[...])
-
-    return pl.run_state(body)((plgpu.ACC.init(acc), x))
 
 
 def _qk(q_smem, k_smem, interpret: bool):
@@ -490,7 +435,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 l_smem[...] = l_i
             plgpu.barrier_arrive(l_ready)
             plgpu.barrier_wait(l_ready)
-            l_i = _load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+            l_i = load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
             has = l_i > 0.0
             l_safe = jnp.where(has, l_i, 1.0)
             out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
@@ -504,13 +449,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     def _consumers():
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        rows_iota = _iota((BLOCK_M, BLOCK_KV), 0, interpret)
-        cols_iota = _iota((BLOCK_M, BLOCK_KV), 1, interpret)
+        rows_iota = iota((BLOCK_M, BLOCK_KV), 0, interpret)
+        cols_iota = iota((BLOCK_M, BLOCK_KV), 1, interpret)
         # Per folded row (token-major: row // H is the token).
         limit = causal_limit(kv_len, s_q, (row_lo + rows_iota) // num_heads)
-        acc0 = _in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA, interpret)
-        m0 = _in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret)
-        l0 = _in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret)
+        acc0 = in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA, interpret)
+        m0 = in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l0 = in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret)
         # Tiles wholly below every row's causal limit (kv_len - s_q + 1 + the row's token) need
         # no mask and have no tail: they run first, unmasked.
         n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
@@ -546,7 +491,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 def _():
                     for c in range(d_v // 64):
                         ref = kv_smem.at[slot, :, pl.ds(c * 64, 64)]
-                        chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
+                        chunk = load(ref, plgpu.Layout.WGMMA, interpret)
                         ref[...] = jnp.where(rows_iota < valid, chunk, jnp.zeros_like(chunk))
                     plgpu.commit_smem()
 
@@ -580,7 +525,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                     hand_off(slot, p16, alpha)
                     return l_i * alpha + p.sum(axis=1)
 
-                acc, l_i = _mma_acc_and(acc, p16, kv_smem.at[slot, :, pl.ds(0, _HALF)], l_i,
+                acc, l_i = mma_acc_and(acc, p16, kv_smem.at[slot, :, pl.ds(0, _HALF)], l_i,
                                         under_pv, interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
             return acc, m_i, l_i
@@ -590,10 +535,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             slot = lax.rem(i, _STAGES)
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(p_full.at[slot])
-                alpha = _load(alpha_smem.at[slot], row_layout, interpret)
+                alpha = load(alpha_smem.at[slot], row_layout, interpret)
             with jax.named_scope("pv"):
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = _mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(_HALF, _HALF)],
+                acc = mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(_HALF, _HALF)],
                                interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
             return acc
@@ -610,18 +555,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def _():
             # Consumer 1 keeps neither the running max nor the row sums (it masks nothing).
             _finish(lax.fori_loop(0, count, step1, acc0), None, None, 1)
-
-
-def _mgpu_params(interpret):
-    """Pallas's `interpret` argument: None (compiled), default interpreter parameters for True,
-    else the caller's own (e.g. with the race detector on)."""
-    if not interpret:
-        return None
-    if interpret is not True:
-        return interpret
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
@@ -681,7 +614,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
                                              lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              profile_space=config.profile_space,
                                              profile_dir=config.profile_dir),
-        interpret=_mgpu_params(interpret),
+        interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_ps{kv.page_size}",
     )
     qr = q.reshape(b, rows, d)

@@ -38,8 +38,8 @@ partials are those of the other decode kernels (`split_tile_range`), so they sha
 merge. Runs on sm_90a. In Mosaic GPU's interpreter (jax 0.10.2, on a 2-core CPU) one block
 with tiles completes and matches float64, but with two such blocks the first stalls:
 consumer 1 never reaches its first barrier wait while the other two warpgroups wait (not
-diagnosed further), so CPU tests cover its dispatch and refusals and the GPU tests its
-results.
+diagnosed further), so CPU tests cover its dispatch, refusals and lowering for CUDA, and the
+GPU tests its results.
 
 `mla_decode` runs it only with `DecodeKernelConfig(kernel="mgpu")`: query rows of magnitude
 ~2^40 give NaN (rows of 2^20 do not; not diagnosed), which the Triton kernel handles. Why
@@ -64,13 +64,8 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
-from funcmla.attention.pallas.decode_mgpu import (
-    _in_layout,
-    _iota,
-    _load,
-    _mgpu_params,
-    _tile_source,
-)
+from funcmla.attention.pallas.decode_mgpu import _tile_source
+from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params
 
 __all__ = ["fp8_narrow_supported", "decode_call", "ROWS", "BLOCK_KV"]
 
@@ -398,10 +393,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         p_ref = p_smem.at[c]
         stage = stages.at[c]
         plgpu.barrier_wait(q_bar)
-        col_scale = _load(scale_smem.at[0], col_layout, interpret)
-        acc0 = _in_layout(jnp.zeros((d_v, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
-        m0 = _in_layout(jnp.full((rows,), -jnp.inf, jnp.float32), col_layout, interpret)
-        l0 = _in_layout(jnp.zeros((rows,), jnp.float32), col_layout, interpret)
+        col_scale = load(scale_smem.at[0], col_layout, interpret)
+        acc0 = in_layout(jnp.zeros((d_v, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
+        m0 = in_layout(jnp.full((rows,), -jnp.inf, jnp.float32), col_layout, interpret)
+        l0 = in_layout(jnp.zeros((rows,), jnp.float32), col_layout, interpret)
         n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
 
         n_chunks = d // _CHUNK
@@ -414,13 +409,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             plgpu.barrier_wait(k_full.at[c])
 
             def convert(j):
-                x8 = _load(stage.at[:, pl.ds(j * _CHUNK, _CHUNK)], plgpu.Layout.WGMMA_UPCAST_2X,
+                x8 = load(stage.at[:, pl.ds(j * _CHUNK, _CHUNK)], plgpu.Layout.WGMMA_UPCAST_2X,
                            interpret)
                 if j == n_chunks - 1:
                     plgpu.barrier_arrive(k_empty.at[c])  # the last bytes are in registers
-                x = _in_layout(x8.astype(jnp.float16), plgpu.Layout.WGMMA, interpret)
+                x = in_layout(x8.astype(jnp.float16), plgpu.Layout.WGMMA, interpret)
                 if masked:
-                    x = jnp.where(_iota((BLOCK_KV, _CHUNK), 0, interpret) < valid, x,
+                    x = jnp.where(iota((BLOCK_KV, _CHUNK), 0, interpret) < valid, x,
                                   jnp.zeros_like(x))
                 if j * _CHUNK < d_v:
                     _store_cols(v_ref, x, j * _CHUNK, pv_swizzle, interpret)
@@ -452,8 +447,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             s = scores(valid, masked)
             s = s * lax.broadcast_in_dim(col_scale, s.shape, [1])
             if masked:  # the iotas live only here (registers)
-                tok_iota = _iota((BLOCK_KV, rows), 0, interpret)
-                col_iota = _iota((BLOCK_KV, rows), 1, interpret)
+                tok_iota = iota((BLOCK_KV, rows), 0, interpret)
+                col_iota = iota((BLOCK_KV, rows), 1, interpret)
                 limit = causal_limit(kv_len, s_q, col_iota // num_heads)
                 s = jnp.where(tile * BLOCK_KV + tok_iota < limit, s, -jnp.inf)
             m_new = jnp.maximum(m_i, _col_reduce(s, "max", red.at[c], interpret))
@@ -481,9 +476,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             plgpu.barrier_arrive(handed)
             return
         plgpu.barrier_wait(handed)
-        acc1 = _load(acc1_smem, plgpu.Layout.WGMMA, interpret)
-        m1 = _load(m_smem, col_layout, interpret)
-        l1 = _load(l_smem, col_layout, interpret)
+        acc1 = load(acc1_smem, plgpu.Layout.WGMMA, interpret)
+        m1 = load(m_smem, col_layout, interpret)
+        l1 = load(l_smem, col_layout, interpret)
         m = jnp.maximum(m_i, m1)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)
         a0 = jnp.exp2(m_i - m_safe)
@@ -491,7 +486,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         l = l_i * a0 + l1 * a1
         has = l > 0.0
         l_safe = jnp.where(has, l, 1.0)
-        v_scale = _load(scale_smem.at[1], col_layout, interpret)
+        v_scale = load(scale_smem.at[1], col_layout, interpret)
 
         def bc(x):
             return lax.broadcast_in_dim(x, acc.shape, [1])
@@ -593,7 +588,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_mgpu_params(interpret),
+        interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_fp8_ps{kv.page_size}",
     )
     o_t, lse = call(*meta, kv.table, q16, scales, kv_pool)

@@ -42,13 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from funcmla.attention.pallas.decode_mgpu import (
-    _in_layout,
-    _iota,
-    _load,
-    _mgpu_params,
-    _mma_acc_and,
-)
+from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params, mma_acc_and
 
 __all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots",
            "tile_schedule", "first_slots", "BLOCK_Q",
@@ -220,7 +214,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + qb0 + w * ROWS, ROWS), h],
                                     q_smems[w], q_bar.at[w])
 
-        def load(i, carry):
+        def load_tile(i, carry):
             st = lax.rem(i, num_stages)
             rows = pl.ds(kv_start + i * block_kv, block_kv)
 
@@ -237,7 +231,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[st], v_full.at[st])
             return carry
 
-        lax.fori_loop(0, count, load, 0)
+        lax.fori_loop(0, count, load_tile, 0)
         # Observe each stage's last release (every wait sees every phase; the block's shared
         # memory is not left while a consumer may still read it).
         for st in range(num_stages):
@@ -271,8 +265,8 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             if masked:
                 # The iotas are built here, in the masked tiles only: a [64, 128] int32 array
                 # is 64 registers a thread, which the unmasked loop need not hold.
-                rows_iota = _iota((ROWS, block_kv), 0, interpret)
-                cols_iota = _iota((ROWS, block_kv), 1, interpret)
+                rows_iota = iota((ROWS, block_kv), 0, interpret)
+                cols_iota = iota((ROWS, block_kv), 1, interpret)
                 base = i * block_kv
                 keep = cols_iota < kv_len - base
                 if causal:
@@ -299,8 +293,8 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                     if w == 0:
                         for c in range(V_HEAD_DIM // 64):
                             ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
-                            chunk = _load(ref, plgpu.Layout.WGMMA, interpret)
-                            ref[...] = jnp.where(_iota((block_kv, 64), 0, interpret) < valid,
+                            chunk = load(ref, plgpu.Layout.WGMMA, interpret)
+                            ref[...] = jnp.where(iota((block_kv, 64), 0, interpret) < valid,
                                                  chunk, jnp.zeros_like(chunk))
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(v_clean.at[st])
@@ -309,15 +303,15 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
 
             if cfg.pingpong:
                 plgpu.barrier_wait(turn)
-            acc, l_i = _mma_acc_and(acc, p16, v_smem.at[st], l_i,
+            acc, l_i = mma_acc_and(acc, p16, v_smem.at[st], l_i,
                                     lambda l_prev: l_prev * alpha + p.sum(axis=1), interpret)
             plgpu.barrier_arrive(v_empty.at[st])
             return acc, m_new, l_i
 
-        acc = _in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA,
+        acc = in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA,
                          interpret)
-        m_i = _in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
-        l_i = _in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
+        m_i = in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l_i = in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
         plgpu.barrier_wait(q_bar.at[w])
         if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
             meet()
@@ -403,7 +397,7 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_mgpu_params(interpret),
+        interpret=mgpu_params(interpret),
         kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
                      + ("_pingpong" if config.pingpong else "")),
     )

@@ -1,0 +1,91 @@
+"""Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
+interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
+jax 0.10.2): a load in a layout, a layout cast, an iota, accumulating `wgmma`s, and the
+interpreter parameters. Used by `decode_mgpu`, `decode_mgpu_fp8` and `prefill_mgpu`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["load", "in_layout", "iota", "mma_acc", "mma_acc_and", "mgpu_params"]
+
+
+# jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
+# is indexed with `.at` first) and lets it be left out.
+_LOAD_NEEDS_INDEX = getattr(inspect.signature(plgpu.load).parameters.get("idx"), "default",
+                            None) is inspect.Parameter.empty
+
+
+def load(ref, layout, interpret: bool):
+    """ref[...] in `layout`. Mosaic GPU's interpreter has no `plgpu.load` (jax 0.10.2), and
+    layouts do not exist there, so interpret mode reads the ref plainly."""
+    if interpret:
+        return ref[...]
+    if _LOAD_NEEDS_INDEX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def in_layout(x, layout, interpret: bool):
+    """x with register layout `layout` (the interpreter has no layouts)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def iota(shape, dim: int, interpret: bool):
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def mma_acc(acc, a, b, interpret: bool):
+    """acc + a @ b on the matrix units (`wgmma`, waited). Compiled, the accumulator enters the
+    wgmma in registers (`pl.run_state`). Mosaic GPU's interpreter has neither run_state nor
+    accumulator stores (jax 0.10.2), so there the product goes to a fresh accumulator and is
+    added (the same sum, in another order)."""
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        if interpret:
+            return acc_ref[...]
+
+    if interpret:
+        return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def mma_acc_and(acc, a, b, x, under, interpret: bool):
+    """(acc + a @ b, under(x)), with `under` (which may also store and arrive on barriers)
+    run while the `wgmma` does; `a` is a shared-memory ref or a bf16 array in registers. The
+    interpreter has no run_state or register operands, so there `under` runs after a plain
+    fp32 dot."""
+    if interpret:
+        a = a if isinstance(a, jax.Array) else a[...]
+        acc = acc + lax.dot_general(a, b[...], (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+        return acc, under(x)
+
+    def body(refs):
+        acc_ref, x_ref = refs
+        plgpu.wgmma(acc_ref, a, b)
+        x_ref[...] = under(x_ref[...])
+
+    return pl.run_state(body)((plgpu.ACC.init(acc), x))
+
+
+def mgpu_params(interpret):
+    """Pallas's `interpret` argument: None (compiled), default interpreter parameters for True,
+    else the caller's own (e.g. with the race detector on)."""
+    if not interpret:
+        return None
+    if interpret is not True:
+        return interpret
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
