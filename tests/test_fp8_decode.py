@@ -189,6 +189,10 @@ def test_fp8_dispatch_runs_the_fp8_mosaic_kernel_when_asked_where_it_applies():
     assert name == "triton" and "kernel='mgpu'" in why and "2^40" in why
     with pytest.raises(ValueError, match="page size 3"):
         kernel_choice(DecodeKernelConfig(kernel="mgpu"), q16, 3, 1, kv_dtype=FP8)
+    # refused in interpret mode (the interpreter stalls on it), never a hang
+    with pytest.raises(ValueError, match="does not run in interpret mode"):
+        kernel_choice(DecodeKernelConfig(kernel="mgpu"), q16, 64, 1, kv_dtype=FP8,
+                      interpret=True)
 
 
 @pytest.mark.parametrize("rows,page,d,dv,qd,kd,match", [
