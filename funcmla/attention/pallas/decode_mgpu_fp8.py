@@ -35,11 +35,10 @@ so no unused pool row (NaN, Inf) reaches the result. The output leaves transpose
 ([B, S, 512, N]); `decode_call` returns it as [B, S, N, 512] (one XLA transpose; it and the
 f16 q / scales of `prepare_q` are three small XLA kernels around the launch). Splits and
 partials are those of the other decode kernels (`split_tile_range`), so they share the
-merge. Runs on sm_90a. In Mosaic GPU's interpreter (jax 0.10.2, on a 2-core CPU) one block
-with tiles completes and matches float64, but with two such blocks the first stalls:
-consumer 1 never reaches its first barrier wait while the other two warpgroups wait (not
-diagnosed further), so CPU tests cover its dispatch, refusals and lowering for CUDA, and the
-GPU tests its results.
+merge. Runs on sm_90a. Mosaic GPU's interpreter (jax 0.10.2, on a 2-core CPU) stalls on it,
+not every time: consumer 1 never reaches its first barrier wait while the other two
+warpgroups wait (not diagnosed further). So `kernel_choice` refuses it in interpret mode,
+CPU tests cover its dispatch, refusals and lowering for CUDA, and the GPU tests its results.
 
 `mla_decode` runs it only with `DecodeKernelConfig(kernel="mgpu")`: query rows of magnitude
 ~2^40 give NaN (rows of 2^20 do not; not diagnosed), which the Triton kernel handles. Why
