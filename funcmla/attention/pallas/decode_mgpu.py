@@ -70,9 +70,6 @@ BLOCK_KV = 64     # KV tokens per tile
 _HALF = 256       # output columns per consumer warpgroup (wgmma N <= 256)
 _SWIZZLE = 128    # bytes; 64 bf16 columns per swizzle tile
 _STAGES = 2
-# The row gather's per-tile pool rows, as one int32 array over the producer warpgroup: each of
-# its 128 threads copies BLOCK_KV // 16 = 4 rows (`_gather_rows`, `_gather_issue`).
-_GATHER_ROWS = (BLOCK_KV // 16) * 128
 MAX_PROFILE_SPACE = 160  # x 3 warpgroups x 16 bytes = 7.5 KB of the shared memory left free
 
 
@@ -176,25 +173,36 @@ def _arrivals_per_tile(page_size: int) -> int:
     return 1 if _gathers(page_size) else max(1, BLOCK_KV // page_size)
 
 
-def _gather_rows_layout():
-    """Register layout of `_gather_rows`' result: thread t holds elements t + 128 j, j < 4."""
-    return plgpu.Layout.WG_STRIDED((_GATHER_ROWS,), vec_size=1)
+def _gather_size(threads_per_row: int) -> int:
+    """Elements of `_gather_rows`' result: BLOCK_KV rows, each one copied by
+    `threads_per_row` threads, each thread holding the rows it copies."""
+    return BLOCK_KV * threads_per_row
 
 
-def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret: bool):
+def _gather_rows_layout(threads_per_row: int = 8):
+    """Register layout of `_gather_rows`' result: thread t holds elements t + 128 j."""
+    return plgpu.Layout.WG_STRIDED((_gather_size(threads_per_row),), vec_size=1)
+
+
+def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret: bool,
+                 threads_per_row: int = 8):
     """Producer warpgroup: the pool rows the row gather (`_gather_issue`) copies for tokens
     tok0 .. tok0 + 63, each token clamped to [0, last_tok] and each table entry to the table,
     so it may run ahead of the tile's turn (and past the sequence) without reading out of
-    bounds. Compiled: int32 [512] in the strided warpgroup layout, thread t holding the rows
-    of tokens tok0 + t // 8 + 16 j (j < 4); its loads land while the previous tile's copies
-    do. Interpret mode returns a placeholder (`_gather_issue` reads the table itself)."""
+    bounds. Compiled: int32 [64 x threads_per_row] in the strided warpgroup layout, thread t
+    holding the rows of tokens tok0 + t // threads_per_row + (128 // threads_per_row) j (bf16
+    rows: 8 threads a row, j < 4; `decode_mgpu_fp8`'s fp8 rows: 4, j < 2); its loads land
+    while the previous tile's copies do. Interpret mode returns a placeholder
+    (`_gather_issue` reads the table itself)."""
+    size = _gather_size(threads_per_row)
     if interpret:
-        return jnp.zeros((_GATHER_ROWS,), jnp.int32)
+        return jnp.zeros((size,), jnp.int32)
     splat = plgpu.Layout.WG_SPLAT(())
+    stride = 128 // threads_per_row  # tokens between one thread's rows
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
-                       return_type=plgpu.ShapeDtypeStruct((_GATHER_ROWS,), jnp.int32,
-                                                          layout=_gather_rows_layout()))
+                       return_type=plgpu.ShapeDtypeStruct(
+                           (size,), jnp.int32, layout=_gather_rows_layout(threads_per_row)))
     def rows(ctx, table, entry0, tok0, last_tok):
         del ctx
         import numpy as np
@@ -209,12 +217,13 @@ def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret
         def k(n):
             return mu.c(n, i32)
 
-        r0 = arith.shrui(arith.remui(mu.thread_idx(), k(128)), k(3))
+        r0 = arith.shrui(arith.remui(mu.thread_idx(), k(128)),
+                         k(threads_per_row.bit_length() - 1))
         log2_page = page_size.bit_length() - 1
         last_entry = k(ir.MemRefType(table.type).shape[0] - 1)
         regs = []
-        for j in range(BLOCK_KV // 16):
-            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(16 * j))), last_tok)
+        for j in range(BLOCK_KV // stride):
+            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(stride * j))), last_tok)
             tok = arith.maxsi(tok, k(0))
             entry = arith.minsi(arith.addi(entry0, arith.shrui(tok, k(log2_page))), last_entry)
             row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
@@ -222,7 +231,7 @@ def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret
                 row = arith.addi(arith.shli(row, k(log2_page)), arith.andi(tok, k(page_size - 1)))
             regs.append(vector.broadcast(ir.VectorType.get((1,), i32), row))
         return mgpu.FragmentedArray(_registers=np.array(regs), _layout=mgpu.WGStridedFragLayout(
-            (_GATHER_ROWS,), 1), _is_signed=True)
+            (size,), 1), _is_signed=True)
 
     return rows(table_ref, entry0, tok0, last_tok)
 

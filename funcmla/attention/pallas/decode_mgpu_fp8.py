@@ -63,7 +63,7 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
-from funcmla.attention.pallas.decode_mgpu import _tile_source
+from funcmla.attention.pallas.decode_mgpu import _gather_rows, _gather_rows_layout, _tile_source
 from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params
 
 __all__ = ["fp8_narrow_supported", "decode_call", "ROWS", "BLOCK_KV"]
@@ -83,7 +83,7 @@ _CONSUMERS = 2
 # Per-consumer scratch of a cross-warp column reduction of [64, N] fp32: 4 warps x 32 lanes
 # x 2 values, enough for one register of the result at a time (shared memory is tight).
 _RED_BYTES = 4 * 32 * 2 * 4
-_GATHER_ROWS = (BLOCK_KV // 32) * 128  # 2 rows a thread (row gather, page < 8)
+_GATHER_THREADS_PER_ROW = 4  # row gather (page < 8): 16-byte vectors of a 64-byte chunk row
 
 
 def fp8_narrow_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
@@ -170,60 +170,15 @@ def _wg_sync(interpret: bool):
     sync()
 
 
-def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret: bool):
-    """Producer: pool rows of tokens tok0 .. tok0 + 63 for `_gather_issue`, each token clamped
-    to [0, last_tok] and each table entry to the table (so it may run ahead of the tile's
-    turn without reading out of bounds). Thread t holds the rows of tokens tok0 + t // 4 + 32 j
-    (j < 2), as int32 [256] in the strided warpgroup layout (element t + 128 j). Interpret
-    mode returns a placeholder (`_gather_issue` reads the table itself)."""
-    if interpret:
-        return jnp.zeros((_GATHER_ROWS,), jnp.int32)
-    splat = plgpu.Layout.WG_SPLAT(())
-    layout = plgpu.Layout.WG_STRIDED((_GATHER_ROWS,), vec_size=1)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
-                       return_type=plgpu.ShapeDtypeStruct((_GATHER_ROWS,), jnp.int32,
-                                                          layout=layout))
-    def rows(ctx, table, entry0, tok0, last_tok):
-        del ctx
-        import numpy as np
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, memref, vector
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i32 = ir.IntegerType.get_signless(32)
-        entry0, tok0, last_tok = (x.registers.item() for x in (entry0, tok0, last_tok))
-
-        def k(n):
-            return mu.c(n, i32)
-
-        r0 = arith.shrui(arith.remui(mu.thread_idx(), k(128)), k(2))
-        log2_page = page_size.bit_length() - 1
-        last_entry = k(ir.MemRefType(table.type).shape[0] - 1)
-        regs = []
-        for j in range(BLOCK_KV // 32):
-            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(32 * j))), last_tok)
-            tok = arith.maxsi(tok, k(0))
-            entry = arith.minsi(arith.addi(entry0, arith.shrui(tok, k(log2_page))), last_entry)
-            row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
-            if page_size > 1:
-                row = arith.addi(arith.shli(row, k(log2_page)), arith.andi(tok, k(page_size - 1)))
-            regs.append(vector.broadcast(ir.VectorType.get((1,), i32), row))
-        return mgpu.FragmentedArray(_registers=np.array(regs), _layout=mgpu.WGStridedFragLayout(
-            (_GATHER_ROWS,), 1), _is_signed=True)
-
-    return rows(table_ref, entry0, tok0, last_tok)
-
-
 def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok, *,
                   page_size: int, interpret: bool):
-    """Producer: starts copying pool `rows` (`_gather_rows`) into fp8 stage `slot`, in its
-    (8, 64)-tiled, 64-byte-swizzled layout, as one committed group of 16-byte `cp.async`
-    copies (`_gather_wait` waits for it). Thread t copies 16-byte vector t % 4 of each
-    64-column chunk of rows t // 4 + 32 j (j < 2): 18 copies a thread, a warp reading 8 whole
-    64-byte row segments an instruction. Pool byte offsets are 64-bit. The interpreter has no
-    inline Mosaic GPU: there the rows are copied one by one, from the table."""
+    """Producer: starts copying pool `rows` (`decode_mgpu._gather_rows` at 4 threads a row)
+    into fp8 stage `slot`, in its (8, 64)-tiled, 64-byte-swizzled layout, as one committed
+    group of 16-byte `cp.async` copies (`_gather_wait` waits for it). Thread t copies
+    16-byte vector t % 4 of each 64-column chunk of rows t // 4 + 32 j (j < 2): 18 copies a
+    thread, a warp reading 8 whole 64-byte row segments an instruction. Pool byte offsets are
+    64-bit. The interpreter has no inline Mosaic GPU: there the rows are copied one by one,
+    from the table."""
     _, d = kv_ref.shape
     if interpret:
         def row(r, carry):
@@ -239,7 +194,7 @@ def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok,
     transforms = (plgpu.TilingTransform((8, _FP8_SWIZZLE)), plgpu.SwizzleTransform(_FP8_SWIZZLE))
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms), splat,
-                                  plgpu.Layout.WG_STRIDED((_GATHER_ROWS,), vec_size=1)))
+                                  _gather_rows_layout(_GATHER_THREADS_PER_ROW)))
     def copy(ctx, pool, stages, slot, rows):
         del ctx
         from jax._src.lib.mlir import ir
@@ -344,7 +299,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             _gather_issue(kv_ref, table_ref, stages, slot, rows_, start_entry,
                           tile * BLOCK_KV, kv_len - 1, page_size=page_size, interpret=interpret)
             rows_ = _gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
-                                 page_size=page_size, interpret=interpret)
+                                 page_size=page_size, interpret=interpret,
+                                 threads_per_row=_GATHER_THREADS_PER_ROW)
             _gather_wait(interpret)
             plgpu.barrier_arrive(k_full.at[slot])
             return rows_
@@ -375,7 +331,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         if gather:
             lax.fori_loop(0, count, gather_tile,
                           _gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
-                                       page_size=page_size, interpret=interpret))
+                                       page_size=page_size, interpret=interpret,
+                                       threads_per_row=_GATHER_THREADS_PER_ROW))
         else:
             lax.fori_loop(0, count, copy_tile, 0)
         for st in range(_STAGES):  # observe each stage's last release
