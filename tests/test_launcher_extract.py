@@ -13,6 +13,7 @@ import pytest
 
 from funcmla.attention.pallas import DecodeKernelConfig
 from funcmla.interop import launcher as L
+from funcmla.interop.launcher.plan import launch_kernel_config
 from tests.launcher_helpers import (FP8, PTX, SCALE, _field, _lowering_available, fp8_config,
                                     needs_lowering)
 
@@ -380,7 +381,13 @@ def test_fp8_plan_reads_the_triton_kernel_with_scale_operands(h, page_size):
     block_m = min(64, h)
     kc = fp8_triton_config(DecodeKernelConfig(), h)
     assert isinstance(dec, L.TritonCall) and plan.kernel == "triton"
-    assert "float8_e4m3fn" in plan.kernel_reason and "every shape" in plan.kernel_reason
+    assert "float8_e4m3fn" in plan.kernel_reason and "does not replay" in plan.kernel_reason
+    # auto is pinned to Triton for fp8 pools only; a kernel asked for by name is kept
+    assert launch_kernel_config(cfg).kernel == "triton"
+    assert launch_kernel_config(fp8_config(h, page_size, b, ctx,
+                                           kernel=DecodeKernelConfig(kernel="mgpu"))).kernel == "mgpu"
+    bf16 = dataclasses.replace(cfg, kv_dtype=None)
+    assert launch_kernel_config(bf16) is bf16.kernel
     assert dec.name == f"mla_decode_ps{page_size}_m{block_m}_kv64_fp8"
     assert (dec.num_warps, dec.num_stages) == (8, 5 if h == 16 else 1)
     assert plan.num_splits == decode_num_splits(kc, b, h, ctx, mgpu=False)

@@ -14,6 +14,7 @@ import torch
 
 from funcmla.interop import launcher as L
 from funcmla.layout import PageTable
+from funcmla.interop.launcher.plan import launch_kernel_config
 from tests.launcher_helpers import SCALE, bits, fp8_config, needs_gpu
 
 
@@ -50,7 +51,7 @@ def _jax_path(cfg, q, kv, x, y, **scales):
 
     j = jax.dlpack.from_dlpack
     common = dict(sm_scale=cfg.sm_scale, s_q=cfg.s_q, num_splits=cfg.num_splits,
-                  v_head_dim=cfg.v_head_dim, **scales)
+                  v_head_dim=cfg.v_head_dim, config=launch_kernel_config(cfg), **scales)
     pool = to_jax(kv) if cfg.fp8 else j(kv)
     if cfg.page_size > 1:
         out, lse = mla_decode(j(q), pool, page_table=PageTable(j(x), j(y), cfg.page_size),

@@ -42,7 +42,7 @@ class DecodeLaunchConfig:
     dtype:       q's (and out's) dtype, "bfloat16" or "float16".
     kv_dtype:    the pool's dtype: None (q's dtype), or "float8_e4m3fn" for an fp8 pool read
                  with per-call k_scale / v_scale (float32 operands of the kernel; the Triton
-                 kernel at every shape, as `mla_decode` runs fp8 pools). q's own dtype name is
+                 kernel at every shape: `launch_kernel_config`). q's own dtype name is
                  stored as None.
     lens:        the "lens" index form of `KVRows` instead: table_start [B] (entries),
                  kv_lens [B] (tokens) and a table [kv_capacity] of entries (token slots, or
@@ -209,9 +209,10 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     pool = _sds((c.pool_rows, c.head_dim), _KV_DTYPES[c.kv_dtype] if c.fp8 else dt)
     scales = (_sds((1,), jnp.float32), _sds((1,), jnp.float32)) if c.fp8 else ()
     # The kernel choice is mla_decode's own (DecodeKernelConfig.kernel, "auto" by default), so
-    # the launcher runs the kernel the JAX path runs for these shapes in this process.
+    # the launcher runs the kernel the JAX path runs for these shapes in this process; except
+    # an fp8 pool, which runs Triton (`triton_reason`).
     common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
-                  config=c.kernel, v_head_dim=c.v_head_dim)
+                  config=launch_kernel_config(c), v_head_dim=c.v_head_dim)
     if c.lens:
         def lens(q, kv_pool, table_start, kv_lens, table, *scale):
             # `mla_extend`'s call over its pseudo-sequences (`_mla_extend`)
@@ -235,6 +236,15 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     return paged, (q, pool, _sds((b, c.max_pages), i32), _sds((b,), i32)) + scales
 
 
+def launch_kernel_config(config: DecodeLaunchConfig) -> DecodeKernelConfig:
+    """The kernel config the launcher lowers: `config.kernel`, with "auto" pinned to Triton for
+    an fp8 pool. The fp8 Mosaic GPU kernel (auto's choice at 16 folded rows) takes f16 q rows
+    and score scales that XLA computes before it (`decode_mgpu_fp8.prepare_q`), which the
+    launcher does not replay; kernel="mgpu" on an fp8 pool raises LauncherUnavailable."""
+    k = config.kernel
+    return dataclasses.replace(k, kernel="triton") if config.fp8 and k.kernel == "auto" else k
+
+
 def _scale_args(scale: tuple) -> dict:
     return dict(zip(("k_scale", "v_scale"), scale))
 
@@ -248,8 +258,9 @@ def triton_reason(config: DecodeLaunchConfig) -> str:
     if c.kernel.kernel == "triton":
         return "DecodeKernelConfig.kernel='triton'"
     if c.fp8:
-        return (f"kv_pool is {c.kv_dtype}: mla_decode runs fp8 pools on the Triton kernel at "
-                "every shape (the Mosaic GPU kernel reads bf16 pools)")
+        return (f"kv_pool is {c.kv_dtype}: the launcher runs fp8 pools on the Triton kernel "
+                "(mla_decode's fp8 Mosaic GPU kernel at 16 folded rows takes q rows prepared "
+                "by XLA, which the launcher does not replay)")
     why = mgpu_decode_supported(c.rows, c.page_size, c.head_dim, c.v_head_dim,
                                 _JNP_DTYPES[c.dtype])
     if why is not None:

@@ -5,9 +5,9 @@ page size, heads, s_q, split count), picks the kernel (`uses_mgpu`: the Mosaic G
 it applies and the batch fills a quarter of the GPU, else the Triton-lowered one), runs it with
 the split rule's count (`decode_num_splits`) and merges the splits (`merge_splits_pallas`).
 `mla_decode_rows` and `mla_decode_rows_mgpu` run one kernel alone. An fp8 pool
-(float8_e4m3fn, with `k_scale` / `v_scale`: `funcmla.attention.kv_quant`) runs the Triton
-kernel, or with kernel="mgpu" at 16 folded rows the fp8 Mosaic GPU kernel (`decode_mgpu_fp8`);
-both read fp8 bytes and convert them on chip. `validate_decode_inputs` is
+(float8_e4m3fn, with `k_scale` / `v_scale`: `funcmla.attention.kv_quant`) runs the fp8
+Mosaic GPU kernel at 16 folded rows (`decode_mgpu_fp8`), the Triton kernel elsewhere; both
+read fp8 bytes and convert them on chip. `validate_decode_inputs` is
 the eager check of index values. Why the rule picks what it does: docs/decode_kernel.md;
 reproduce with `python -m bench.decode --only "H128 B1 L4096"`.
 """
@@ -132,11 +132,10 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     "mgpu" is one of two Mosaic GPU kernels: `decode_mgpu` for a bf16 pool, `decode_mgpu_fp8`
     for an fp8 pool at 16 folded rows. "auto" keeps bf16 batches of fewer than
     `config.mgpu_min_blocks` blocks of 64 rows on Triton: there a Mosaic GPU block's fixed
-    cost outweighs its matrix rate (`python -m bench.decode_dispatch`). "auto" runs fp8 pools
-    on Triton: the fp8 Mosaic GPU kernel is faster at 16 heads (`python -m bench.decode
-    --kv-dtype fp8 --fp8-variants`) but gives NaN on query rows of magnitude ~2^40, which
-    the Triton kernel handles (docs/decode_kernel.md, "fp8 KV"), so it runs only when asked
-    for (kernel="mgpu").
+    cost outweighs its matrix rate (`python -m bench.decode_dispatch`). "auto" runs an fp8
+    pool at 16 folded rows on the fp8 Mosaic GPU kernel from `config.fp8_mgpu_min_seqs`
+    sequences (0.48-0.75x of the Triton kernel's time at batch 32 and 128), other fp8 shapes
+    and smaller batches on Triton.
     """
     if config.kernel == "triton":
         return "triton", "DecodeKernelConfig.kernel='triton'"
@@ -159,11 +158,15 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
         return "mgpu", "DecodeKernelConfig.kernel='mgpu'"
     if why is not None:
         return "triton", f"the Mosaic GPU kernel does not apply: {why}"
-    if fp8:
-        return "triton", ("fp8 pool: the fp8 Mosaic GPU kernel runs only with kernel='mgpu' "
-                          "(NaN on query rows of magnitude ~2^40)")
     if interpret or jax.default_backend() != "gpu":
         return "triton", "interpret mode or no GPU backend"
+    if fp8:
+        seqs = q.shape[0] // s_q
+        if seqs < config.fp8_mgpu_min_seqs:
+            return "triton", (f"fp8 pool: {seqs} sequences < fp8_mgpu_min_seqs = "
+                              f"{config.fp8_mgpu_min_seqs}")
+        return "mgpu", (f"fp8 pool at {rows} folded rows, {seqs} sequences >= "
+                        f"fp8_mgpu_min_seqs = {config.fp8_mgpu_min_seqs}: the fp8 Mosaic GPU kernel")
     blocks = (q.shape[0] // s_q) * (rows // MGPU_BLOCK_M)
     if blocks < config.mgpu_min_blocks:
         return "triton", (f"{blocks} blocks of 64 rows < mgpu_min_blocks = "

@@ -76,6 +76,12 @@ class DecodeKernelConfig:
                 it applies; on the H200 it is faster than Triton at every batch measured, from
                 2 blocks (H128 B1 L4k p64: 15.1 us against 18.3) to 32 (B16: 42.1 against
                 105.9) (`python -m bench.decode_dispatch`).
+    fp8_mgpu_min_seqs: the fewest sequences at which "auto" runs an fp8 pool at 16 folded rows
+                on the fp8 Mosaic GPU kernel (one block a sequence and split), else Triton.
+                16: on the H200 Triton is faster at batch 1-4 (B1 L4k 11.6 us against 16.4),
+                even at 8 (20.9-22.3 against 22.3-22.6), the Mosaic GPU kernel at 32 (46.5-47.9
+                against 63.7-66.4) and 128 (447 against 927); 16 is not measured
+                (`docs/results/decode_fp8_dispatch_h200.json`).
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
     merge_overhead_blocks: cost of the merge launch (num_splits > 1) in KV blocks.
@@ -101,6 +107,7 @@ class DecodeKernelConfig:
     kernel: str = "auto"
     partial_dtype: str = "bfloat16"
     mgpu_min_blocks: int = 1
+    fp8_mgpu_min_seqs: int = 16
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -116,7 +123,7 @@ class DecodeKernelConfig:
             raise ValueError("DecodeKernelConfig.num_stages must be None or a positive int, got "
                              f"{self.num_stages!r}")
         for name in ("num_sms", "waves", "min_blocks_per_split", "max_splits",
-                     "mgpu_min_blocks"):
+                     "mgpu_min_blocks", "fp8_mgpu_min_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DecodeKernelConfig.{name} must be a positive int, got {value!r}")

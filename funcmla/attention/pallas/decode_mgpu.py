@@ -451,7 +451,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             lse = None
             if half == 0:
                 empty = jnp.inf if final else -jnp.inf
-                lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, empty)
+                lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, empty)
             _store(out, half, lse)
 
     @pl.when(wg < 2)
@@ -487,12 +487,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             """Online-softmax step on scores s against the running max m_prev: (m_new, alpha,
             P fp32); in a partial last tile, also zeroes V rows past kv_len (a pool row there
             may hold NaN) and makes that visible to `wgmma`."""
-            # The scale folds into the exponent (one multiply-add an element); it is > 0, so
-            # it commutes with the row max.
-            m_new = jnp.maximum(m_prev, s.max(axis=1) * scale_log2)
+            # The max is over raw scores and the scale (> 0) multiplies s - max: a multiply-add
+            # s * scale - max would leave exp2 a rounding residual of up to half an ulp of the
+            # scaled max (+inf past ~2^31; tests/test_pallas_large_scores.py).
+            m_new = jnp.maximum(m_prev, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_prev - m_safe)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            alpha = jnp.exp2((m_prev - m_safe) * scale_log2)
+            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
             if masked:
                 valid = kv_len - tile * BLOCK_KV
 

@@ -40,10 +40,11 @@ not every time: consumer 1 never reaches its first barrier wait while the other 
 warpgroups wait (not diagnosed further). So `kernel_choice` refuses it in interpret mode,
 CPU tests cover its dispatch, refusals and lowering for CUDA, and the GPU tests its results.
 
-`mla_decode` runs it only with `DecodeKernelConfig(kernel="mgpu")`: query rows of magnitude
-~2^40 give NaN (rows of 2^20 do not; not diagnosed), which the Triton kernel handles. Why
-this design and what it measures: docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode
---kv-dtype fp8 --fp8-variants`.
+The softmax takes each column's max over raw scores and multiplies s - max by the column
+scale, so scores of any finite size stay finite (tests/test_pallas_large_scores.py).
+`mla_decode`'s auto dispatch runs it from `fp8_mgpu_min_seqs` sequences. Why this design and
+what it measures: docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8
+--fp8-variants`.
 """
 
 from __future__ import annotations
@@ -400,8 +401,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             acc, m_i, l_i = carry
             tile = first + c + 2 * j
             valid = kv_len - tile * BLOCK_KV
-            s = scores(valid, masked)
-            s = s * lax.broadcast_in_dim(col_scale, s.shape, [1])
+            s = scores(valid, masked)  # raw: the column scale multiplies s - max (below)
             if masked:  # the iotas live only here (registers)
                 tok_iota = iota((BLOCK_KV, rows), 0, interpret)
                 col_iota = iota((BLOCK_KV, rows), 1, interpret)
@@ -409,8 +409,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 s = jnp.where(tile * BLOCK_KV + tok_iota < limit, s, -jnp.inf)
             m_new = jnp.maximum(m_i, _col_reduce(s, "max", red.at[c], interpret))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+            alpha = jnp.exp2((m_i - m_safe) * col_scale)
+            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+                         * lax.broadcast_in_dim(col_scale, s.shape, [1]))
             l_i = l_i * alpha + _col_reduce(p, "add", red.at[c], interpret)
             _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
             plgpu.commit_smem()
@@ -437,8 +438,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         l1 = load(l_smem, col_layout, interpret)
         m = jnp.maximum(m_i, m1)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-        a0 = jnp.exp2(m_i - m_safe)
-        a1 = jnp.exp2(m1 - m_safe)
+        a0 = jnp.exp2((m_i - m_safe) * col_scale)
+        a1 = jnp.exp2((m1 - m_safe) * col_scale)
         l = l_i * a0 + l1 * a1
         has = l > 0.0
         l_safe = jnp.where(has, l, 1.0)
@@ -451,7 +452,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         empty = jnp.inf if final else -jnp.inf
         # The output staging reuses consumer 0's V tile (its last P V is done).
         o_stage[...] = out.astype(o_stage.dtype)
-        lse_stage[...] = jnp.where(has, (m + jnp.log2(l_safe)) * _LN2, empty)
+        lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, split])
         plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split])

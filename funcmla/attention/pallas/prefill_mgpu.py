@@ -80,7 +80,7 @@ class MgpuPrefillConfig:
     num_stages: int = 2
     consumer_registers: int = 232
     producer_registers: int = 40
-    pingpong: bool = False
+    pingpong: bool = True
 
     def __post_init__(self):
         if not isinstance(self.pingpong, bool):
@@ -272,11 +272,13 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                 if causal:
                     keep = keep & (cols_iota - rows_iota < diag - base)
                 s = jnp.where(keep, s, -jnp.inf)
-            # The scale folds into the exponent (it is > 0, so it commutes with the max).
-            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            # The max is over raw scores and the scale (> 0) multiplies s - max: a multiply-add
+            # s * scale - max would leave exp2 a rounding residual of up to half an ulp of the
+            # scaled max (+inf past ~2^31; tests/test_pallas_large_scores.py).
+            m_new = jnp.maximum(m_i, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_safe)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            alpha = jnp.exp2((m_i - m_safe) * scale_log2)
+            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
             p16 = p.astype(q_smem.dtype)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
@@ -325,7 +327,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         has = l_i > 0.0
         l_safe = jnp.where(has, l_i, 1.0)
         out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        lse = jnp.where(has, (m_i + jnp.log2(l_safe)) * _LN2, jnp.inf)
+        lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
         # q is dead (its last q k^T was waited for): the output staging reuses its memory.
         o_stages[w][...] = out.astype(o_stages[w].dtype)
         lse_stages[w][...] = lse
