@@ -210,7 +210,7 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     scales = (_sds((1,), jnp.float32), _sds((1,), jnp.float32)) if c.fp8 else ()
     # The kernel choice is mla_decode's own (DecodeKernelConfig.kernel, "auto" by default), so
     # the launcher runs the kernel the JAX path runs for these shapes in this process; except
-    # an fp8 pool, which runs Triton (`triton_reason`).
+    # an fp8 pool, which runs Triton (`launch_kernel_config`).
     common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
                   config=launch_kernel_config(c), v_head_dim=c.v_head_dim)
     if c.lens:
@@ -238,7 +238,8 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
 
 def launch_kernel_config(config: DecodeLaunchConfig) -> DecodeKernelConfig:
     """The kernel config the launcher lowers: `config.kernel`, with "auto" pinned to Triton for
-    an fp8 pool. The fp8 Mosaic GPU kernel (auto's choice at 16 folded rows) takes f16 q rows
+    an fp8 pool. The fp8 Mosaic GPU kernel (auto's choice at 16 folded rows from
+    `fp8_mgpu_min_seqs` sequences) takes f16 q rows
     and score scales that XLA computes before it (`decode_mgpu_fp8.prepare_q`), which the
     launcher does not replay; kernel="mgpu" on an fp8 pool raises LauncherUnavailable."""
     k = config.kernel

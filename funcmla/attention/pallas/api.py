@@ -160,14 +160,14 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
         return "triton", f"the Mosaic GPU kernel does not apply: {why}"
     if interpret or jax.default_backend() != "gpu":
         return "triton", "interpret mode or no GPU backend"
+    seqs = q.shape[0] // s_q
     if fp8:
-        seqs = q.shape[0] // s_q
         if seqs < config.fp8_mgpu_min_seqs:
             return "triton", (f"fp8 pool: {seqs} sequences < fp8_mgpu_min_seqs = "
                               f"{config.fp8_mgpu_min_seqs}")
         return "mgpu", (f"fp8 pool at {rows} folded rows, {seqs} sequences >= "
                         f"fp8_mgpu_min_seqs = {config.fp8_mgpu_min_seqs}: the fp8 Mosaic GPU kernel")
-    blocks = (q.shape[0] // s_q) * (rows // MGPU_BLOCK_M)
+    blocks = seqs * (rows // MGPU_BLOCK_M)
     if blocks < config.mgpu_min_blocks:
         return "triton", (f"{blocks} blocks of 64 rows < mgpu_min_blocks = "
                           f"{config.mgpu_min_blocks}")
