@@ -12,9 +12,11 @@ wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
 
 One CUDA block handles one sequence and one KV split, with three warpgroups:
 
-* warpgroup 2 (producer): TMA-copies q (f16) and the column scales once, then each 64-token
-  fp8 tile into one of two landing stages (page >= 8: one TMA copy a tile or a page; page 1
-  to 4: a `cp.async` row gather), and refills a stage once its consumer has converted it;
+* warpgroup 2 (producer): issues the first two 64-token fp8 tiles into the two landing
+  stages (page >= 8: one TMA copy a tile or a page; page 1 to 4: a `cp.async` row gather),
+  prepares q while they fly (`_prepare_q`: bf16 q from global memory, scaled to f16 and
+  stored swizzled, and the column scales), then refills a stage once its consumer has
+  converted it;
 * warpgroups 0 and 1 (consumers): the tiles alternate between them (tile i goes to consumer
   i % 2, through stage i % 2), each running its own online softmax over its tiles with its
   own accumulator (64 fp32 registers a thread at N = 16); at the end consumer 1 hands its
@@ -22,8 +24,10 @@ One CUDA block handles one sequence and one KV split, with three warpgroups:
 
 Scales: q is scaled per row by a power of two into f16's range (exact,
 `decode_common.f16_row_scales`); the kernel multiplies each score column by that row's
-inverse times sm_scale * k_scale * log2(e) (an operand, so one kernel serves every layer) and
-the output by v_scale. e4m3 -> f16 is exact, so the products see the pool's values.
+inverse times sm_scale * k_scale * log2(e) (k_scale and v_scale are [1] operands, so one
+kernel serves every layer) and the output by v_scale. e4m3 -> f16 is exact, so the products
+see the pool's values. Preparing q in the kernel rather than in XLA kernels before it saves
+their launches and the gaps between them (7-32 us a call on the H200; docs/decode_kernel.md).
 
 Softmax reductions over the token axis cross the 4 warps of a warpgroup; each consumer does
 them in its own shared-memory scratch (Mosaic GPU's built-in reduction scratch is one region
@@ -31,11 +35,11 @@ for the whole block, which two warpgroups reducing at once would share).
 
 Masking as in `decode_mgpu`: scores past a column's causal limit are selected to -inf, and
 in a partial last tile the converted K/V rows past kv_len are zeroed before they are used,
-so no unused pool row (NaN, Inf) reaches the result. The output leaves transposed
-([B, S, 512, N]); `decode_call` returns it as [B, S, N, 512] (one XLA transpose; it and the
-f16 q / scales of `prepare_q` are three small XLA kernels around the launch). Splits and
-partials are those of the other decode kernels (`split_tile_range`), so they share the
-merge. Runs on sm_90a. Mosaic GPU's interpreter (jax 0.10.2, on a 2-core CPU) stalls on it,
+so no unused pool row (NaN, Inf) reaches the result. Each softmax sum stays a per-thread
+partial over its tokens until the end (one cross-warp reduction a tile, for the max, not
+two). Consumer 0 stores O^T from registers straight to global memory as [B, S, N, 512]
+(`_store_transposed`), so no XLA kernel runs around the launch. Splits and partials are those
+of the other decode kernels (`split_tile_range`), so they share the merge. Runs on sm_90a. Mosaic GPU's interpreter (jax 0.10.2, on a 2-core CPU) stalls on it,
 not every time: consumer 1 never reaches its first barrier wait while the other two
 warpgroups wait (not diagnosed further). So `kernel_choice` refuses it in interpret mode,
 CPU tests cover its dispatch, refusals and lowering for CUDA, and the GPU tests its results.
@@ -171,6 +175,112 @@ def _wg_sync(interpret: bool):
     sync()
 
 
+def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_scale: float,
+               interpret: bool):
+    """Producer: q rows of sequence `b` (q_ref [B, rows, 576], bf16 or f16, in global memory)
+    to f16 in q_smem ((8, 64)-tiled, 128-byte swizzle) and the score / output column factors
+    into scale_smem [2, rows], as `prepare_q` computes them (the same values). Thread t takes
+    row t // 8 and 16-byte vector t % 8 of each 64-column chunk (9 loads, a warp reading 4
+    whole 128-byte row segments an instruction); the row's largest |q| meets over its 8
+    threads by shuffles."""
+    if interpret:
+        q16, scales = prepare_q(q_ref[pl.ds(b, 1)], sm_scale=sm_scale, k_scale=k_scale_ref[...],
+                                v_scale=v_scale_ref[...])
+        q_smem[...] = q16[0]
+        scale_smem[...] = scales[0]
+        return
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(_tiled(_Q_SWIZZLE, 2)), plgpu.RefType(),
+                                  plgpu.Layout.WG_SPLAT(())))
+    def prep(ctx, q, k_scale, v_scale, q16, scales, b):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        f16, f32 = ir.F16Type.get(), ir.F32Type.get()
+        q_ty = ir.MemRefType(q.type)
+        _, rows, d = q_ty.shape
+        v8 = ir.VectorType.get((8,), q_ty.element_type)
+
+        def k(n, ty=i32):
+            return mu.c(n, ty)
+
+        def splat(x, ty):
+            return vector.broadcast(ir.VectorType.get((8,), ty), x)
+
+        b = b.registers.item()
+        t = arith.remui(mu.thread_idx(), k(128))
+        r, vec = arith.shrui(t, k(3)), arith.andi(t, k(7))
+        gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(q))
+        row_bytes = arith.muli(arith.extui(i64, arith.addi(arith.muli(b, k(rows)), r)),
+                               k(2 * d, i64))
+        src = mu.getelementptr(gptr, [arith.addi(row_bytes, arith.extui(i64, arith.shli(
+            vec, k(4))))], i8)
+        xs = [arith.extf(ir.VectorType.get((8,), f32), llvm.load(
+            v8, mu.getelementptr(src, [2 * _CHUNK * j], i8), alignment=16))
+            for j in range(d // _CHUNK)]
+        # |q| as float32 bits: an integer max orders them (NaN above Inf, as jnp.max gives)
+        amax = None
+        for x in xs:
+            bits = arith.andi(vector.bitcast(ir.VectorType.get((8,), i32), x),
+                              splat(k(0x7FFFFFFF), i32))
+            amax = bits if amax is None else arith.maxui(amax, bits)
+        amax = vector.reduction(i32, vector.CombiningKind.MAXUI, amax)
+        amax = mu.warp_tree_reduce(amax, arith.maxui, 8)
+        # f16_row_scales from the exponent bits
+        e = arith.andi(arith.shrui(amax, k(23)), k(0xFF))
+        e = arith.minsi(arith.maxsi(e, k(15)), k(254))
+        up = arith.bitcast(f32, arith.shli(arith.subi(k(268), e), k(23)))
+        down = arith.bitcast(f32, arith.shli(arith.subi(e, k(14)), k(23)))
+        # Element (r, c) of q16 lives at byte ((r // 8) * 9 + c // 64) * 1024 + (r % 8) * 128
+        # + (((c % 64) // 8) ^ (r % 8)) * 16 + (c % 8) * 2 (128-byte swizzle).
+        r8 = arith.andi(r, k(7))
+        dst_off = arith.addi(arith.muli(arith.shrui(r, k(3)), k((d // _CHUNK) * 1024)),
+                             arith.addi(arith.muli(r8, k(128)),
+                                        arith.shli(arith.xori(vec, r8), k(4))))
+        dst = mu.getelementptr(mu.memref_ptr(q16), [dst_off], i8)
+        for j, x in enumerate(xs):
+            y = arith.truncf(ir.VectorType.get((8,), f16), arith.mulf(x, splat(up, f32)))
+            llvm.store(y, mu.getelementptr(dst, [j * 1024], i8), alignment=16)
+
+        def scalar(ref):
+            p = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(ref))
+            return llvm.load(f32, p)
+
+        factor = arith.mulf(arith.mulf(down, mu.c(float(sm_scale) * _LOG2E, f32)),
+                            scalar(k_scale))
+        ri = arith.index_castui(ir.IndexType.get(), r)
+        # the row's 8 threads store the same values
+        memref.store(factor, scales, [mu.c(0, ir.IndexType.get()), ri])
+        memref.store(scalar(v_scale), scales, [mu.c(1, ir.IndexType.get()), ri])
+
+    prep(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b)
+
+
+def _store_transposed(o_ref, x, b, split, interpret: bool):
+    """o_ref[b, split] = x.T: x [512, N] (WGMMA layout) into o_ref [B, S, N, 512] in global
+    memory, one 2- or 4-byte store per value (once a block; no shared-memory staging)."""
+    if interpret:
+        o_ref[b, split] = x.T
+        return
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), splat, splat))
+    def store(ctx, x, o, b, split):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, memref
+
+        index = ir.IndexType.get()
+        bi, si = (arith.index_castui(index, v.registers.item()) for v in (b, split))
+        x.foreach(lambda v, idx: memref.store(v, o, [bi, si, idx[1], idx[0]]))
+
+    store(x, o_ref, b, split)
+
+
 def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok, *,
                   page_size: int, interpret: bool):
     """Producer: starts copying pool `rows` (`decode_mgpu._gather_rows` at 4 threads a row)
@@ -259,13 +369,13 @@ def _gather_wait(interpret: bool):
 
 
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
-            s_q: int, num_heads: int, d_v: int, final: bool, interpret: bool):
-    n_meta = len(refs) - 7
-    meta, (table_ref, q_ref, scale_ref, kv_ref, o_ref, lse_ref, scratch) = (refs[:n_meta],
-                                                                           refs[n_meta:])
+            s_q: int, num_heads: int, d_v: int, sm_scale: float, final: bool, interpret: bool):
+    n_meta = len(refs) - 8
+    meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
+        refs[:n_meta], refs[n_meta:])
     (q_smem, scale_smem, stages, union0, union1, p_smem, red, q_bar, k_full, k_empty,
      handed) = scratch
-    (v16_0,), (o_stage, lse_stage) = union0
+    (v16_0,), (lse_stage,) = union0
     (v16_1,), (acc1_smem, m_smem, l_smem) = union1
 
     blk = lax.axis_index("blk")
@@ -284,10 +394,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
-        plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
-        plgpu.copy_gmem_to_smem(scale_ref.at[b], scale_smem, q_bar)
-
         def free_stage(i, slot):  # the stage's previous tile was converted by its consumer
             @pl.when(i >= _STAGES)
             def _():
@@ -329,13 +435,24 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                         plgpu.barrier_arrive(k_full.at[slot])
             return carry
 
-        if gather:
+        def prepare():  # q's rows, then the registers go to the consumers
+            _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
+                       sm_scale=sm_scale, interpret=interpret)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(q_bar)
+            plgpu.set_max_registers(40, action="decrease")
+
+        if gather:  # the gather waits for its copies: q first
+            prepare()
             lax.fori_loop(0, count, gather_tile,
                           _gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
                                        page_size=page_size, interpret=interpret,
                                        threads_per_row=_GATHER_THREADS_PER_ROW))
-        else:
-            lax.fori_loop(0, count, copy_tile, 0)
+        else:  # the first tiles' copies run while q is prepared
+            head = jnp.minimum(count, _STAGES)
+            lax.fori_loop(0, head, copy_tile, 0)
+            prepare()
+            lax.fori_loop(head, count, copy_tile, 0)
         for st in range(_STAGES):  # observe each stage's last release
             @pl.when(count > st)
             def _():
@@ -353,7 +470,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         col_scale = load(scale_smem.at[0], col_layout, interpret)
         acc0 = in_layout(jnp.zeros((d_v, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
         m0 = in_layout(jnp.full((rows,), -jnp.inf, jnp.float32), col_layout, interpret)
-        l0 = in_layout(jnp.zeros((rows,), jnp.float32), col_layout, interpret)
+        # Each thread's partial sums of p over its own token rows (summed over tokens once, at
+        # the end: no cross-warp reduction a tile for them)
+        l0 = in_layout(jnp.zeros((BLOCK_KV, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
         n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
 
         n_chunks = d // _CHUNK
@@ -412,7 +531,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             alpha = jnp.exp2((m_i - m_safe) * col_scale)
             p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
                          * lax.broadcast_in_dim(col_scale, s.shape, [1]))
-            l_i = l_i * alpha + _col_reduce(p, "add", red.at[c], interpret)
+            l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
             plgpu.commit_smem()
             _wg_sync(interpret)  # every thread's V and P stores, before P V reads them
@@ -423,8 +542,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         n_plain_mine = jnp.clip((n_plain - c + 1) // 2, 0, n_mine)
         carry = lax.fori_loop(0, n_plain_mine, functools.partial(step, masked=False),
                               (acc0, m0, l0))
-        acc, m_i, l_i = lax.fori_loop(n_plain_mine, n_mine,
-                                      functools.partial(step, masked=True), carry)
+        acc, m_i, l_part = lax.fori_loop(n_plain_mine, n_mine,
+                                         functools.partial(step, masked=True), carry)
+        l_i = _col_reduce(l_part, "add", red.at[c], interpret)
         if c == 1:  # hand over (its V tile is dead: the hand-off reuses its memory)
             acc1_smem[...] = acc
             m_smem[...] = m_i
@@ -450,11 +570,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe)
         empty = jnp.inf if final else -jnp.inf
-        # The output staging reuses consumer 0's V tile (its last P V is done).
-        o_stage[...] = out.astype(o_stage.dtype)
+        _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, interpret)
+        # The lse staging reuses consumer 0's V tile (its last P V is done).
         lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, split])
         plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split])
         plgpu.wait_smem_to_gmem(0)
 
@@ -501,9 +620,6 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     b = t // s_q
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
-    q16, scales = prepare_q(q.reshape(b, rows, d), sm_scale=sm_scale, k_scale=k_scale,
-                            v_scale=v_scale)
-
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16); V's tiles must match it
     v_tile = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=_tiled(pv_swizzle, 2))
     copies = 1 if _gathers(kv.page_size) else max(1, BLOCK_KV // kv.page_size)
@@ -517,13 +633,12 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=_tiled(_FP8_SWIZZLE, 1)),
         # Each consumer's f16 V tile; once its last P V is done, consumer 0's holds the
         # output staging and consumer 1's its hand-off.
-        union((v_tile,), (plgpu.SMEM((v_head_dim, rows), o_dtype),
-                          plgpu.SMEM((rows,), jnp.float32))),
+        union((v_tile,), (plgpu.SMEM((rows,), jnp.float32),)),
         union((v_tile,), (plgpu.SMEM((v_head_dim, rows), jnp.float32),
                           plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.float32))),
         plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=_tiled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
-        plgpu.Barrier(num_arrivals=2),  # q and the scales landed
+        plgpu.Barrier(),  # q and the scales prepared
         plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
         plgpu.Barrier(num_barriers=_STAGES),  # stage converted by its consumer
         plgpu.Barrier(),  # consumer 1's (O^T, max, sum) handed over
@@ -531,12 +646,12 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     meta = kv.meta_operands()
     kernel = functools.partial(
         _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
-        num_splits=num_splits, s_q=s_q, num_heads=h, d_v=v_head_dim, final=final,
-        interpret=interpret)
-    n_io = len(meta) + 6  # meta, table, q16, scales, pool; o, lse
+        num_splits=num_splits, s_q=s_q, num_heads=h, d_v=v_head_dim, sm_scale=float(sm_scale),
+        final=final, interpret=interpret)
+    n_io = len(meta) + 7  # meta, table, q, k_scale, v_scale, pool; o, lse
     call = plgpu.kernel(
         lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
-        out_type=(jax.ShapeDtypeStruct((b, num_splits, v_head_dim, rows), o_dtype),
+        out_type=(jax.ShapeDtypeStruct((b, num_splits, rows, v_head_dim), o_dtype),
                   jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
         scratch_types=scratch,
         grid=(b * num_splits,),
@@ -548,5 +663,5 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_fp8_ps{kv.page_size}",
     )
-    o_t, lse = call(*meta, kv.table, q16, scales, kv_pool)
-    return jnp.swapaxes(o_t, 2, 3), lse
+    return call(*meta, kv.table, q.reshape(b, rows, d), k_scale.reshape(1).astype(jnp.float32),
+                v_scale.reshape(1).astype(jnp.float32), kv_pool)
