@@ -53,10 +53,10 @@ MHA_CASES = [
     ("causal 16x1k H128", 128, [1024] * 16, True),
 ]
 SWEEP = [MgpuPrefillConfig(),
-         MgpuPrefillConfig(pingpong=True),
+         MgpuPrefillConfig(pingpong=False),
          MgpuPrefillConfig(block_kv=64, num_stages=3),
          MgpuPrefillConfig(block_kv=64, num_stages=4),
-         MgpuPrefillConfig(block_kv=64, num_stages=4, pingpong=True),
+         MgpuPrefillConfig(block_kv=64, num_stages=4, pingpong=False),
          MgpuPrefillConfig(block_kv=64, num_stages=2)]
 
 

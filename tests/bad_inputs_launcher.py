@@ -215,10 +215,6 @@ CASES: list[BadInput] = [
     BadInput("launcher.route", _route, ValueError, (r"compile route", r"'cuda'")),
     BadInput("launcher.config_kv_dtype", lambda: _config(kv_dtype="float8_e5m2"), ValueError,
              (r"DecodeLaunchConfig.kv_dtype", r"got 'float8_e5m2'")),
-    # kernel='mgpu' on an fp8 pool lowers the fp8 Mosaic GPU kernel, whose f16 q and column
-    # scales the JAX path computes: the launcher does not wire it and says so
-    BadInput("launcher.fp8_mgpu", lambda: _plan(kv_dtype=_FP8, kernel=_mgpu_config()),
-             _err("unavailable"), (r"mla_decode_mgpu_fp8", r"computed in the JAX path")),
     _fp8_case("fp8_pool_dtype", {"kv": _torch(lambda torch, g: g["kv"].to(torch.bfloat16))},
               (r"kv_pool must be torch.float8_e4m3fn", r"got torch.bfloat16")),
     _fp8_case("k_scale_dtype", {"k_scale": _torch(lambda torch, g: torch.ones(1).double())},

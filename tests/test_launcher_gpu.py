@@ -14,7 +14,6 @@ import torch
 
 from funcmla.interop import launcher as L
 from funcmla.layout import PageTable
-from funcmla.interop.launcher.plan import launch_kernel_config
 from tests.launcher_helpers import SCALE, bits, fp8_config, needs_gpu
 
 
@@ -51,7 +50,7 @@ def _jax_path(cfg, q, kv, x, y, **scales):
 
     j = jax.dlpack.from_dlpack
     common = dict(sm_scale=cfg.sm_scale, s_q=cfg.s_q, num_splits=cfg.num_splits,
-                  v_head_dim=cfg.v_head_dim, config=launch_kernel_config(cfg), **scales)
+                  v_head_dim=cfg.v_head_dim, config=cfg.kernel, **scales)
     pool = to_jax(kv) if cfg.fp8 else j(kv)
     if cfg.page_size > 1:
         out, lse = mla_decode(j(q), pool, page_table=PageTable(j(x), j(y), cfg.page_size),
@@ -216,8 +215,9 @@ def _all_scale_copies_once(lau, values):
 
 
 def _fp8_routes_ok(lau, out, ref_out):
-    """xfail (after a closeness check) where the launcher's kernels are not XLA's own."""
-    if lau.decode.route != "xla" or (lau.merge is not None and lau.merge.route != "xla"):
+    """xfail (after a closeness check) where the launcher's kernels are not XLA's own
+    ("xla": XLA's Triton cubins; "mosaic": the same Mosaic GPU module, same compiler)."""
+    if not all(k.route in ("xla", "mosaic") for k in (lau.decode, lau.merge) if k is not None):
         o, r = out.float(), ref_out.float()
         assert float((o - r).norm() / r.norm()) < 1e-2
         pytest.xfail(f"launcher on the {lau.decode.route!r} route: not bit-identical by design")
@@ -226,14 +226,17 @@ def _fp8_routes_ok(lau, out, ref_out):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["float", "tensor"])
-@pytest.mark.parametrize("h,page_size", [(16, 1), (16, 64), (128, 1), (128, 64)])
-def test_gpu_fp8_bit_identical_to_jax(h, page_size, form):
-    """An fp8 pool through the launcher (Triton kernel, scales as floats or device tensors)
-    equals mla_decode on the same fp8 pool and scales bit for bit; so do torch_decode and the
-    torch op (scales as tensors)."""
-    cfg = fp8_config(h, page_size, b=40 if h == 128 else 8, ctx=512)
+@pytest.mark.parametrize("h,b,page_size,kernel", [
+    (16, 8, 1, "triton"), (16, 8, 64, "triton"),   # fewer than fp8_mgpu_min_seqs sequences
+    (16, 32, 1, "mgpu"), (16, 32, 64, "mgpu"),     # the fp8 Mosaic GPU kernel
+    (128, 40, 1, "triton"), (128, 40, 64, "triton")])
+def test_gpu_fp8_bit_identical_to_jax(h, b, page_size, kernel, form):
+    """An fp8 pool through the launcher (the kernel mla_decode picks, scales as floats or
+    device tensors) equals mla_decode on the same fp8 pool and scales bit for bit; so do
+    torch_decode and the torch op (scales as tensors)."""
+    cfg = fp8_config(h, page_size, b=b, ctx=512)
     lau = L.decode_launcher(cfg)
-    assert lau.plan.kernel == "triton" and "float8_e4m3fn" in lau.plan.kernel_reason
+    assert lau.plan.kernel == kernel, lau.plan.kernel_reason
     q, kv, x, y = _gpu_batch(cfg, 11)
     assert kv.dtype == torch.float8_e4m3fn
     ks, vs = _fp8_scales(form, q.device)
@@ -260,13 +263,14 @@ def test_gpu_fp8_bit_identical_to_jax(h, page_size, form):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,page_size", [(16, 64), (128, 1)])
-def test_gpu_fp8_graph_replay_equals_uncaptured_calls(h, page_size):
+@pytest.mark.parametrize("h,b,page_size", [(16, 8, 64), (16, 16, 1), (128, 8, 1)])
+def test_gpu_fp8_graph_replay_equals_uncaptured_calls(h, b, page_size):
     """Four layers of an fp8 launcher, each with its own scales (floats seen before the
     capture, device tensors, the default), captured once in a CUDA graph and replayed with new
     q, new metadata and a tensor scale rewritten in place: equal to uncaptured calls bit for
-    bit, layer 0 equal to mla_decode."""
-    cfg = fp8_config(h, page_size, b=8, ctx=512)
+    bit, layer 0 equal to mla_decode (Triton; the fp8 Mosaic GPU kernel at 16 heads, 16
+    sequences)."""
+    cfg = fp8_config(h, page_size, b=b, ctx=512)
     lau = L.decode_launcher(cfg)
     dev = torch.device("cuda", 0)
     q, kv, x, y = _gpu_batch(cfg, 21)

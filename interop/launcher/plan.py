@@ -11,7 +11,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from funcmla.attention.pallas import KV_FP8_DTYPE, DecodeKernelConfig, mla_decode
+from funcmla.attention.pallas import KV_FP8_DTYPE, DecodeKernelConfig, kernel_choice, mla_decode
 from funcmla.attention.pallas.api import _mla_decode_kv, pool_scales
 from funcmla.attention.pallas.decode_common import KVRows, num_row_blocks
 from funcmla.interop.launcher.checks import _SHORT_DTYPES
@@ -41,9 +41,8 @@ class DecodeLaunchConfig:
     num_splits:  split-KV count; None: what `mla_decode` picks (its split rule).
     dtype:       q's (and out's) dtype, "bfloat16" or "float16".
     kv_dtype:    the pool's dtype: None (q's dtype), or "float8_e4m3fn" for an fp8 pool read
-                 with per-call k_scale / v_scale (float32 operands of the kernel; the Triton
-                 kernel at every shape: `launch_kernel_config`). q's own dtype name is
-                 stored as None.
+                 with per-call k_scale / v_scale (float32 operands of the kernel, which is
+                 `mla_decode`'s choice as for bf16). q's own dtype name is stored as None.
     lens:        the "lens" index form of `KVRows` instead: table_start [B] (entries),
                  kv_lens [B] (tokens) and a table [kv_capacity] of entries (token slots, or
                  page ids at page_size > 1), max_kv_len its static bound on kv_lens (needed).
@@ -209,10 +208,9 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     pool = _sds((c.pool_rows, c.head_dim), _KV_DTYPES[c.kv_dtype] if c.fp8 else dt)
     scales = (_sds((1,), jnp.float32), _sds((1,), jnp.float32)) if c.fp8 else ()
     # The kernel choice is mla_decode's own (DecodeKernelConfig.kernel, "auto" by default), so
-    # the launcher runs the kernel the JAX path runs for these shapes in this process; except
-    # an fp8 pool, which runs Triton (`launch_kernel_config`).
+    # the launcher runs the kernel the JAX path runs for these shapes in this process.
     common = dict(sm_scale=float(c.sm_scale), s_q=c.s_q, num_splits=c.num_splits,
-                  config=launch_kernel_config(c), v_head_dim=c.v_head_dim)
+                  config=c.kernel, v_head_dim=c.v_head_dim)
     if c.lens:
         def lens(q, kv_pool, table_start, kv_lens, table, *scale):
             # `mla_extend`'s call over its pseudo-sequences (`_mla_extend`)
@@ -236,45 +234,17 @@ def jax_path(config: DecodeLaunchConfig) -> tuple[Callable, tuple]:
     return paged, (q, pool, _sds((b, c.max_pages), i32), _sds((b,), i32)) + scales
 
 
-def launch_kernel_config(config: DecodeLaunchConfig) -> DecodeKernelConfig:
-    """The kernel config the launcher lowers: `config.kernel`, with "auto" pinned to Triton for
-    an fp8 pool. The fp8 Mosaic GPU kernel (auto's choice at 16 folded rows from
-    `fp8_mgpu_min_seqs` sequences) takes f16 q rows
-    and score scales that XLA computes before it (`decode_mgpu_fp8.prepare_q`), which the
-    launcher does not replay; kernel="mgpu" on an fp8 pool raises LauncherUnavailable."""
-    k = config.kernel
-    return dataclasses.replace(k, kernel="triton") if config.fp8 and k.kernel == "auto" else k
-
-
 def _scale_args(scale: tuple) -> dict:
     return dict(zip(("k_scale", "v_scale"), scale))
 
 
 def triton_reason(config: DecodeLaunchConfig) -> str:
-    """Why `mla_decode` runs the Triton kernel for `config` in this process (its auto
-    dispatch, restated for the record; the extracted calls are what the launcher trusts)."""
-    from funcmla.attention.pallas import mgpu_decode_supported
-
+    """Why `mla_decode` runs the Triton kernel for `config` in this process: its auto
+    dispatch's own reason (`kernel_choice`; the extracted calls are what the launcher trusts)."""
     c = config
-    if c.kernel.kernel == "triton":
-        return "DecodeKernelConfig.kernel='triton'"
-    if c.fp8:
-        return (f"kv_pool is {c.kv_dtype}: the launcher runs fp8 pools on the Triton kernel "
-                "(mla_decode's fp8 Mosaic GPU kernel at 16 folded rows takes q rows prepared "
-                "by XLA, which the launcher does not replay)")
-    why = mgpu_decode_supported(c.rows, c.page_size, c.head_dim, c.v_head_dim,
-                                _JNP_DTYPES[c.dtype])
-    if why is not None:
-        return f"the Mosaic GPU kernel does not take this shape: {why}"
-    try:
-        backend = jax.default_backend()
-    except RuntimeError as err:
-        backend = f"none ({err})"
-    if backend != "gpu":
-        return (f"JAX's default backend is {backend}, not a GPU: mla_decode's auto dispatch "
-                "picks the Triton kernel")
-    return (f"the batch gives fewer than mgpu_min_blocks = {config.kernel.mgpu_min_blocks} "
-            "blocks of 64 rows: mla_decode's auto dispatch picks the Triton kernel")
+    q = _sds((c.num_seqs * c.s_q, c.num_heads, c.head_dim), _JNP_DTYPES[c.dtype])
+    return kernel_choice(c.kernel, q, c.page_size, c.s_q, v_head_dim=c.v_head_dim,
+                         kv_dtype=_KV_DTYPES[c.kv_dtype] if c.fp8 else None)[1]
 
 
 def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:

@@ -158,8 +158,11 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
         return "mgpu", "DecodeKernelConfig.kernel='mgpu'"
     if why is not None:
         return "triton", f"the Mosaic GPU kernel does not apply: {why}"
-    if interpret or jax.default_backend() != "gpu":
-        return "triton", "interpret mode or no GPU backend"
+    if interpret:
+        return "triton", "interpret mode: auto takes the Triton kernel"
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return "triton", f"JAX's default backend is {backend}, not a GPU (no GPU backend)"
     seqs = q.shape[0] // s_q
     if fp8:
         if seqs < config.fp8_mgpu_min_seqs:
