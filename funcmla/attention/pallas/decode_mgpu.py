@@ -5,7 +5,7 @@ handles 64 folded rows of one sequence against one split of its KV, with three w
 
 * warpgroup 2 (producer, 40 registers a thread): TMA-copies q once, then each 64-token KV tile
   into one of two shared-memory stages (page >= 64: one TMA copy a tile; page 8 to 32: one a
-  page; page 1 to 4: a `cp.async` row gather, `_gather_issue`), and refills a stage once both
+  page; page 1 to 4: a `cp.async` row gather; `mgpu_kv_copy`), and refills a stage once both
   consumers released it;
 * warpgroup 0 (consumer): S = q k^T (64 x 64, K = 576, `wgmma`), the masked online softmax in
   base 2, then O[:, :256] += P V[:, :256] with P (bf16) from its registers; while that `wgmma`
@@ -43,6 +43,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from funcmla.attention.pallas.mgpu_kv_copy import (
+    BLOCK_KV,
+    arrivals_per_tile,
+    copy_tile,
+    gather_rows,
+    gather_tile,
+    gathers,
+)
 from funcmla.attention.pallas.mgpu_ops import (
     in_layout,
     iota,
@@ -50,6 +58,7 @@ from funcmla.attention.pallas.mgpu_ops import (
     mgpu_params,
     mma_acc,
     mma_acc_and,
+    swizzled,
 )
 from funcmla.attention.pallas.decode_common import (
     DecodeKernelConfig,
@@ -66,7 +75,6 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 BLOCK_M = 64      # folded query rows per block (wgmma M)
-BLOCK_KV = 64     # KV tokens per tile
 _HALF = 256       # output columns per consumer warpgroup (wgmma N <= 256)
 _SWIZZLE = 128    # bytes; 64 bf16 columns per swizzle tile
 _STAGES = 2
@@ -152,183 +160,6 @@ def _qk(q_smem, k_smem, interpret: bool):
     return pl.run_scoped(body, plgpu.ACC((BLOCK_M, BLOCK_KV), jnp.float32))
 
 
-def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
-    """Pool rows of the copy that starts at token `tok` (one page, or one 64-token tile when
-    pages are larger); the table is read only for a token inside the sequence."""
-    rows = min(page_size, BLOCK_KV)
-    page = table_ref[start_entry + tok // page_size]
-    return kv_ref.at[pl.ds(page * page_size + tok % page_size, rows)]
-
-
-def _gathers(page_size: int) -> bool:
-    """Whether tiles are gathered row by row (`_gather_issue`) rather than TMA-copied: pages
-    under 8 tokens, which a TMA copy cannot place inside an 8-row swizzled tile (Hopper's TMA
-    has no row gather)."""
-    return page_size < 8
-
-
-def _arrivals_per_tile(page_size: int) -> int:
-    """Arrivals that fill a stage: one TMA copy a page under 64 tokens, else one a tile; the
-    gather's 128 threads arrive as one warpgroup."""
-    return 1 if _gathers(page_size) else max(1, BLOCK_KV // page_size)
-
-
-def _gather_size(threads_per_row: int) -> int:
-    """Elements of `_gather_rows`' result: BLOCK_KV rows, each one copied by
-    `threads_per_row` threads, each thread holding the rows it copies."""
-    return BLOCK_KV * threads_per_row
-
-
-def _gather_rows_layout(threads_per_row: int = 8):
-    """Register layout of `_gather_rows`' result: thread t holds elements t + 128 j."""
-    return plgpu.Layout.WG_STRIDED((_gather_size(threads_per_row),), vec_size=1)
-
-
-def _gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, interpret: bool,
-                 threads_per_row: int = 8):
-    """Producer warpgroup: the pool rows the row gather (`_gather_issue`) copies for tokens
-    tok0 .. tok0 + 63, each token clamped to [0, last_tok] and each table entry to the table,
-    so it may run ahead of the tile's turn (and past the sequence) without reading out of
-    bounds. Compiled: int32 [64 x threads_per_row] in the strided warpgroup layout, thread t
-    holding the rows of tokens tok0 + t // threads_per_row + (128 // threads_per_row) j (bf16
-    rows: 8 threads a row, j < 4; `decode_mgpu_fp8`'s fp8 rows: 4, j < 2); its loads land
-    while the previous tile's copies do. Interpret mode returns a placeholder
-    (`_gather_issue` reads the table itself)."""
-    size = _gather_size(threads_per_row)
-    if interpret:
-        return jnp.zeros((size,), jnp.int32)
-    splat = plgpu.Layout.WG_SPLAT(())
-    stride = 128 // threads_per_row  # tokens between one thread's rows
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
-                       return_type=plgpu.ShapeDtypeStruct(
-                           (size,), jnp.int32, layout=_gather_rows_layout(threads_per_row)))
-    def rows(ctx, table, entry0, tok0, last_tok):
-        del ctx
-        import numpy as np
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, memref, vector
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i32 = ir.IntegerType.get_signless(32)
-        entry0, tok0, last_tok = (x.registers.item() for x in (entry0, tok0, last_tok))
-
-        def k(n):
-            return mu.c(n, i32)
-
-        r0 = arith.shrui(arith.remui(mu.thread_idx(), k(128)),
-                         k(threads_per_row.bit_length() - 1))
-        log2_page = page_size.bit_length() - 1
-        last_entry = k(ir.MemRefType(table.type).shape[0] - 1)
-        regs = []
-        for j in range(BLOCK_KV // stride):
-            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(stride * j))), last_tok)
-            tok = arith.maxsi(tok, k(0))
-            entry = arith.minsi(arith.addi(entry0, arith.shrui(tok, k(log2_page))), last_entry)
-            row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
-            if page_size > 1:
-                row = arith.addi(arith.shli(row, k(log2_page)), arith.andi(tok, k(page_size - 1)))
-            regs.append(vector.broadcast(ir.VectorType.get((1,), i32), row))
-        return mgpu.FragmentedArray(_registers=np.array(regs), _layout=mgpu.WGStridedFragLayout(
-            (size,), 1), _is_signed=True)
-
-    return rows(table_ref, entry0, tok0, last_tok)
-
-
-def _gather_issue(kv_ref, table_ref, kv_smem, slot, rows, entry0, tok0, last_tok, *,
-                  page_size: int, interpret: bool):
-    """Producer warpgroup: starts copying pool `rows` (`_gather_rows`) into stage `slot`, in
-    the stage's tiled, 128-byte-swizzled layout, as one committed group of `cp.async` copies
-    (`_gather_wait` waits for it).
-
-    Compiled, each of the 128 threads issues 36 16-byte `cp.async` copies: thread t copies
-    16-byte column vector t % 8 of each 64-column chunk of rows t // 8 + 16 j (j < 4), so a
-    warp reads 4 whole 128-byte row segments per instruction. Pool byte offsets are 64-bit.
-    The interpreter has no inline Mosaic GPU, so there the rows are copied one by one, from
-    the table, at once."""
-    _, d = kv_ref.shape
-    if interpret:
-        def row(r, carry):
-            tok = jnp.minimum(tok0 + r, last_tok)
-            src = table_ref[entry0 + tok // page_size] * page_size + tok % page_size
-            kv_smem[slot, pl.ds(r, 1), :] = kv_ref[pl.ds(src, 1), :]
-            return carry
-
-        lax.fori_loop(0, BLOCK_KV, row, 0)
-        return
-
-    splat = plgpu.Layout.WG_SPLAT(())
-    tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
-    swizzle = plgpu.SwizzleTransform(_SWIZZLE)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType((tiling, swizzle)), splat,
-                                  _gather_rows_layout()))
-    def copy(ctx, pool, stages, slot, rows):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm, nvvm, vector
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        slot = slot.registers.item()
-        src_rows = [vector.extract(r, dynamic_position=[], static_position=[0])
-                    for r in rows.registers.flat]
-
-        def k(n):
-            return mu.c(n, i32)
-
-        chunk = 8 * _SWIZZLE                    # bytes of one 8-row x 64-column swizzle tile
-        n_chunks = d // (_SWIZZLE // 2)         # 64-column chunks per row
-        t = arith.remui(mu.thread_idx(), k(128))
-        vec = arith.andi(t, k(7))               # 16-byte vector within a 128-byte chunk row
-        r0 = arith.shrui(t, k(3))               # first row, 0..15; rows r0 + 16 j
-        r8 = arith.andi(r0, k(7))               # row within its 8-row tile (same for every j)
-        # The stage is tiled (8, 64) then swizzled: element (r, c) of stage s lives at byte
-        # s*73728 + ((r // 8) * 9 + c // 64) * 1024 + (r % 8) * 128 + (((c % 64) // 8) ^ (r % 8))
-        # * 16 + (c % 8) * 2 (128-byte swizzle: the 16-byte vector index XOR the row's index
-        # inside its 8-row tile), for d = 576.
-        dst_off = arith.addi(
-            arith.addi(arith.muli(slot, k(BLOCK_KV * d * 2)),
-                       arith.muli(arith.shrui(r0, k(3)), k(n_chunks * chunk))),
-            arith.addi(arith.muli(r8, k(_SWIZZLE)),
-                       arith.shli(arith.xori(vec, r8), k(4))))
-        dst0 = mu.getelementptr(mu.memref_ptr(stages), [dst_off], i8)
-        pool_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                      mu.memref_ptr(pool))
-        vec_bytes = arith.extui(i64, arith.shli(vec, k(4)))
-        # 64-bit byte offsets of the rows: pools past 2**31 bytes stay addressable.
-        srcs = [mu.getelementptr(pool_ptr, [arith.addi(arith.muli(
-            arith.extui(i64, r), mu.c(d * 2, i64)), vec_bytes)], i8) for r in src_rows]
-        for j, src in enumerate(srcs):
-            for c in range(n_chunks):
-                nvvm.cp_async_shared_global(
-                    mu.getelementptr(dst0, [(2 * j * n_chunks + c) * chunk], i8),
-                    mu.getelementptr(src, [c * _SWIZZLE], i8),
-                    16, nvvm.LoadCacheModifierKind.CG)
-        nvvm.cp_async_commit_group()
-
-    copy(kv_ref, kv_smem, slot, rows)
-
-
-def _gather_wait(interpret: bool):
-    """Producer warpgroup: waits for the row gather's copies (`_gather_issue`) to land and
-    makes them visible to `wgmma` (cp.async writes go through the generic proxy, wgmma reads
-    through the async one)."""
-    if interpret:
-        return
-
-    @plgpu.inline_mgpu()
-    def wait(ctx):
-        del ctx
-        from jax._src.lib.mlir.dialects import nvvm
-
-        nvvm.cp_async_wait_group(0)
-        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-
-    wait()
-
-
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
             s_q: int, num_heads: int, d_v: int, scale_log2: float, final: bool,
             cfg: MgpuDecodeConfig, interpret: bool):
@@ -351,8 +182,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
-    gather = _gathers(page_size)
-    copies = _arrivals_per_tile(page_size)
+    gather = gathers(page_size)
     row_lo = rb * BLOCK_M
 
     @pl.when(wg == 2)
@@ -366,53 +196,22 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 with jax.named_scope("wait_free"):
                     plgpu.barrier_wait(k_empty.at[slot])
 
-        def gather_tile(i, rows):
+        def fill(i, rows):
             slot = lax.rem(i, _STAGES)
             tile = first + i
             free_stage(i, slot)
-            with jax.named_scope("copy"):
-                _gather_issue(kv_ref, table_ref, kv_smem, slot, rows, start_entry,
-                              tile * BLOCK_KV, kv_len - 1, page_size=page_size,
-                              interpret=interpret)
-                # The next tile's rows load while this one's copies land.
-                rows = _gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
-                                    page_size=page_size, interpret=interpret)
-                _gather_wait(interpret)
-                plgpu.barrier_arrive(k_full.at[slot])
+            if gather:  # the next tile's rows load while this one's copies land
+                return gather_tile(kv_ref, table_ref, kv_smem, slot, rows, k_full.at[slot],
+                                   start_entry, tile, kv_len, page_size=page_size,
+                                   swizzle=_SWIZZLE, async_proxy=True, interpret=interpret)
+            copy_tile(kv_ref, table_ref, kv_smem.at[slot], k_full.at[slot], start_entry, tile,
+                      kv_len, page_size=page_size)
             return rows
 
-        def copy_tile(i, carry):
-            slot = lax.rem(i, _STAGES)
-            tile = first + i
-            free_stage(i, slot)
-            dst = kv_smem.at[slot]
-            rows = min(page_size, BLOCK_KV)
-            for j in range(copies):
-                tok = tile * BLOCK_KV + j * rows
-                if copies == 1:
-                    src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-                    plgpu.copy_gmem_to_smem(src, dst, k_full.at[slot])
-                else:
-                    # Copies wholly past kv_len read nothing (their table entries may be
-                    # padding or past the table); they still arrive so the stage's barrier
-                    # completes.
-                    @pl.when(tok < kv_len)
-                    def _():
-                        src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-                        plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * rows, rows)],
-                                                k_full.at[slot])
-
-                    @pl.when(tok >= kv_len)
-                    def _():
-                        plgpu.barrier_arrive(k_full.at[slot])
-            return carry
-
-        if gather:
-            lax.fori_loop(0, count, gather_tile,
-                          _gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
-                                       page_size=page_size, interpret=interpret))
-        else:
-            lax.fori_loop(0, count, copy_tile, 0)
+        rows0 = (gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
+                             page_size=page_size, swizzle=_SWIZZLE, interpret=interpret)
+                 if gather else 0)
+        lax.fori_loop(0, count, fill, rows0)
 
         # Observe each stage's last release too (every wait sees every phase; the block's
         # shared memory is not left while a consumer may still read it).
@@ -580,14 +379,13 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
 
-    tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
-    swizzle = plgpu.SwizzleTransform(_SWIZZLE)
-    kv_stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), q.dtype, transforms=(tiling, swizzle))
+    transforms = swizzled(_SWIZZLE, 2)
+    kv_stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), q.dtype, transforms=transforms)
     o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype)
     lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
-    copies = _arrivals_per_tile(kv.page_size)
+    copies = arrivals_per_tile(kv.page_size)
     scratch = [
-        plgpu.SMEM((BLOCK_M, d), q.dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((BLOCK_M, d), q.dtype, transforms=transforms),
         # The output staging reuses the KV stages' memory (idle once both consumers meet at
         # the end); the interpreter has no RefUnion (and no shared-memory limit), so there
         # they are apart.

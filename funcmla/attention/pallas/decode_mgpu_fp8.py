@@ -68,8 +68,15 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
-from funcmla.attention.pallas.decode_mgpu import _gather_rows, _gather_rows_layout, _tile_source
-from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params
+from funcmla.attention.pallas.mgpu_kv_copy import (
+    BLOCK_KV,
+    arrivals_per_tile,
+    copy_tile,
+    gather_rows,
+    gather_tile,
+    gathers,
+)
+from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params, swizzled
 
 __all__ = ["fp8_narrow_supported", "decode_call", "ROWS", "BLOCK_KV"]
 
@@ -79,7 +86,6 @@ _LN2 = 0.6931471805599453
 # Folded query rows taken (wgmma N). 32 would fit the registers (O^T is 4 * N a thread) but
 # not shared memory: q and P double, 255 KB of the 227 an SM has.
 ROWS = (16,)
-BLOCK_KV = 64     # KV tokens per tile (wgmma M of S^T, K of O^T)
 _CHUNK = 64       # columns per fp8 load and per q k^T group (128-byte f16 swizzle)
 _FP8_SWIZZLE = 64  # bytes; 64 fp8 columns per swizzle tile (576 is 9 of them)
 _Q_SWIZZLE = 128
@@ -88,7 +94,6 @@ _CONSUMERS = 2
 # Per-consumer scratch of a cross-warp column reduction of [64, N] fp32: 4 warps x 32 lanes
 # x 2 values, enough for one register of the result at a time (shared memory is tight).
 _RED_BYTES = 4 * 32 * 2 * 4
-_GATHER_THREADS_PER_ROW = 4  # row gather (page < 8): 16-byte vectors of a 64-byte chunk row
 
 
 def fp8_narrow_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
@@ -109,12 +114,6 @@ def fp8_narrow_supported(rows: int, page_size: int, head_dim: int, v_head_dim: i
     return None
 
 
-def _gathers(page_size: int) -> bool:
-    """Pages under 8 tokens are gathered row by row: a TMA copy cannot place them inside an
-    8-row tile (Hopper's TMA has no row gather)."""
-    return page_size < 8
-
-
 def _col_reduce(x, op: str, scratch, interpret: bool):
     """x [64, N] fp32 (WGMMA layout) reduced over its token axis to [N], through this
     warpgroup's own `scratch` for the cross-warp step."""
@@ -132,12 +131,6 @@ def _col_reduce(x, op: str, scratch, interpret: bool):
     return reduce(x, scratch)
 
 
-def _tiled(swizzle: int, itemsize: int):
-    """Shared-memory transforms of a `swizzle`-byte swizzled operand: (8, swizzle / itemsize)
-    tiles."""
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 def _store_cols(ref, x, col0: int, swizzle: int, interpret: bool):
     """ref[:, col0 : col0 + x.shape[1]] = x (f16, WGMMA layout) into a (8, swizzle / 2)-tiled
     ref, as plain `stmatrix` stores: no read of the old values and no warpgroup barrier
@@ -147,7 +140,7 @@ def _store_cols(ref, x, col0: int, swizzle: int, interpret: bool):
         return
     tile_cols = swizzle // 2
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(_tiled(swizzle, 2))))
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(swizzled(swizzle, 2))))
     def store(ctx, x, ref):
         del ctx
         from jax.experimental.mosaic.gpu import utils as mu
@@ -191,7 +184,7 @@ def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_sca
         return
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(_tiled(_Q_SWIZZLE, 2)), plgpu.RefType(),
+                                  plgpu.RefType(swizzled(_Q_SWIZZLE, 2)), plgpu.RefType(),
                                   plgpu.Layout.WG_SPLAT(())))
     def prep(ctx, q, k_scale, v_scale, q16, scales, b):
         del ctx
@@ -281,93 +274,6 @@ def _store_transposed(o_ref, x, b, split, interpret: bool):
     store(x, o_ref, b, split)
 
 
-def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok, *,
-                  page_size: int, interpret: bool):
-    """Producer: starts copying pool `rows` (`decode_mgpu._gather_rows` at 4 threads a row)
-    into fp8 stage `slot`, in its (8, 64)-tiled, 64-byte-swizzled layout, as one committed
-    group of 16-byte `cp.async` copies (`_gather_wait` waits for it). Thread t copies
-    16-byte vector t % 4 of each 64-column chunk of rows t // 4 + 32 j (j < 2): 18 copies a
-    thread, a warp reading 8 whole 64-byte row segments an instruction. Pool byte offsets are
-    64-bit. The interpreter has no inline Mosaic GPU: there the rows are copied one by one,
-    from the table."""
-    _, d = kv_ref.shape
-    if interpret:
-        def row(r, carry):
-            tok = jnp.minimum(tok0 + r, last_tok)
-            src = table_ref[entry0 + tok // page_size] * page_size + tok % page_size
-            stages[slot, pl.ds(r, 1), :] = kv_ref[pl.ds(src, 1), :]
-            return carry
-
-        lax.fori_loop(0, BLOCK_KV, row, 0)
-        return
-
-    splat = plgpu.Layout.WG_SPLAT(())
-    transforms = (plgpu.TilingTransform((8, _FP8_SWIZZLE)), plgpu.SwizzleTransform(_FP8_SWIZZLE))
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms), splat,
-                                  _gather_rows_layout(_GATHER_THREADS_PER_ROW)))
-    def copy(ctx, pool, stages, slot, rows):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm, nvvm, vector
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        slot = slot.registers.item()
-        src_rows = [vector.extract(r, dynamic_position=[], static_position=[0])
-                    for r in rows.registers.flat]
-
-        def k(n):
-            return mu.c(n, i32)
-
-        tile_bytes = 8 * _FP8_SWIZZLE          # one 8-row x 64-column tile
-        n_chunks = d // _FP8_SWIZZLE            # 64-column chunks per row (9)
-        t = arith.remui(mu.thread_idx(), k(128))
-        vec = arith.andi(t, k(3))               # 16-byte vector within a 64-byte chunk row
-        r0 = arith.shrui(t, k(2))               # first row, 0..31; rows r0 + 32 j
-        r8 = arith.andi(r0, k(7))               # row within its 8-row tile (same for every j)
-        # Element (r, c) of stage s lives at byte s * 36864 + ((r // 8) * 9 + c // 64) * 512
-        # + (r % 8) * 64 + (((c % 64) // 16) ^ ((r % 8) // 2)) * 16 + c % 16 (64-byte
-        # swizzle: the 16-byte vector index XOR bits 7-8 of the offset in the tile).
-        dst_off = arith.addi(
-            arith.addi(arith.muli(slot, k(BLOCK_KV * d)),
-                       arith.muli(arith.shrui(r0, k(3)), k(n_chunks * tile_bytes))),
-            arith.addi(arith.muli(r8, k(_FP8_SWIZZLE)),
-                       arith.shli(arith.xori(vec, arith.shrui(r8, k(1))), k(4))))
-        dst0 = mu.getelementptr(mu.memref_ptr(stages), [dst_off], i8)
-        pool_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                      mu.memref_ptr(pool))
-        vec_bytes = arith.extui(i64, arith.shli(vec, k(4)))
-        srcs = [mu.getelementptr(pool_ptr, [arith.addi(arith.muli(
-            arith.extui(i64, r), mu.c(d, i64)), vec_bytes)], i8) for r in src_rows]
-        for j, src in enumerate(srcs):
-            for c in range(n_chunks):
-                # rows r0 + 32 j are 4 row tiles further down per j
-                nvvm.cp_async_shared_global(
-                    mu.getelementptr(dst0, [(4 * j * n_chunks + c) * tile_bytes], i8),
-                    mu.getelementptr(src, [c * _FP8_SWIZZLE], i8),
-                    16, nvvm.LoadCacheModifierKind.CG)
-        nvvm.cp_async_commit_group()
-
-    copy(kv_ref, stages, slot, rows)
-
-
-def _gather_wait(interpret: bool):
-    """Producer: waits for the row gather's copies and makes them visible to the consumers'
-    loads (plain loads, generic proxy: no async-proxy fence needed, the barrier orders them)."""
-    if interpret:
-        return
-
-    @plgpu.inline_mgpu()
-    def wait(ctx):
-        del ctx
-        from jax._src.lib.mlir.dialects import nvvm
-
-        nvvm.cp_async_wait_group(0)
-
-    wait()
-
-
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
             s_q: int, num_heads: int, d_v: int, sm_scale: float, final: bool, interpret: bool):
     n_meta = len(refs) - 8
@@ -389,8 +295,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
-    gather = _gathers(page_size)
-    copies = 1 if gather else max(1, BLOCK_KV // page_size)
+    gather = gathers(page_size)
 
     @pl.when(wg == 2)
     def _producer():
@@ -399,41 +304,17 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             def _():
                 plgpu.barrier_wait(k_empty.at[slot])
 
-        def gather_tile(i, rows_):
+        def fill(i, rows):
             slot = lax.rem(i, _STAGES)
             tile = first + i
             free_stage(i, slot)
-            _gather_issue(kv_ref, table_ref, stages, slot, rows_, start_entry,
-                          tile * BLOCK_KV, kv_len - 1, page_size=page_size, interpret=interpret)
-            rows_ = _gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
-                                 page_size=page_size, interpret=interpret,
-                                 threads_per_row=_GATHER_THREADS_PER_ROW)
-            _gather_wait(interpret)
-            plgpu.barrier_arrive(k_full.at[slot])
-            return rows_
-
-        def copy_tile(i, carry):
-            slot = lax.rem(i, _STAGES)
-            tile = first + i
-            free_stage(i, slot)
-            dst = stages.at[slot]
-            n = min(page_size, BLOCK_KV)
-            for j in range(copies):
-                tok = tile * BLOCK_KV + j * n
-                if copies == 1:
-                    src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-                    plgpu.copy_gmem_to_smem(src, dst, k_full.at[slot])
-                else:
-                    # copies wholly past kv_len read nothing; they still arrive
-                    @pl.when(tok < kv_len)
-                    def _():
-                        src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-                        plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * n, n)], k_full.at[slot])
-
-                    @pl.when(tok >= kv_len)
-                    def _():
-                        plgpu.barrier_arrive(k_full.at[slot])
-            return carry
+            if gather:  # the next tile's rows load while this one's copies land
+                return gather_tile(kv_ref, table_ref, stages, slot, rows, k_full.at[slot],
+                                   start_entry, tile, kv_len, page_size=page_size,
+                                   swizzle=_FP8_SWIZZLE, async_proxy=False, interpret=interpret)
+            copy_tile(kv_ref, table_ref, stages.at[slot], k_full.at[slot], start_entry, tile,
+                      kv_len, page_size=page_size)
+            return rows
 
         def prepare():  # q's rows, then the registers go to the consumers
             _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
@@ -444,15 +325,15 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         if gather:  # the gather waits for its copies: q first
             prepare()
-            lax.fori_loop(0, count, gather_tile,
-                          _gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
-                                       page_size=page_size, interpret=interpret,
-                                       threads_per_row=_GATHER_THREADS_PER_ROW))
+            lax.fori_loop(0, count, fill,
+                          gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
+                                      page_size=page_size, swizzle=_FP8_SWIZZLE,
+                                      interpret=interpret))
         else:  # the first tiles' copies run while q is prepared
             head = jnp.minimum(count, _STAGES)
-            lax.fori_loop(0, head, copy_tile, 0)
+            lax.fori_loop(0, head, fill, 0)
             prepare()
-            lax.fori_loop(head, count, copy_tile, 0)
+            lax.fori_loop(head, count, fill, 0)
         for st in range(_STAGES):  # observe each stage's last release
             @pl.when(count > st)
             def _():
@@ -621,22 +502,22 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16); V's tiles must match it
-    v_tile = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=_tiled(pv_swizzle, 2))
-    copies = 1 if _gathers(kv.page_size) else max(1, BLOCK_KV // kv.page_size)
+    v_tile = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=swizzled(pv_swizzle, 2))
+    copies = arrivals_per_tile(kv.page_size)
 
     def union(*groups):  # the interpreter has no RefUnion (nor a shared-memory limit)
         return groups if interpret else plgpu.RefUnion(*groups)
 
     scratch = [
-        plgpu.SMEM((rows, d), jnp.float16, transforms=_tiled(_Q_SWIZZLE, 2)),
+        plgpu.SMEM((rows, d), jnp.float16, transforms=swizzled(_Q_SWIZZLE, 2)),
         plgpu.SMEM((2, rows), jnp.float32),
-        plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=_tiled(_FP8_SWIZZLE, 1)),
+        plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=swizzled(_FP8_SWIZZLE, 1)),
         # Each consumer's f16 V tile; once its last P V is done, consumer 0's holds the
         # output staging and consumer 1's its hand-off.
         union((v_tile,), (plgpu.SMEM((rows,), jnp.float32),)),
         union((v_tile,), (plgpu.SMEM((v_head_dim, rows), jnp.float32),
                           plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.float32))),
-        plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=_tiled(pv_swizzle, 2)),
+        plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=swizzled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
         plgpu.Barrier(),  # q and the scales prepared
         plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled

@@ -1,7 +1,8 @@
 """Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
-jax 0.10.2): a load in a layout, a layout cast, an iota, accumulating `wgmma`s, and the
-interpreter parameters. Used by `decode_mgpu`, `decode_mgpu_fp8` and `prefill_mgpu`.
+jax 0.10.2): a load in a layout, a layout cast, an iota, accumulating `wgmma`s, the transforms
+of a swizzled shared-memory operand, and the interpreter parameters. Used by `decode_mgpu`,
+`decode_mgpu_fp8`, `mgpu_kv_copy` and `prefill_mgpu`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["load", "in_layout", "iota", "mma_acc", "mma_acc_and", "mgpu_params"]
+__all__ = ["load", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled", "mgpu_params"]
 
 
 # jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
@@ -77,6 +78,13 @@ def mma_acc_and(acc, a, b, x, under, interpret: bool):
         x_ref[...] = under(x_ref[...])
 
     return pl.run_state(body)((plgpu.ACC.init(acc), x))
+
+
+def swizzled(swizzle: int, itemsize: int) -> tuple:
+    """Shared-memory transforms of a `swizzle`-byte swizzled operand of `itemsize`-byte
+    elements: (8, swizzle / itemsize) tiles, each row of a tile one swizzle span (what `wgmma`
+    and the TMA read and write)."""
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def mgpu_params(interpret):

@@ -42,7 +42,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params, mma_acc_and
+from funcmla.attention.pallas.mgpu_ops import (
+    in_layout,
+    iota,
+    load,
+    mgpu_params,
+    mma_acc_and,
+    swizzled,
+)
 
 __all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots",
            "tile_schedule", "first_slots", "BLOCK_Q",
@@ -358,9 +365,8 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
     this function alone, so every kernel operand is one of its inputs."""
     num_slots = num_tile_slots(q_rows, num_reqs)
     bkv, ns = config.block_kv, config.num_stages
-    tiling = plgpu.TilingTransform((8, _SWIZZLE // 2))
-    swizzle = plgpu.SwizzleTransform(_SWIZZLE)
-    q_half = plgpu.SMEM((ROWS, HEAD_DIM), dtype, transforms=(tiling, swizzle))
+    transforms = swizzled(_SWIZZLE, 2)
+    q_half = plgpu.SMEM((ROWS, HEAD_DIM), dtype, transforms=transforms)
     o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype)
     lse_half = plgpu.SMEM((ROWS,), jnp.float32)
     if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
@@ -373,8 +379,8 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
         *q_or_out,
         lse_half,
         lse_half,
-        plgpu.SMEM((ns, bkv, HEAD_DIM), dtype, transforms=(tiling, swizzle)),
-        plgpu.SMEM((ns, bkv, V_HEAD_DIM), dtype, transforms=(tiling, swizzle)),
+        plgpu.SMEM((ns, bkv, HEAD_DIM), dtype, transforms=transforms),
+        plgpu.SMEM((ns, bkv, V_HEAD_DIM), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=2),                    # q half w landed
         plgpu.Barrier(num_barriers=ns),                   # K stage filled
         plgpu.Barrier(num_barriers=ns),                   # V stage filled

@@ -1,0 +1,244 @@
+"""How the producer warpgroup of a Mosaic GPU decode kernel fills a KV stage with one 64-token
+tile of pool rows: TMA copies (one a tile at page >= 64, one a page at pages 8 to 32), or, at
+pages under 8 tokens, which a TMA copy cannot place inside an 8-row swizzled tile (Hopper's TMA
+has no row gather), a `cp.async` row gather. Used by `decode_mgpu` (bf16 stages, 128-byte
+swizzle) and `decode_mgpu_fp8` (fp8 stages, 64-byte swizzle); a stage is `swizzled`
+(8, swizzle / itemsize) tiles either way, and the gather derives its addressing from the
+stage's swizzle and the pool's itemsize.
+
+Bounds: every token is clamped to [0, kv_len - 1] and every table entry to the table before
+it is read, and copies wholly past kv_len read nothing, so a producer may run ahead of its
+consumers (and past the sequence) without reading out of bounds. Pool byte offsets are 64-bit
+(the TMA names rows by int32 coordinates), so pools past 2**31 bytes need no special care.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from funcmla.attention.pallas.mgpu_ops import swizzled
+
+__all__ = ["BLOCK_KV", "gathers", "arrivals_per_tile", "gather_rows", "gather_tile",
+           "copy_tile"]
+
+BLOCK_KV = 64  # KV tokens per tile
+
+
+def gathers(page_size: int) -> bool:
+    """Whether tiles are gathered row by row (`gather_tile`) rather than TMA-copied: pages
+    under 8 tokens, which a TMA copy cannot place inside an 8-row swizzled tile."""
+    return page_size < 8
+
+
+def arrivals_per_tile(page_size: int) -> int:
+    """Arrivals that fill a stage: one TMA copy a page under 64 tokens, else one a tile; the
+    gather's 128 threads arrive as one warpgroup."""
+    return 1 if gathers(page_size) else max(1, BLOCK_KV // page_size)
+
+
+def _threads_per_row(swizzle: int) -> int:
+    """Threads that copy one row of a 64-column chunk: one a 16-byte vector of the swizzle."""
+    return swizzle // 16
+
+
+def _rows_layout(swizzle: int):
+    """Register layout of `gather_rows`' result: thread t holds elements t + 128 j."""
+    return plgpu.Layout.WG_STRIDED((BLOCK_KV * _threads_per_row(swizzle),), vec_size=1)
+
+
+def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
+    """Pool rows of the TMA copy that starts at token `tok` (one page, or one 64-token tile
+    when pages are larger); the table is read only for a token inside the sequence."""
+    rows = min(page_size, BLOCK_KV)
+    page = table_ref[start_entry + tok // page_size]
+    return kv_ref.at[pl.ds(page * page_size + tok % page_size, rows)]
+
+
+def copy_tile(kv_ref, table_ref, dst, full, start_entry, tile, kv_len, *, page_size: int):
+    """TMA-copies tile `tile`'s pool rows into stage ref `dst`, each copy arriving on barrier
+    `full` (`arrivals_per_tile` of them); pages >= 8. Copies wholly past kv_len read nothing
+    (their table entries may be padding or past the table) and arrive all the same, so the
+    stage's barrier completes."""
+    copies = arrivals_per_tile(page_size)
+    rows = min(page_size, BLOCK_KV)
+    for j in range(copies):
+        tok = tile * BLOCK_KV + j * rows
+        if copies == 1:
+            src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
+            plgpu.copy_gmem_to_smem(src, dst, full)
+        else:
+            @pl.when(tok < kv_len)
+            def _():
+                src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
+                plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * rows, rows)], full)
+
+            @pl.when(tok >= kv_len)
+            def _():
+                plgpu.barrier_arrive(full)
+
+
+def gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, swizzle: int,
+                interpret: bool):
+    """The pool rows the row gather copies for tokens tok0 .. tok0 + 63, each token clamped to
+    [0, last_tok] and each table entry to the table. Compiled: int32 [64 x tpr] in the
+    strided warpgroup layout (tpr = swizzle / 16 threads a row: 8 for bf16 stages, 4 for
+    fp8), thread t holding the rows of tokens tok0 + t // tpr + (128 / tpr) j; its loads land
+    while the previous tile's copies do. Interpret mode returns a placeholder (the
+    interpreter's gather reads the table itself)."""
+    tpr = _threads_per_row(swizzle)
+    size = BLOCK_KV * tpr
+    if interpret:
+        return jnp.zeros((size,), jnp.int32)
+    splat = plgpu.Layout.WG_SPLAT(())
+    stride = 128 // tpr  # tokens between one thread's rows
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
+                       return_type=plgpu.ShapeDtypeStruct(
+                           (size,), jnp.int32, layout=_rows_layout(swizzle)))
+    def rows(ctx, table, entry0, tok0, last_tok):
+        del ctx
+        import numpy as np
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, memref, vector
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i32 = ir.IntegerType.get_signless(32)
+        entry0, tok0, last_tok = (x.registers.item() for x in (entry0, tok0, last_tok))
+
+        def k(n):
+            return mu.c(n, i32)
+
+        r0 = arith.shrui(arith.remui(mu.thread_idx(), k(128)), k(tpr.bit_length() - 1))
+        log2_page = page_size.bit_length() - 1
+        last_entry = k(ir.MemRefType(table.type).shape[0] - 1)
+        regs = []
+        for j in range(BLOCK_KV // stride):
+            tok = arith.minsi(arith.addi(tok0, arith.addi(r0, k(stride * j))), last_tok)
+            tok = arith.maxsi(tok, k(0))
+            entry = arith.minsi(arith.addi(entry0, arith.shrui(tok, k(log2_page))), last_entry)
+            row = memref.load(table, [arith.index_cast(ir.IndexType.get(), entry)])
+            if page_size > 1:
+                row = arith.addi(arith.shli(row, k(log2_page)), arith.andi(tok, k(page_size - 1)))
+            regs.append(vector.broadcast(ir.VectorType.get((1,), i32), row))
+        return mgpu.FragmentedArray(_registers=np.array(regs), _layout=mgpu.WGStridedFragLayout(
+            (size,), 1), _is_signed=True)
+
+    return rows(table_ref, entry0, tok0, last_tok)
+
+
+def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok, *,
+                  page_size: int, swizzle: int, interpret: bool):
+    """Starts copying pool `rows` (`gather_rows`) into stage `slot` of `stages`, in its
+    `swizzled` layout, as one committed group of 16-byte `cp.async` copies.
+
+    Thread t copies 16-byte vector t % tpr of each 64-column chunk of rows t // tpr +
+    (128 / tpr) j, so a warp reads 32 / tpr whole swizzle-byte row segments an instruction
+    (bf16: 8 threads a row, 4 rows each, 36 copies a thread; fp8: 4, 2 rows, 18). The
+    interpreter has no inline Mosaic GPU, so there the rows are copied one by one, from the
+    table, at once."""
+    _, d = kv_ref.shape
+    if interpret:
+        def row(r, carry):
+            tok = jnp.minimum(tok0 + r, last_tok)
+            src = table_ref[entry0 + tok // page_size] * page_size + tok % page_size
+            stages[slot, pl.ds(r, 1), :] = kv_ref[pl.ds(src, 1), :]
+            return carry
+
+        lax.fori_loop(0, BLOCK_KV, row, 0)
+        return
+
+    itemsize = jnp.dtype(kv_ref.dtype).itemsize
+    tpr = _threads_per_row(swizzle)
+    row_tiles_per_j = 128 // tpr // 8   # 8-row tiles between one thread's rows
+    # The swizzle XORs a row segment's 16-byte vector index with bits 7.. of the row's byte
+    # offset in its 8-row tile (128 * r8 at a 128-byte swizzle, 64 * r8 at 64 bytes).
+    swizzle_shift = 7 - (swizzle.bit_length() - 1)
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(swizzled(swizzle, itemsize)),
+                                  splat, _rows_layout(swizzle)))
+    def copy(ctx, pool, stages, slot, rows):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, nvvm, vector
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        slot = slot.registers.item()
+        src_rows = [vector.extract(r, dynamic_position=[], static_position=[0])
+                    for r in rows.registers.flat]
+
+        def k(n):
+            return mu.c(n, i32)
+
+        tile_bytes = 8 * swizzle                # one 8-row x 64-column swizzle tile
+        n_chunks = d * itemsize // swizzle      # 64-column chunks per row (9 for d = 576)
+        t = arith.remui(mu.thread_idx(), k(128))
+        vec = arith.andi(t, k(tpr - 1))         # 16-byte vector within a chunk row
+        r0 = arith.shrui(t, k(tpr.bit_length() - 1))  # first row; rows r0 + (128 / tpr) j
+        r8 = arith.andi(r0, k(7))               # row within its 8-row tile (same for every j)
+        # Element (r, c) of stage s lives at byte s * 64 * d * itemsize + ((r // 8) * n_chunks
+        # + c // 64) * tile_bytes + (r % 8) * swizzle + ((c % 64) * itemsize // 16 XOR the
+        # swizzle's row bits) * 16 + (c * itemsize) % 16.
+        dst_off = arith.addi(
+            arith.addi(arith.muli(slot, k(BLOCK_KV * d * itemsize)),
+                       arith.muli(arith.shrui(r0, k(3)), k(n_chunks * tile_bytes))),
+            arith.addi(arith.muli(r8, k(swizzle)),
+                       arith.shli(arith.xori(vec, r8 if swizzle_shift == 0 else
+                                             arith.shrui(r8, k(swizzle_shift))), k(4))))
+        dst0 = mu.getelementptr(mu.memref_ptr(stages), [dst_off], i8)
+        pool_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                      mu.memref_ptr(pool))
+        vec_bytes = arith.extui(i64, arith.shli(vec, k(4)))
+        srcs = [mu.getelementptr(pool_ptr, [arith.addi(arith.muli(
+            arith.extui(i64, r), mu.c(d * itemsize, i64)), vec_bytes)], i8) for r in src_rows]
+        for j, src in enumerate(srcs):
+            for c in range(n_chunks):
+                nvvm.cp_async_shared_global(
+                    mu.getelementptr(dst0, [(row_tiles_per_j * j * n_chunks + c) * tile_bytes],
+                                     i8),
+                    mu.getelementptr(src, [c * swizzle], i8),
+                    16, nvvm.LoadCacheModifierKind.CG)
+        nvvm.cp_async_commit_group()
+
+    copy(kv_ref, stages, slot, rows)
+
+
+def _gather_wait(*, async_proxy: bool, interpret: bool):
+    """Waits for the row gather's copies to land. `async_proxy`: also makes them visible to
+    the async proxy (cp.async writes go through the generic one; `wgmma` reading the stage
+    from shared memory needs the fence, plain loads ordered by a barrier do not)."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        from jax._src.lib.mlir.dialects import nvvm
+
+        nvvm.cp_async_wait_group(0)
+        if async_proxy:
+            nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    wait()
+
+
+def gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry, tile, kv_len, *,
+                page_size: int, swizzle: int, async_proxy: bool, interpret: bool):
+    """Row-gathers tile `tile` into stage `slot` of `stages` from `rows` (this tile's
+    `gather_rows`), loads the next tile's rows while the copies land, waits for them
+    (`async_proxy`: fenced for `wgmma` readers) and arrives on barrier `full`. Returns the
+    next tile's rows, the loop carry."""
+    with jax.named_scope("copy"):
+        _gather_issue(kv_ref, table_ref, stages, slot, rows, start_entry, tile * BLOCK_KV,
+                      kv_len - 1, page_size=page_size, swizzle=swizzle, interpret=interpret)
+        rows = gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
+                           page_size=page_size, swizzle=swizzle, interpret=interpret)
+        _gather_wait(async_proxy=async_proxy, interpret=interpret)
+        plgpu.barrier_arrive(full)
+    return rows
