@@ -36,6 +36,9 @@ class _Decode:
         DECODE_CALLS.append(args)
         raise AssertionError("a bad input reached the decode launch")
 
+    def check_pool(self, kv_pool, k_scale=None, v_scale=None):
+        """The real launcher's pool checks are its own battery's (`launcher.*`)."""
+
 
 @functools.lru_cache(maxsize=2)
 def _launcher(page_size: int = 1):
@@ -73,6 +76,14 @@ def _call(**bad):
     args = {"q": good["q"], "step": step, "out": None,
             **{name: fn(good, step) for name, fn in bad.items()}}
     return lau(args["q"], None, args["step"], out=args["out"])
+
+
+def _empty_call(**bad):
+    """A step with no query rows: nothing to launch, the tensors still checked."""
+    lau, good = _launcher()
+    step = lau.layout(good["qo"] * 0, good["kv_indptr"], good["kv_indices"], num_q=0)
+    args = {"q": good["q"][:0], "out": None, **{name: fn(good, step) for name, fn in bad.items()}}
+    return lau(args["q"], None, step, out=args["out"])
 
 
 def _err():
@@ -133,6 +144,11 @@ CASES: list[BadInput] = [
                step=lambda g, s: object()),
     _call_case("out_shape", (r"\bout must be contiguous of shape", r"got \[5, 16, 500\]"),
                out=_torch(lambda torch, g, s: torch.zeros(5, 16, 500, dtype=torch.bfloat16))),
+    BadInput("launcher_extend.empty_call_out_shape",
+             lambda: _empty_call(out=_torch(lambda torch, g, s: torch.zeros(
+                 1, 16, 512, dtype=torch.bfloat16))), _err(),
+             (r"\bout must be contiguous of shape \(0, 16, 512\)", r"got \[1, 16, 512\]"),
+             needs=("torch",)),
     _config_case("q_capacity", (r"ExtendLaunchConfig.q_capacity must be an int >= 1",
                                 r"got 0"), q_capacity=0),
     _config_case("page_table_capacity", (r"ExtendLaunchConfig.kv_capacity=102",

@@ -140,7 +140,10 @@ class _ContractDecode:
 
     def __init__(self, config, pool_f32):
         self.config, self.device, self.device_index = config, torch.device("cpu"), -1
-        self.pool, self.calls = pool_f32, 0
+        self.pool, self.calls, self.pool_checks = pool_f32, 0, []
+
+    def check_pool(self, kv_pool, k_scale=None, v_scale=None):
+        self.pool_checks.append((kv_pool, k_scale, v_scale))
 
     def __call__(self, q, kv_pool, table_start, kv_lens, table, *, out=None, lse=None,
                  k_scale=None, v_scale=None):
@@ -233,9 +236,15 @@ def test_extend_launcher_gives_each_token_its_attention(h, page_size, causal, q_
     assert none is None and torch.equal(alone, out)
     if cfg.chunk > 1:  # no query rows at all: empty results, nothing launched
         empty = lau.layout(torch.from_numpy(qo * 0), num_q=0, **idx)
-        calls = dec.calls
-        o0, l0 = lau(qt[:0], None, empty)
+        calls, pool_t = dec.calls, torch.from_numpy(pool.astype(np.float32)).bfloat16()
+        o0, l0 = lau(qt[:0], pool_t, empty)
         assert o0.shape == (0, h, 512) and l0.shape == (0, h) and dec.calls == calls
+        assert dec.pool_checks[-1][0] is pool_t  # the pool is checked, not launched on
+        given = (torch.empty(0, h * 512, dtype=torch.bfloat16), torch.empty(0, h))
+        o0, l0 = lau(qt[:0], pool_t, empty, out=given[0], lse=given[1])
+        assert o0.data_ptr() == given[0].data_ptr() and l0 is given[1]
+        with pytest.raises(E.LauncherArgumentError, match="out must be contiguous"):
+            lau(qt[:0], pool_t, empty, out=torch.empty(1, h, 512, dtype=torch.bfloat16))
 
 
 def test_bad_inputs_launch_nothing():

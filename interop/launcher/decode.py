@@ -211,6 +211,12 @@ class _DecodeLauncherBase:
             self._set_fast(tuple(kv_pool.shape))
         return ptrs
 
+    def check_pool(self, kv_pool, k_scale=None, v_scale=None) -> None:
+        """The checks a call makes of kv_pool and the scales, alone (LauncherArgumentError
+        naming the argument): for a caller with nothing to launch (an empty extend step)."""
+        self.kv_spec.pointer(kv_pool)
+        self._scale_tensors(k_scale, v_scale)
+
     def _scale_tensors(self, k_scale, v_scale):
         """(k, v) scale tensors of an fp8 launcher (`ScaleOperands`), (None, None) otherwise;
         raises LauncherArgumentError for a scale given to a launcher whose pool is not fp8."""

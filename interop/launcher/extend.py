@@ -283,10 +283,6 @@ class ExtendLauncher:
             out, lse = self.decode(q, kv_pool, step.table_start, step.kv_lens, step.table,
                                    out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
             return out, (lse if return_lse else None)
-        if t == 0:
-            empty = torch.empty((0, h, dv), dtype=q.dtype, device=self.device)
-            return empty, (torch.empty((0, h), dtype=torch.float32, device=self.device)
-                           if return_lse else None)
         for name, x, dtype, shape in (("out", out, getattr(torch, c.dtype), ((t, h, dv),
                                                                              (t, h * dv))),
                                       ("lse", lse, torch.float32, ((t, h),))):
@@ -296,6 +292,14 @@ class ExtendLauncher:
                     raise LauncherArgumentError(
                         f"{name} must be contiguous of shape {' or '.join(map(str, shape))}, "
                         f"got {list(x.shape)}")
+        if t == 0:  # nothing to launch; the pool and the scales are checked all the same
+            self.decode.check_pool(kv_pool, k_scale, v_scale)
+            out = torch.empty((0, h, dv), dtype=q.dtype, device=self.device) if out is None \
+                else out.view(0, h, dv)
+            if not return_lse:
+                return out, None
+            return out, (torch.empty((0, h), dtype=torch.float32, device=self.device)
+                         if lse is None else lse)
         q_src, o_src, o_dead = step.gathers
         # rows move as 8-byte words (a 576-column bf16 row is 144 of them): torch's row
         # gather runs at about twice the bandwidth of 2-byte elements. A padding row of a
