@@ -314,14 +314,16 @@ def mla_attention(
                 `kv_scale` (a float) if given; the Pallas kernels read float8_e4m3fn bytes
                 with `kv_scale` as k_scale (other fp8 formats fall back to the reference).
     return_lse: False skips exporting lse (one DLPack crossing less per call); lse is None.
-    use_launcher, launcher_inputs: pallas with a torch q: launch the kernel straight on torch
-                tensors through `funcmla.interop.launcher` (no DLPack; capturable in a torch
-                CUDA graph), with launcher_inputs = (kv_pool, kv_indptr, kv_indices) torch
-                tensors (kv_indices of a static capacity: a launcher is built per shape). An
-                fp8 pool (torch.float8_e4m3fn, or uint8 bytes with kv_fp8_dtype, viewed as
-                fp8 at no cost) runs there too, with kv_scale. Where the launcher cannot run,
-                the DLPack + jit path runs on `kv_pool` / `meta` and `launcher_reason` says
-                why.
+    use_launcher, launcher_inputs: pallas with a torch q: launch the kernels straight on
+                torch tensors through `funcmla.interop.launcher` (no DLPack; capturable in a
+                torch CUDA graph), with launcher_inputs = (kv_pool, kv_indptr, kv_indices)
+                torch tensors for a decode-shaped call (`torch_decode`; kv_indices of a static
+                capacity: a launcher is built per shape), and (kv_pool, kv_indptr, kv_indices,
+                qo_indptr) for any call, extends included (`torch_extend`: launchers per
+                bucket of q rows and batch). An fp8 pool (torch.float8_e4m3fn, or uint8 bytes
+                with kv_fp8_dtype, viewed as fp8 at no cost) runs there too, with kv_scale.
+                Where the launcher cannot run, the DLPack + jit path runs on `kv_pool` /
+                `meta` and `launcher_reason` says why.
     The output dtype is q's dtype; lse is float32.
     """
     name = select_backend(backend)
@@ -343,10 +345,18 @@ def mla_attention(
 
             fp8_pool = launcher_inputs[0].dtype in _TORCH_FP8
             scale = launcher_scale(kv_scale) if fp8_pool else None
+            pool, kv_indptr, kv_indices = launcher_inputs[:3]
             try:  # building a launcher can still refuse (e.g. no Mosaic GPU compiler): say why
-                out, lse = launcher.torch_decode(q, *launcher_inputs, sm_scale=float(sm_scale),
-                                                 s_q=s_q, max_kv_len=max_kv_len,
-                                                 v_head_dim=v_head_dim, k_scale=scale)
+                if s_q is None:
+                    out, lse = launcher.torch_extend(
+                        q, pool, launcher_inputs[3], kv_indptr, kv_indices,
+                        sm_scale=float(sm_scale), causal=causal, max_kv_len=max_kv_len,
+                        v_head_dim=v_head_dim, k_scale=scale, return_lse=return_lse)
+                else:
+                    out, lse = launcher.torch_decode(q, pool, kv_indptr, kv_indices,
+                                                     sm_scale=float(sm_scale), s_q=s_q,
+                                                     max_kv_len=max_kv_len,
+                                                     v_head_dim=v_head_dim, k_scale=scale)
             except launcher.LauncherUnavailable as err:
                 launcher_reason = f"the launcher is unavailable: {err}"
             else:
@@ -390,7 +400,7 @@ _TORCH_FP8 = frozenset(FP8_DTYPES)
 def _launcher_pool_view(launcher_inputs, kv_fp8_dtype):
     """launcher_inputs with a uint8 pool of fp8 bytes (kv_fp8_dtype names their format) viewed
     as that torch fp8 dtype (no copy); unchanged otherwise."""
-    if kv_fp8_dtype is None or launcher_inputs is None or len(launcher_inputs) != 3:
+    if kv_fp8_dtype is None or launcher_inputs is None or len(launcher_inputs) not in (3, 4):
         return launcher_inputs
     pool = launcher_inputs[0]
     if isinstance(pool, torch.Tensor) and pool.dtype == torch.uint8:
@@ -402,21 +412,25 @@ def _launcher_pool_view(launcher_inputs, kv_fp8_dtype):
 
 def _launcher_reason(q, launcher_inputs, *, s_q: int | None = 1,
                      kv_fp8_dtype=None) -> str | None:
-    """None if the torch launcher can run q with (kv_pool, kv_indptr, kv_indices) as a decode
-    of s_q queries per request (`pallas_route`; None: an extend), else why not. kv_fp8_dtype:
-    the format of a uint8 pool's fp8 bytes (`_launcher_pool_view`)."""
-    if s_q is None:
-        return ("the launcher runs decode-shaped calls (causal, s_q <= "
-                f"{PALLAS_MAX_S_Q} queries per request); extend runs mla_extend through "
-                "DLPack + jit")
-    if launcher_inputs is None or len(launcher_inputs) != 3:
-        return "the launcher needs launcher_inputs=(kv_pool, kv_indptr, kv_indices)"
+    """None if the torch launcher can run q with launcher_inputs (kv_pool, kv_indptr,
+    kv_indices[, qo_indptr]): a decode of s_q queries per request (`pallas_route`), or, with
+    qo_indptr, an extend (s_q None); else why not. kv_fp8_dtype: the format of a uint8 pool's
+    fp8 bytes (`_launcher_pool_view`)."""
+    n = 3 if s_q is not None else 4
+    if launcher_inputs is None or len(launcher_inputs) not in (n, 4):
+        return ("the launcher needs launcher_inputs=(kv_pool, kv_indptr, kv_indices"
+                + (")" if n == 3 else ", qo_indptr) for an extend-shaped call (not causal, "
+                   f"or more than {PALLAS_MAX_S_Q} queries per request)"))
     launcher_inputs = _launcher_pool_view(launcher_inputs, kv_fp8_dtype)
     try:
         from funcmla.interop import launcher
     except ImportError as err:
         return f"funcmla.interop.launcher is not importable ({err})"
-    return launcher.torch_decode_unsupported_reason(q, *launcher_inputs)
+    pool, kv_indptr, kv_indices = launcher_inputs[:3]
+    if s_q is None:
+        return launcher.torch_extend_unsupported_reason(q, pool, launcher_inputs[3], kv_indptr,
+                                                        kv_indices)
+    return launcher.torch_decode_unsupported_reason(q, pool, kv_indptr, kv_indices)
 
 
 def _run_aiter(q, kv_pool, meta, *, mode, sm_scale, v_head_dim, causal, plan, num_kv_splits,

@@ -258,6 +258,88 @@ def test_bad_inputs_launch_nothing():
     assert B.DECODE_CALLS == []
 
 
+# ----------------------------------------------------------------------------- torch_extend
+def _stand_in_extend(monkeypatch, pool_np):
+    """torch_extend over the stand-in decode: a fresh launcher cache, the CUDA checks off;
+    returns the list of configurations built."""
+    from funcmla.interop.launcher import torch_entry as TE
+
+    built = []
+
+    def stand_in(config, device):
+        built.append(config)
+        return E.ExtendLauncher(config, _ContractDecode(config.decode_config, pool_np))
+
+    monkeypatch.setattr(E, "extend_launcher", stand_in)
+    monkeypatch.setattr(TE, "_TORCH_EXTEND", {})
+    monkeypatch.setattr(TE, "torch_extend_unsupported_reason", lambda *a: None)
+    return built
+
+
+def _extend_case(rng, q_lens, prefix, h=16, capacity=200):
+    """(torch inputs, expected out / lse) of a causal extend over slots below 400."""
+    kv_lens = (np.array(q_lens) + np.array(prefix)).astype(np.int32)
+    qo = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    slots = rng.permutation(400)[:capacity].astype(np.int32)
+    q = rng.standard_normal((int(qo[-1]), h, 576)).astype(jnp.bfloat16)
+    ins = (torch.from_numpy(q.astype(np.float32)).bfloat16(), torch.from_numpy(qo),
+           torch.from_numpy(kv_indptr), torch.from_numpy(slots))
+    return ins, (q, qo, slots, kv_indptr[:-1], kv_lens)
+
+
+def _pool(rng):
+    pool = rng.standard_normal((512, 576)).astype(jnp.bfloat16)
+    pool[400:] = np.nan  # rows no request uses
+    return pool, torch.from_numpy(pool.astype(np.float32)).bfloat16()
+
+
+def test_torch_extend_shares_one_launcher_across_batch_and_token_counts(monkeypatch):
+    """`torch_extend` builds its launcher per bucket (q rows at `prefill_capacity`, requests
+    at `prefill_batch_capacity`), so batches of 3 and 5 requests and 14 and 19 tokens share
+    one; every token gets its attention (float64 over its visible keys; NaN rows unused)."""
+    rng = np.random.default_rng(3)
+    pool, pool_t = _pool(rng)
+    built = _stand_in_extend(monkeypatch, pool)
+    for q_lens, prefix in (([5, 0, 9], [3, 4, 20]), ([1, 7, 2, 3, 6], [0, 10, 4, 1, 2])):
+        (qt, qo_t, indptr_t, slots_t), (q, qo, slots, starts, kv_lens) = _extend_case(
+            rng, q_lens, prefix)
+        out, lse = L.torch_extend(qt, pool_t, qo_t, indptr_t, slots_t, sm_scale=SCALE)
+        want_out, want_lse = _expected(q, pool, qo, slots, starts, kv_lens, 1, True,
+                                       int(qo[-1]))
+        np.testing.assert_array_equal(out.float().numpy(), want_out.astype(np.float32))
+        np.testing.assert_array_equal(lse.numpy(), want_lse)
+    assert len(built) == 1 and (built[0].batch, built[0].q_capacity) == (8, 128)
+    with pytest.raises(L.LauncherArgumentError, match=r"qo_indptr has shape \[1\]"):
+        L.torch_extend(qt, pool_t, qo_t[:1], indptr_t, slots_t, sm_scale=SCALE)
+
+
+def test_mla_attention_runs_extends_through_torch_extend(monkeypatch):
+    """`mla_attention(use_launcher=True)` with launcher_inputs (kv_pool, kv_indptr, kv_indices,
+    qo_indptr) runs an extend through `torch_extend` (via "launcher"); with three inputs, or
+    off a CUDA device, `launcher_reason` says why it cannot."""
+    from funcmla.interop import backend_select
+    from funcmla.interop.backend_select import mla_attention
+
+    rng = np.random.default_rng(4)
+    pool, pool_t = _pool(rng)
+    (qt, qo_t, indptr_t, slots_t), (q, qo, slots, starts, kv_lens) = _extend_case(
+        rng, [6, 1, 3], [2, 9, 0])
+    reason = backend_select._launcher_reason(qt, (pool_t, indptr_t, slots_t), s_q=None)
+    assert "qo_indptr" in reason and "extend-shaped" in reason
+    cpu = backend_select._launcher_reason(qt, (pool_t, indptr_t, slots_t, qo_t), s_q=None)
+    assert "CUDA" in cpu
+    monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
+    _stand_in_extend(monkeypatch, pool)
+    monkeypatch.setattr(L, "torch_extend_unsupported_reason", lambda *a: None)
+    res = mla_attention(qt, None, None, sm_scale=SCALE, backend="pallas", mode="extend",
+                        use_launcher=True, launcher_inputs=(pool_t, indptr_t, slots_t, qo_t))
+    assert (res.backend, res.via, res.launcher_reason) == ("pallas", "launcher", None)
+    want_out, want_lse = _expected(q, pool, qo, slots, starts, kv_lens, 1, True, int(qo[-1]))
+    np.testing.assert_array_equal(res.out.float().numpy(), want_out.astype(np.float32))
+    np.testing.assert_array_equal(res.lse.numpy(), want_lse)
+
+
 # ----------------------------------------------------------------------------- GPU
 @needs_gpu
 @pytest.mark.gpu
@@ -306,6 +388,32 @@ def test_gpu_bit_identical_to_mla_extend(h, page_size, q_lens, prefix):
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
     assert torch.equal(bits(out), bits(ref_out)) and torch.equal(bits(lse), bits(ref_lse))
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_torch_extend_matches_float32_attention_across_batches():
+    """`torch_extend` on the GPU, two batches of other sizes: each token within
+    1e-2 (relative) of float32 attention over its visible keys (the torch restatement)."""
+    from funcmla.interop.torch_csr import csr_mla_attention_dense
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(7)
+    pool = torch.randn(16384, 576, device=dev, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(16384, device=dev, generator=g)[:8192].int()
+    for q_lens, prefix in (([300, 1, 77], [700, 5, 4000]), ([64, 0, 9, 200, 3], [0, 12, 500,
+                                                                               64, 1000])):
+        kv_lens = [a + c for a, c in zip(q_lens, prefix)]
+        qo = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32,
+                          device=dev)
+        kv_indptr = torch.tensor(np.concatenate([[0], np.cumsum(kv_lens)]), dtype=torch.int32,
+                                 device=dev)
+        q = torch.randn(int(sum(q_lens)), 16, 576, device=dev, generator=g).to(torch.bfloat16)
+        out, lse = L.torch_extend(q, pool, qo, kv_indptr, slots, sm_scale=SCALE)
+        want = csr_mla_attention_dense(q.float(), pool.float(), qo, kv_indptr, slots,
+                                       sm_scale=SCALE)
+        err = (out.float() - want).norm() / want.norm()
+        assert err < 1e-2, err
 
 
 @needs_gpu

@@ -23,7 +23,7 @@ Modules, in the order a launcher is built:
   prefill      `PrefillLauncher` / `torch_mha_prefill`: `mha_prefill`'s Mosaic GPU kernel for
                every batch within a configuration's capacities (prefill_layout: its
                realigned layout in torch ops).
-  torch_entry  `torch_decode` and the torch op `torch.ops.funcmla.mla_decode`.
+  torch_entry  `torch_decode`, `torch_extend` and the torch ops (`torch.ops.funcmla.*`).
   segments     `funcmla.segments.segment_positions` in torch ops (the per-step layouts).
   support      the jaxlib versions the extraction was tested on.
   device       whether a launcher can run here, the CUDA device index, torch's raw stream.
@@ -81,6 +81,10 @@ from funcmla.interop.launcher.torch_entry import (
     torch_decode,
     torch_decode_launcher,
     torch_decode_unsupported_reason,
+    torch_extend,
+    torch_extend_config,
+    torch_extend_launcher,
+    torch_extend_unsupported_reason,
 )
 
 __all__ = [
@@ -118,6 +122,10 @@ __all__ = [
     "torch_decode",
     "torch_decode_launcher",
     "torch_decode_unsupported_reason",
+    "torch_extend",
+    "torch_extend_config",
+    "torch_extend_launcher",
+    "torch_extend_unsupported_reason",
     "register_torch_ops",
     "PrefillLaunchConfig",
     "PrefillLauncher",

@@ -1,9 +1,11 @@
-"""torch entry points: `torch_decode` keyed by tensor shapes, and the registered torch ops
-(decode, and `torch_mha_prefill` as `torch.ops.funcmla.mha_prefill`)."""
+"""torch entry points: `torch_decode` and `torch_extend` keyed by tensor shapes, and the
+registered torch ops (decode, and `torch_mha_prefill` as `torch.ops.funcmla.mha_prefill`)."""
 
 from __future__ import annotations
 
 from funcmla.attention.pallas import DecodeKernelConfig
+from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
+from funcmla.interop.launcher import extend as _extend
 from funcmla.interop.launcher.decode import decode_launcher
 from funcmla.interop.launcher.device import launcher_unavailable_reason
 from funcmla.interop.launcher.errors import LauncherArgumentError, LauncherUnavailable
@@ -11,6 +13,7 @@ from funcmla.interop.launcher.plan import DecodeLaunchConfig
 
 
 _TORCH_KEYED: dict[tuple, object] = {}
+_TORCH_EXTEND: dict[tuple, object] = {}
 _FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 _KV_FP8 = "float8_e4m3fn"  # the fp8 pool format the launcher reads (DecodeLaunchConfig.kv_dtype)
 
@@ -47,6 +50,24 @@ def torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices) -> str | 
         if not t.is_cuda:
             return f"{name} is on {t.device}, not a CUDA device"
     return launcher_unavailable_reason()
+
+
+def torch_extend_unsupported_reason(q, kv_pool, qo_indptr, kv_indptr,
+                                    kv_indices) -> str | None:
+    """`torch_decode_unsupported_reason` for `torch_extend`'s inputs: also qo_indptr, an int32
+    torch tensor on q's device."""
+    reason = torch_decode_unsupported_reason(q, kv_pool, kv_indptr, kv_indices)
+    if reason is not None:
+        return reason
+    import torch
+
+    if not isinstance(qo_indptr, torch.Tensor):
+        return f"qo_indptr is not a torch.Tensor ({type(qo_indptr).__name__})"
+    if qo_indptr.dtype != torch.int32:
+        return f"qo_indptr must be int32, got {qo_indptr.dtype}"
+    if qo_indptr.device != q.device:
+        return f"qo_indptr is on {qo_indptr.device}, q on {q.device}"
+    return None
 
 
 def _keyed_launcher(q, kv_pool, x, y, *, sm_scale: float, s_q: int, page_size: int,
@@ -120,6 +141,70 @@ def torch_decode(q, kv_pool, kv_indptr, kv_indices, *, sm_scale: float, s_q: int
                                v_head_dim=v_head_dim, kernel=kernel)
     return launcher(q, kv_pool, kv_indptr, kv_indices, out=out, lse=lse, k_scale=k_scale,
                     v_scale=v_scale)
+
+
+def torch_extend_config(q, kv_pool, kv_indices, *, batch: int, sm_scale: float,
+                        causal: bool = True, max_kv_len: int | None = None,
+                        v_head_dim: int = 512):
+    """The `ExtendLaunchConfig` of these torch tensors' shapes and dtypes for up to `batch`
+    requests: q [T, H, D] (q_capacity: T's `prefill_capacity`), kv_pool [rows, ...] of q's
+    dtype or an fp8 dtype (validated by the configuration), kv_indices [capacity]."""
+    if q.dim() != 3:
+        raise LauncherArgumentError(f"q has shape {list(q.shape)}; the extend launcher takes "
+                                    "[T, H, D]")
+    kv_dtype = str(kv_pool.dtype).removeprefix("torch.")
+    return _extend.ExtendLaunchConfig(
+        num_heads=q.shape[1], q_capacity=prefill_capacity(q.shape[0]), batch=batch,
+        pool_rows=kv_pool.shape[0], kv_capacity=kv_indices.shape[0], sm_scale=float(sm_scale),
+        max_kv_len=max_kv_len, causal=causal, head_dim=q.shape[2], v_head_dim=v_head_dim,
+        dtype=str(q.dtype).removeprefix("torch."),
+        kv_dtype=kv_dtype if kv_dtype in _FP8_NAMES else None)
+
+
+def torch_extend_launcher(q, kv_pool, kv_indices, *, batch: int, sm_scale: float,
+                          causal: bool = True, max_kv_len: int | None = None,
+                          v_head_dim: int = 512):
+    """The cached extend launcher (`ExtendLauncher`) `torch_extend` runs: `torch_extend_config`
+    with `batch` at its `prefill_batch_capacity`, so calls of any batch size share a bounded
+    set of launchers (q rows are bucketed by `prefill_capacity` there). Raises
+    LauncherUnavailable where it cannot run, ValueError for a configuration it does not
+    take."""
+    config = torch_extend_config(q, kv_pool, kv_indices, batch=prefill_batch_capacity(batch),
+                                 sm_scale=sm_scale, causal=causal, max_kv_len=max_kv_len,
+                                 v_head_dim=v_head_dim)
+    key = (config, q.get_device())
+    launcher = _TORCH_EXTEND.get(key)
+    if launcher is None:
+        launcher = _TORCH_EXTEND[key] = _extend.extend_launcher(config, q.device)
+    return launcher
+
+
+def torch_extend(q, kv_pool, qo_indptr, kv_indptr, kv_indices, *, sm_scale: float,
+                 causal: bool = True, max_kv_len: int | None = None, v_head_dim: int = 512,
+                 out=None, lse=None, k_scale=None, v_scale=None, return_lse: bool = True):
+    """`mla_extend` on torch CUDA tensors through the extend launcher of their buckets
+    (`torch_extend_launcher`; the decode kernels over query chunks, on torch's stream).
+
+    q [T, H, D], kv_pool [rows, D] / [rows, 1, D] of q's dtype or float8_e4m3fn, qo_indptr
+    int32 [B+1] (queries), kv_indptr int32 [B+1] (keys, kv_len >= q_len for a causal request,
+    bottom-right aligned), kv_indices int32 [capacity] (token slots) -> (out [T, H,
+    v_head_dim], lse float32 [T, H], or None with return_lse=False). A query with no key gets
+    out 0 and lse +inf. The step's layout is computed per call (a caller running many layers
+    of one step keeps `torch_extend_launcher(...).layout(...)` and calls the launcher).
+    Raises LauncherUnavailable where the launcher cannot run, LauncherArgumentError for
+    misuse."""
+    reason = torch_extend_unsupported_reason(q, kv_pool, qo_indptr, kv_indptr, kv_indices)
+    if reason is not None:
+        raise LauncherUnavailable(reason)
+    if qo_indptr.dim() != 1 or qo_indptr.shape[0] < 2:
+        raise LauncherArgumentError(f"qo_indptr has shape {list(qo_indptr.shape)}; it must be "
+                                    "[B + 1] with B >= 1")
+    launcher = torch_extend_launcher(q, kv_pool, kv_indices, batch=qo_indptr.shape[0] - 1,
+                                     sm_scale=sm_scale, causal=causal, max_kv_len=max_kv_len,
+                                     v_head_dim=v_head_dim)
+    step = launcher.layout(qo_indptr, kv_indptr, kv_indices, num_q=q.shape[0])
+    return launcher(q, kv_pool, step, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale,
+                    return_lse=return_lse)
 
 
 _REGISTERED: dict[str, object] = {}

@@ -86,17 +86,13 @@ def _resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, *, s_q: int,
 
 def _extend_launcher(q3, pool, kv_indices, *, batch: int, max_kv: int | None, layer):
     """The extend launcher of these shapes, or a string saying why there is none."""
-    from funcmla.interop.launcher import LauncherUnavailable
-    from funcmla.interop.launcher.extend import ExtendLaunchConfig, extend_launcher
+    from funcmla.interop.launcher import LauncherUnavailable, torch_extend_config
+    from funcmla.interop.launcher.extend import extend_launcher
 
-    fp8 = FP8_DTYPES.get(pool.dtype)
-    try:
-        config = ExtendLaunchConfig(
-            num_heads=q3.shape[1], q_capacity=prefill_capacity(q3.shape[0]), batch=batch,
-            pool_rows=pool.shape[0], kv_capacity=kv_indices.shape[0],
-            sm_scale=float(layer.scaling), max_kv_len=max_kv, head_dim=q3.shape[2],
-            v_head_dim=layer.v_head_dim, dtype=str(q3.dtype).removeprefix("torch."),
-            kv_dtype=None if fp8 is None else str(pool.dtype).removeprefix("torch."))
+    try:  # the batch of the step's metadata, as the backend's `Buckets` shape it
+        config = torch_extend_config(q3, pool, kv_indices, batch=batch,
+                                     sm_scale=float(layer.scaling), max_kv_len=max_kv,
+                                     v_head_dim=layer.v_head_dim)
         return extend_launcher(config, q3.device)
     except LauncherUnavailable as err:
         return f"the extend launcher is unavailable: {err}"
