@@ -58,6 +58,7 @@ from funcmla.attention.pallas.mgpu_ops import (
     mgpu_params,
     mma_acc,
     mma_acc_and,
+    store,
     swizzled,
 )
 from funcmla.attention.pallas.decode_common import (
@@ -223,7 +224,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     def _store(out, which: int, lse):
         """Output half `which` ([64, 256], this block's rows and split) and, with `lse`, the
         block's lse, through shared memory to global memory."""
-        o_stage[which] = out.astype(o_stage.dtype)
+        store(o_stage.at[which], out.astype(o_stage.dtype), interpret)
         if lse is not None:
             lse_stage[...] = lse
         plgpu.commit_smem()

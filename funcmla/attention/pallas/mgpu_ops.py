@@ -1,7 +1,7 @@
 """Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
-jax 0.10.2): a load in a layout, a layout cast, an iota, accumulating `wgmma`s, the transforms
-of a swizzled shared-memory operand, and the interpreter parameters. Used by `decode_mgpu`,
+jax 0.10.2): a load in a layout, a store of registers, a layout cast, an iota, accumulating
+`wgmma`s, the transforms of a swizzled shared-memory operand, and the interpreter parameters. Used by `decode_mgpu`,
 `decode_mgpu_fp8`, `mgpu_kv_copy` and `prefill_mgpu`.
 """
 
@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["load", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled", "mgpu_params"]
+__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled", "mgpu_params"]
 
 
 # jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
@@ -32,6 +32,22 @@ def load(ref, layout, interpret: bool):
     if _LOAD_NEEDS_INDEX:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
+
+
+# jax 0.12 lowers `ref[...] = x` as a transfer that must avoid shared-memory bank conflicts
+# and refuses one it cannot plan (TransferPlanDerivationError, e.g. the WGMMA layout into an
+# unswizzled output stage); its `plgpu.store(..., optimized=False)` is the plain transfer that
+# jax 0.10 / 0.11 lower `ref[...] = x` to, and which they have no `plgpu.store` for.
+_HAS_STORE = hasattr(plgpu, "store")
+
+
+def store(ref, x, interpret: bool) -> None:
+    """ref[...] = x from registers as a plain transfer (the one jax 0.10-0.11 emit, on jax 0.12
+    too, where `ref[...] =` demands a bank-conflict-free plan)."""
+    if interpret or not _HAS_STORE:
+        ref[...] = x
+    else:
+        plgpu.store(ref, x, optimized=False)
 
 
 def in_layout(x, layout, interpret: bool):

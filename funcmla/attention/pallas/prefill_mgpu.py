@@ -48,6 +48,7 @@ from funcmla.attention.pallas.mgpu_ops import (
     load,
     mgpu_params,
     mma_acc_and,
+    store,
     swizzled,
 )
 
@@ -336,7 +337,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
         lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
         # q is dead (its last q k^T was waited for): the output staging reuses its memory.
-        o_stages[w][...] = out.astype(o_stages[w].dtype)
+        store(o_stages[w], out.astype(o_stages[w].dtype), interpret)
         lse_stages[w][...] = lse
         plgpu.commit_smem()
         n_rows = jnp.clip(q_len - row0, 0, ROWS)
