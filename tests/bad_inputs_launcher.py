@@ -78,7 +78,7 @@ def _err(name):
 
 def _argument_case(name, bad, match, kv_dtype=None):
     return BadInput(f"launcher.{name}", lambda: _call(kv_dtype, **bad), _err("argument"), match,
-                    needs=("torch",))
+                    needs=("torch", "lowering"))
 
 
 def _fp8_case(name, bad, match):
@@ -207,7 +207,7 @@ CASES: list[BadInput] = [
     BadInput("launcher.config_num_seqs", lambda: _config(num_seqs=0), ValueError,
              (r"num_seqs", r"positive int, got 0")),
     BadInput("launcher.mgpu_shape", _mgpu_on_16_heads, _err("unavailable"),
-             (r"s_q\*H = 16", r"multiple of 64")),
+             (r"s_q\*H = 16", r"multiple of 64"), needs=("torch", "launcher")),
     BadInput("launcher.jaxlib_untested", _untested_jaxlib, _err("unavailable"),
              (r"jaxlib 0.99.1", r"0.10.2, 0.11.2")),
     BadInput("launcher.torch_decode_cpu", _torch_decode_on_cpu, _err("unavailable"),

@@ -79,7 +79,7 @@ def _err():
 
 def _case(name, bad, match):
     return BadInput(f"launcher_prefill.call_{name}", lambda: _call(**bad), _err(), match,
-                    needs=("torch",))
+                    needs=("torch", "launcher"))
 
 
 def _config(**kw):

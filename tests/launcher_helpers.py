@@ -57,6 +57,10 @@ def _lowering_available() -> str | None:
 
 needs_lowering = pytest.mark.skipif(_lowering_available() is not None,
                                     reason="no Pallas Triton lowering for CUDA on this install")
+# the launchers' extraction runs on the jaxlibs it was tested on (`support.TESTED_JAXLIB`); on
+# another, building one raises LauncherUnavailable by design
+needs_launcher = pytest.mark.skipif(L.jaxlib_unsupported_reason() is not None,
+                                    reason=f"{L.jaxlib_unsupported_reason()}")
 
 
 

@@ -34,6 +34,14 @@ def _available(need: str) -> bool:
         import jax
 
         return jax.devices()[0].platform == "gpu"
+    if need == "launcher":  # a jaxlib the launchers' extraction was tested on
+        from funcmla.interop.launcher import jaxlib_unsupported_reason
+
+        return jaxlib_unsupported_reason() is None
+    if need == "lowering":  # and the decode kernels' Pallas Triton lowering for CUDA
+        from tests.launcher_helpers import _lowering_available
+
+        return _lowering_available() is None
     raise ValueError(f"unknown requirement {need!r}")
 
 

@@ -334,7 +334,8 @@ def test_mosaic_calls_the_launcher_cannot_wire_are_refused(config, aliases, matc
 # ----------------------------------------------------------------------------- jaxlib support
 def test_untested_jaxlib_is_refused_with_the_reason(monkeypatch):
     monkeypatch.delenv("FUNCMLA_LAUNCHER_ANY_JAXLIB", raising=False)
-    assert L.jaxlib_unsupported_reason() is None  # this CI's jaxlib is a tested one
+    here = L.support.jaxlib_version()
+    assert (L.jaxlib_unsupported_reason() is None) == (here in L.TESTED_JAXLIB)
     monkeypatch.setattr(L.support, "jaxlib_version", lambda: "0.99.0")
     why = L.jaxlib_unsupported_reason()
     assert "jaxlib 0.99.0" in why and "0.10.2" in why and "0.11.2" in why

@@ -353,6 +353,7 @@ def test_mosaic_launcher_wires_the_host_function_then_the_merge(splits, page_siz
     assert len(rec.launches) == n  # a refused call launches nothing
 
 
+@needs_lowering
 @pytest.mark.parametrize("c_checks", [True, False])
 def test_misuse_raises_and_never_launches(c_checks):
     cfg = L.DecodeLaunchConfig(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32,

@@ -32,7 +32,7 @@ from funcmla.interop.launcher import prefill as P
 from funcmla.interop.launcher.prefill_layout import torch_prefill_layout
 from tests.launcher_helpers import (ContractPrefillKernel, attend_f64, bits,
                                     contract_prefill_launcher, host_view, needs_gpu,
-                                    prefill_config)
+                                    needs_launcher, prefill_config)
 
 SCALE = 0.125
 H = 2
@@ -81,6 +81,7 @@ def test_layout_refuses_more_than_the_geometry_holds():
 
 
 # ----------------------------------------------------------------------------- plan
+@needs_launcher
 def test_plan_is_the_kernel_with_each_operand_a_parameter():
     plan = P.prefill_plan(CFG)
     g = plan.geometry
@@ -139,6 +140,7 @@ def _expected(q, k, v, qo, kv, causal=True):
     return out, lse
 
 
+@needs_launcher
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("q_lens,kv_lens", [
     ([70, 0, 1, 64], [100, 0, 33, 64]),    # unaligned starts, an empty request, q_len = 1
@@ -165,6 +167,7 @@ def test_launcher_wires_the_layout_and_gathers_back(native, q_lens, kv_lens):
     assert torch.equal(o2, out) and torch.equal(l2, lse)
 
 
+@needs_launcher
 def test_full_attention_and_empty_q():
     cfg = P.PrefillLaunchConfig(num_heads=H, q_capacity=128, kv_capacity=128, batch=2,
                                 sm_scale=SCALE, causal=False,
@@ -179,6 +182,7 @@ def test_full_attention_and_empty_q():
     assert out.shape == (0, H, 128) and lse.shape == (0, H)
 
 
+@needs_launcher
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
 def test_fp8_operands_are_dequantized_as_mha_prefill_does(dtype):
     """fp8 q / k / v with a float, a tensor and no scale: the kernel's bf16 inputs, hence out
@@ -204,6 +208,7 @@ def test_fp8_operands_are_dequantized_as_mha_prefill_does(dtype):
     np.testing.assert_array_equal(lse.numpy(), want_lse)
 
 
+@needs_launcher
 def test_bad_tensors_launch_nothing():
     """Every call case of the bad-input battery (tests/bad_inputs_launcher_prefill.py) raises
     before the kernel's host function runs."""

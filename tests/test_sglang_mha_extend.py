@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from funcmla.interop.sglang import mha_extend as mx
 from funcmla.interop.sglang_backend import ForwardMode, RadixAttention
-from tests.launcher_helpers import bits, contract_prefill_launcher, needs_gpu
+from tests.launcher_helpers import (bits, contract_prefill_launcher, needs_gpu,
+                                    needs_launcher)
 from tests.test_interop_sglang import SCALE, _fb, _setup, rel_err
 
 
@@ -125,6 +126,7 @@ def _no_host_reads(m):
     m.setattr(torch, "equal", no_host_read)
 
 
+@needs_launcher
 @pytest.mark.parametrize("prefix,extend", [([0, 23, 64, 5], [17, 1, 40, 30]),
                                            ([0, 0, 0], [17, 40, 30])])
 def test_mha_extend_through_the_torch_launcher(prefix, extend, monkeypatch):
