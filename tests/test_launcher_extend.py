@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from funcmla.attention.pallas import extend as X
 from funcmla.interop import launcher as L
 from funcmla.interop.launcher import extend as E
+from funcmla.interop.launcher import torch_entry as TE
 from tests.launcher_helpers import SCALE, bits, needs_gpu, needs_lowering
 
 
@@ -262,8 +263,6 @@ def test_bad_inputs_launch_nothing():
 def _stand_in_extend(monkeypatch, pool_np):
     """torch_extend over the stand-in decode: a fresh launcher cache, the CUDA checks off;
     returns the list of configurations built."""
-    from funcmla.interop.launcher import torch_entry as TE
-
     built = []
 
     def stand_in(config, device):
@@ -491,6 +490,7 @@ def test_sglang_extend_runs_the_extend_launcher(page_size, monkeypatch):
 
     monkeypatch.setattr(E, "extend_launcher", stand_in)
     monkeypatch.setattr(E.ExtendLauncher, "layout", counted)
+    monkeypatch.setattr(TE, "_TORCH_EXTEND", {})
     h, t = 16, sum(extend)
     layer = RadixAttention(tp_q_head_num=h, scaling=SCALE)
     q = torch.from_numpy(rng.standard_normal((t, h * 576)).astype(np.float32)).bfloat16()
@@ -499,7 +499,7 @@ def test_sglang_extend_runs_the_extend_launcher(page_size, monkeypatch):
     out = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
     assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
     assert backend.last_launcher_reason is None and len(built) == 1 and layouts == [t]
-    assert built[0].q_capacity == 128 and built[0].chunk == 4
+    assert (built[0].q_capacity, built[0].batch, built[0].chunk) == (128, 8, 4)
     want = torch_native_mla_extend(q.view(t, h, 576), pool.kv_buffer[0], b.req_to_token,
                                    b.req_pool_indices, b.seq_lens, b.extend_prefix_lens,
                                    b.extend_seq_lens, sm_scale=SCALE,

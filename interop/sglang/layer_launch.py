@@ -5,10 +5,10 @@ closure q -> out once per step key and layer (the backend caches it), which then
 lookup, out's allocation and one launch. Extend-shaped steps (an extend with a prefix,
 target-verify or draft-extend with more draft tokens) run the extend launcher
 (`funcmla.interop.launcher.extend`, `mla_extend` on torch's stream): `extend_launch` finds the
-launcher of the step's buckets (q rows at `prefill_capacity`, the batch bucket, the kv_indices
-capacity) and the step's pseudo-sequence layout, computed once per step for all layers (and
-once more inside a CUDA-graph capture, whose replays then recompute it from the captured
-metadata buffers). Either returns None where its launcher cannot run these inputs;
+launcher of the step's buckets (q rows at `prefill_capacity`, requests at
+`prefill_batch_capacity`, the kv_indices capacity) and the step's pseudo-sequence layout,
+computed once per step for all layers (and once more inside a CUDA-graph capture, whose
+replays then recompute it from the captured metadata buffers). Either returns None where its launcher cannot run these inputs;
 `mla_attention` then runs the layer and records why.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from funcmla.attention.pallas.prefill_layout import prefill_capacity
+from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
 from funcmla.interop.backend_select import _launcher_reason, launcher_scale
 from funcmla.interop.dlpack import FP8_DTYPES
 
@@ -85,15 +85,15 @@ def _resolve_decode_launcher(q3, pool, kv_indptr, kv_indices, *, s_q: int,
 
 
 def _extend_launcher(q3, pool, kv_indices, *, batch: int, max_kv: int | None, layer):
-    """The extend launcher of these shapes, or a string saying why there is none."""
-    from funcmla.interop.launcher import LauncherUnavailable, torch_extend_config
-    from funcmla.interop.launcher.extend import extend_launcher
+    """The extend launcher of these shapes (`torch_extend_launcher`: q rows and requests
+    bucketed, so eager steps of new batch sizes reuse a compiled launcher), or a string saying
+    why there is none."""
+    from funcmla.interop.launcher import LauncherUnavailable, torch_extend_launcher
 
-    try:  # the batch of the step's metadata, as the backend's `Buckets` shape it
-        config = torch_extend_config(q3, pool, kv_indices, batch=batch,
+    try:
+        return torch_extend_launcher(q3, pool, kv_indices, batch=batch,
                                      sm_scale=float(layer.scaling), max_kv_len=max_kv,
                                      v_head_dim=layer.v_head_dim)
-        return extend_launcher(config, q3.device)
     except LauncherUnavailable as err:
         return f"the extend launcher is unavailable: {err}"
     except (ValueError, TypeError, RuntimeError) as err:  # a shape or dtype it does not take
@@ -113,11 +113,12 @@ def extend_launch(backend, q: torch.Tensor, layer, step: tuple) -> torch.Tensor 
     heads = layer.tp_q_head_num
     q3 = q.reshape(-1, heads, layer.qk_head_dim)
     pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    batch = fm.qo_indptr.shape[0] - 1
-    # keyed by the q-row bucket, not the count: a bounded set of launchers over a serving run
+    batch = fm.qo_indptr.shape[0] - 1  # the live batch: the views are cut to it
+    # keyed by the q-row and batch buckets, not the counts: a bounded set of launchers over a
+    # serving run (`torch_extend_launcher` buckets both the same way)
     key = ("extend", prefill_capacity(q3.shape[0]), q3.shape[1:], q3.dtype, pool.shape,
-           pool.dtype, kv_indices.shape, batch, max_kv, layer.v_head_dim, layer.scaling,
-           q3.device)
+           pool.dtype, kv_indices.shape, prefill_batch_capacity(batch), max_kv,
+           layer.v_head_dim, layer.scaling, q3.device)
     launcher = backend._decode_launchers.get(key)
     if launcher is None:
         launcher = _extend_launcher(q3, pool, kv_indices, batch=batch, max_kv=max_kv,
