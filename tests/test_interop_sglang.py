@@ -485,7 +485,8 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
             assert kv_pool.data_ptr() == pool.kv_buffer[layer_id].data_ptr() and s_q == 1
             assert kv_indices.shape == (256,)  # the capacity bucket, not this step's tokens
             assert kv_indices.data_ptr() == backend.forward_metadata.kv_indices.data_ptr()
-            assert kv_indptr is backend.forward_metadata.kv_indptr
+            assert kv_indptr is backend._kv_indptr_full  # batch 4 is its own bucket
+            assert torch.equal(kv_indptr, backend.forward_metadata.kv_indptr)
             if layer_id == 0:
                 assert rel_err(out.view(4, H, 512), want) < 4e-3
     assert len(calls) == 6
@@ -501,6 +502,36 @@ def test_torch_launcher_path_gets_static_capacity_inputs(monkeypatch):
                                          backend._kv_indices_full))
     assert res.via == "jax" and res.launcher_reason == "q is on cpu, not a CUDA device"
     assert len(calls) == 6
+
+
+def test_eager_decode_of_new_batch_sizes_shares_the_bucket_launcher(monkeypatch):
+    """Eager decode steps of 5, 7 and 6 requests (one batch bucket, 8; one KV bucket) run one
+    launcher built for the bucket: q copied into the bucket's rows, kv_indptr over the bucket
+    (the padded requests empty), out cut to the live rows, each equal to SGLang's torch-native
+    decode."""
+    from funcmla.interop import launcher
+
+    monkeypatch.setitem(backend_select._REASONS, "pallas", lambda: None)
+    builds, calls = [], []
+    monkeypatch.setattr(launcher, "torch_decode_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(launcher, "torch_decode_launcher", _stand_in_launcher(builds, calls))
+    rng, b, pool, backend = _setup(23, [37, 0, 40, 9, 60, 3, 20], [1] * 7, 16,
+                                   attention_backend="pallas", torch_launcher=True)
+    layer = RadixAttention(H, SCALE, 0)
+    for n in (5, 7, 6):
+        rpi, seq = b.req_pool_indices[:n], b.seq_lens[:n]
+        fb = ForwardBatch(ForwardMode.DECODE, n, rpi, seq, seq, int(seq.sum()))
+        backend.init_forward_metadata(fb)
+        q = torch.from_numpy(rng.standard_normal((n, H * 576)).astype(np.float32)).bfloat16()
+        out = backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
+        assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
+        assert out.shape == (n, H * 512)
+        kv_indptr = calls[-1][1]
+        assert kv_indptr.shape == (9,) and int(kv_indptr[n]) == int(kv_indptr[8])
+        want = torch_native_mla_decode(q.view(n, H, 576), pool.kv_buffer[0], b.req_to_token,
+                                       rpi, seq, sm_scale=SCALE, compute_dtype=torch.float32)
+        assert rel_err(out.view(n, H, 512), want) < 4e-3
+    assert len(builds) == 1 and builds[0][:3] == ((8, H, 576), (256,), 1)  # one KV bucket too
 
 
 def test_layer_launch_is_resolved_once_per_step_key_and_layer(monkeypatch):

@@ -171,9 +171,12 @@ class FuncMLAAttnBackend:
         self._ext_step = None  # this step's extend-launcher layout (layer_launch.extend_launch)
         self.torch_launcher = torch_launcher
         self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
+        # kv_indptr over the batch bucket (padded requests empty): the decode launcher's shape
+        self._kv_indptr_full: torch.Tensor | None = None
         self._req_to_token_jax = to_jax(req_to_token)  # long-lived: imported once
         self._kv_jax: dict = {}
         self._decode_launchers: dict = {}  # (step shapes, layer shapes) -> launcher or False
+        self._decode_q_pads: dict = {}  # the same keys -> q rows of a batch bucket (eager)
         self._fillers: dict = {}
         self._pointers = _PointerStage(self.device)
         self._layer_launch: dict = {}  # layer id -> (layer, step key, launch)
@@ -416,6 +419,7 @@ class FuncMLAAttnBackend:
                 plan["fp8_prefill_kv_indices"] = view("fp8_prefill_kv_indices", total)
         if self.torch_launcher:
             self._kv_indices_full = view("kv_indices", spec.capacity)
+            self._kv_indptr_full = view("kv_indptr", spec.batch + 1)
         return ForwardMetadata(
             view("kv_indptr", batch + 1), view("kv_indices", total),
             view("qo_indptr", batch + 1), view("kv_last_page_len", batch), max_q, max_kv,
@@ -443,14 +447,15 @@ class FuncMLAAttnBackend:
                     [plan["work_indptr"].data_ptr(), plan["work_info_set"].data_ptr()],
                     dtype=torch.int64).to(self.device).view(torch.uint64)
             cached = (view("kv_indptr", batch + 1), view("qo_indptr", batch + 1),
-                      view("kv_last_page_len", batch), plan, view("kv_indices", spec.capacity))
+                      view("kv_last_page_len", batch), plan, view("kv_indices", spec.capacity),
+                      view("kv_indptr", spec.batch + 1))
             self._launch_views[key] = cached
-        kv_indptr, qo_indptr, last, plan, full = cached
+        kv_indptr, qo_indptr, last, plan, full, indptr_full = cached
         if kind == "extend" and plan:
             plan = dict(plan, fp8_prefill_kv_indices=buf.as_strided(
                 (total,), (1,), step_layout(spec).offsets["fp8_prefill_kv_indices"]))
         if self.torch_launcher:
-            self._kv_indices_full = full
+            self._kv_indices_full, self._kv_indptr_full = full, indptr_full
         return ForwardMetadata(kv_indptr, full[:total], qo_indptr, last, max_q, max_kv,
                                run_graph=False, num_kv_splits=self._num_kv_splits(), **plan)
 
@@ -567,7 +572,7 @@ class FuncMLAAttnBackend:
                              num_kv_splits=self._num_kv_splits(), **self._graph_plan)
         self._graph_meta[(kind, bs)] = fm
         self.forward_metadata = fm
-        self._kv_indices_full = v["kv_indices"]
+        self._kv_indices_full, self._kv_indptr_full = v["kv_indices"], fm.kv_indptr
         self._jax_meta, self._mode = meta, kind
         self._max_kv_bound = self._kv_bound(max_kv, seq, n)
 
@@ -591,7 +596,7 @@ class FuncMLAAttnBackend:
         _, max_kv, _ = self._host_scalars(kind, seq, n)
         fm.max_kv_len = max_kv
         self.forward_metadata, self._mode = fm, kind
-        self._kv_indices_full = fm.kv_indices
+        self._kv_indices_full, self._kv_indptr_full = fm.kv_indices, fm.kv_indptr
         self._max_kv_bound = self._kv_bound(max_kv, seq, n)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -610,14 +615,16 @@ class FuncMLAAttnBackend:
 
     def _step_key(self) -> tuple:
         """What a decode launch depends on from the step: (s_q, kv_indptr, kv_indices at
-        the capacity, the kv-length bound), as one object that stays the same across steps
-        while these do (the launched metadata's views are made once per bucket and batch), so
-        a layer's launch (`_launch_decode`) is resolved once, not once a step."""
+        the capacity, the kv-length bound, kv_indptr over the batch bucket), as one object
+        that stays the same across steps while these do (the launched metadata's views are
+        made once per bucket and batch), so a layer's launch (`_launch_decode`) is resolved
+        once, not once a step."""
         s_q = pallas_route(self._mode, self._jax_meta)[1]
-        key = (s_q, self.forward_metadata.kv_indptr, self._kv_indices_full, self._max_kv_bound)
+        key = (s_q, self.forward_metadata.kv_indptr, self._kv_indices_full, self._max_kv_bound,
+               self._kv_indptr_full)
         last = self._step_key_last
         if last is not None and last[0] == key[0] and last[1] is key[1] and last[2] is key[2] \
-                and last[3] == key[3]:
+                and last[3] == key[3] and last[4] is key[4]:
             key = last
         self._step_key_now = self._step_key_last = key
         return key
