@@ -46,9 +46,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
-    copy_tile,
+    fill_stage,
     gather_rows,
-    gather_tile,
     gathers,
 )
 from funcmla.attention.pallas.mgpu_ops import (
@@ -191,23 +190,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_lo, BLOCK_M)], q_smem, q_bar)
 
-        def free_stage(i, slot):  # the stage's previous tile is released by both consumers
-            @pl.when(i >= _STAGES)
-            def _():
-                with jax.named_scope("wait_free"):
-                    plgpu.barrier_wait(k_empty.at[slot])
-
-        def fill(i, rows):
-            slot = lax.rem(i, _STAGES)
-            tile = first + i
-            free_stage(i, slot)
-            if gather:  # the next tile's rows load while this one's copies land
-                return gather_tile(kv_ref, table_ref, kv_smem, slot, rows, k_full.at[slot],
-                                   start_entry, tile, kv_len, page_size=page_size,
-                                   swizzle=_SWIZZLE, async_proxy=True, interpret=interpret)
-            copy_tile(kv_ref, table_ref, kv_smem.at[slot], k_full.at[slot], start_entry, tile,
-                      kv_len, page_size=page_size)
-            return rows
+        # a stage is released by both consumers
+        fill = functools.partial(fill_stage, kv_ref, table_ref, kv_smem, k_full, k_empty,
+                                 first=first, start_entry=start_entry, kv_len=kv_len,
+                                 num_stages=_STAGES, page_size=page_size, swizzle=_SWIZZLE,
+                                 async_proxy=True, interpret=interpret)
 
         rows0 = (gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
                              page_size=page_size, swizzle=_SWIZZLE, interpret=interpret)

@@ -71,9 +71,8 @@ from funcmla.attention.pallas.decode_common import (
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
-    copy_tile,
+    fill_stage,
     gather_rows,
-    gather_tile,
     gathers,
 )
 from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params, swizzled
@@ -299,22 +298,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 2)
     def _producer():
-        def free_stage(i, slot):  # the stage's previous tile was converted by its consumer
-            @pl.when(i >= _STAGES)
-            def _():
-                plgpu.barrier_wait(k_empty.at[slot])
-
-        def fill(i, rows):
-            slot = lax.rem(i, _STAGES)
-            tile = first + i
-            free_stage(i, slot)
-            if gather:  # the next tile's rows load while this one's copies land
-                return gather_tile(kv_ref, table_ref, stages, slot, rows, k_full.at[slot],
-                                   start_entry, tile, kv_len, page_size=page_size,
-                                   swizzle=_FP8_SWIZZLE, async_proxy=False, interpret=interpret)
-            copy_tile(kv_ref, table_ref, stages.at[slot], k_full.at[slot], start_entry, tile,
-                      kv_len, page_size=page_size)
-            return rows
+        # a stage is released once its consumer has converted the tile
+        fill = functools.partial(fill_stage, kv_ref, table_ref, stages, k_full, k_empty,
+                                 first=first, start_entry=start_entry, kv_len=kv_len,
+                                 num_stages=_STAGES, page_size=page_size,
+                                 swizzle=_FP8_SWIZZLE, async_proxy=False, interpret=interpret)
 
         def prepare():  # q's rows, then the registers go to the consumers
             _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,

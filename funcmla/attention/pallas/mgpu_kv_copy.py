@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.mgpu_ops import swizzled
 
 __all__ = ["BLOCK_KV", "gathers", "arrivals_per_tile", "gather_rows", "gather_tile",
-           "copy_tile"]
+           "copy_tile", "fill_stage"]
 
 BLOCK_KV = 64  # KV tokens per tile
 
@@ -241,4 +241,28 @@ def gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry, tile, 
                            page_size=page_size, swizzle=swizzle, interpret=interpret)
         _gather_wait(async_proxy=async_proxy, interpret=interpret)
         plgpu.barrier_arrive(full)
+    return rows
+
+
+def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_entry, kv_len, *,
+               num_stages: int, page_size: int, swizzle: int, async_proxy: bool,
+               interpret: bool):
+    """The producer's step i of a fori_loop over a split's tiles (tile first + i into stage
+    i % num_stages of `stages`): waits until the stage's previous tile is released (barrier
+    `empty`, from step num_stages on), then fills it (`gather_tile` at pages under 8, with
+    `rows` the loop carry; else `copy_tile`), arriving on barrier `full`. Returns the carry."""
+    slot = lax.rem(i, num_stages)
+    tile = first + i
+
+    @pl.when(i >= num_stages)
+    def _():
+        with jax.named_scope("wait_free"):
+            plgpu.barrier_wait(empty.at[slot])
+
+    if gathers(page_size):  # the next tile's rows load while this one's copies land
+        return gather_tile(kv_ref, table_ref, stages, slot, rows, full.at[slot], start_entry,
+                           tile, kv_len, page_size=page_size, swizzle=swizzle,
+                           async_proxy=async_proxy, interpret=interpret)
+    copy_tile(kv_ref, table_ref, stages.at[slot], full.at[slot], start_entry, tile, kv_len,
+              page_size=page_size)
     return rows
