@@ -409,7 +409,9 @@ def main(argv=None):
             [[r["mode"], r["batch"], r["eager_us"], r.get("eager_jax_us"), r["replay_us"],
               r.get("replay_jax_us"), r["sync_free"]] for r in launch])
         try:
-            full = [] if args.no_jax else full_step_rows(device, [1, 64, 256], 4096, args.reps)
+            # 60: below its batch bucket (64), the layers' padded launch (q into the bucket's rows)
+            full = [] if args.no_jax else full_step_rows(device, [1, 60, 64, 256], 4096,
+                                                         args.reps)
         except Exception as err:  # noqa: BLE001 - recorded: the attention could not run here
             full = [dict(error=f"{type(err).__name__}: {err}"[:400])]
         print_table("decode step: metadata + 61 layers (host) vs the 61 layers' device time",
