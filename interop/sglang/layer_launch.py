@@ -67,7 +67,8 @@ def layer_launch(backend, q: torch.Tensor, layer, step: tuple):
         # q as it came (either shape is the same bytes); a strided q is copied, as the
         # reshape of the general path does
         q = q if q.is_contiguous() else q.contiguous()
-        if pad is not None:  # the live rows into the bucket's (the rest stay zero)
+        if pad is not None:  # the live rows into the bucket's; the rows past them belong to
+            # the bucket's empty requests (out 0), so what they hold never reaches an output
             pad[:t].copy_(q.view(t, -1))
             q = pad
         out = empty_like(like, memory_format=contiguous)
