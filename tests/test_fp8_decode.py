@@ -199,7 +199,7 @@ def test_fp8_dispatch_runs_the_fp8_mosaic_kernel_where_it_applies(monkeypatch):
     assert name == "triton" and "128 is not one of" in why
     with pytest.raises(ValueError, match="page size 3"):
         kernel_choice(DecodeKernelConfig(kernel="mgpu"), q16, 3, 1, kv_dtype=FP8)
-    # refused in interpret mode (the interpreter stalls on it), never a hang
+    # refused in interpret mode (the interpreter deadlocks on it), never a hang
     with pytest.raises(ValueError, match="does not run in interpret mode"):
         kernel_choice(DecodeKernelConfig(kernel="mgpu"), q16, 64, 1, kv_dtype=FP8,
                       interpret=True)

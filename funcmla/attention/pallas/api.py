@@ -147,9 +147,9 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
                                                    q.dtype, dtype)
         if why is not None:
             why = f"kv_pool dtype {jnp.dtype(dtype).name}: the fp8 Mosaic GPU kernel {why}"
-        elif interpret:  # Mosaic GPU's interpreter stalls on its grids of several blocks
+        elif interpret:  # the interpreter deadlocks on its three warpgroups on 2 cores
             why = ("the fp8 Mosaic GPU kernel does not run in interpret mode (Mosaic GPU's "
-                   "interpreter stalls on it; docs/decode_kernel.md, \"fp8 KV\")")
+                   "interpreter deadlocks on it; docs/decode_kernel.md, \"fp8 KV\")")
     else:
         why = mgpu_decode_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype)
     if config.kernel == "mgpu":
