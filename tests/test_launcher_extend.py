@@ -477,20 +477,15 @@ def test_sglang_extend_runs_the_extend_launcher(page_size, monkeypatch):
                                    attention_backend="reference")
     backend.attention_backend = "pallas"  # as selected on an NVIDIA GPU
     pool_np = pool.kv_buffer[0][:, 0].float().numpy().astype(jnp.bfloat16)
-    built, layouts = [], []
+    layouts = []
     real_layout = E.ExtendLauncher.layout
 
     def counted(self, *a, **k):
         layouts.append(k["num_q"])
         return real_layout(self, *a, **k)
 
-    def stand_in(config, device):
-        built.append(config)
-        return E.ExtendLauncher(config, _ContractDecode(config.decode_config, pool_np))
-
-    monkeypatch.setattr(E, "extend_launcher", stand_in)
+    built = _stand_in_extend(monkeypatch, pool_np)
     monkeypatch.setattr(E.ExtendLauncher, "layout", counted)
-    monkeypatch.setattr(TE, "_TORCH_EXTEND", {})
     h, t = 16, sum(extend)
     layer = RadixAttention(tp_q_head_num=h, scaling=SCALE)
     q = torch.from_numpy(rng.standard_normal((t, h * 576)).astype(np.float32)).bfloat16()

@@ -1,8 +1,8 @@
 """Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
 jax 0.10.2): a load in a layout, a store of registers, a layout cast, an iota, accumulating
-`wgmma`s, the transforms of a swizzled shared-memory operand, and the interpreter parameters. Used by `decode_mgpu`,
-`decode_mgpu_fp8`, `mgpu_kv_copy` and `prefill_mgpu`.
+`wgmma`s, the transforms of a swizzled shared-memory operand, and the interpreter parameters.
+Used by `decode_mgpu`, `decode_mgpu_fp8`, `mgpu_kv_copy` and `prefill_mgpu`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled", "mgpu_params"]
+__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled",
+           "mgpu_params"]
 
 
 # jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
