@@ -6,21 +6,24 @@ wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
 
 * S^T = K q^T   [64 tokens, N]: K (fp8 bytes, converted to f16 in registers, `cvt` a pair)
   is the register A operand, q^T (f16, in shared memory) is B;
-* O^T += V^T P^T [512, N]: V^T (the same f16 registers, stored once to shared memory) is a
-  transposed A from shared memory, P^T (f16) is B. An 8-bit V could be neither (fp8 wgmma
-  operands must be K-major, and V's K is the token axis).
+* O^T += V^T P^T [512, N]: V^T is a register A operand too, built from the same fp8 stage in
+  another arrangement (`_v_operand`: each thread's 16 O^T rows are 16 contiguous latent
+  columns, so one 16-byte load a token feeds them), 16 tokens a `wgmma`; P^T (f16, in shared
+  memory) is B. An 8-bit V could be neither operand as it is (fp8 wgmma operands must be
+  K-major, and V's K is the token axis), and V never goes through shared memory as f16.
 
 One CUDA block handles one sequence and one KV split, with three warpgroups:
 
-* warpgroup 2 (producer): issues the first two 64-token fp8 tiles into the two landing
+* warpgroup 2 (producer): issues the first four 64-token fp8 tiles into the four landing
   stages (page >= 8: one TMA copy a tile or a page; page 1 to 4: a `cp.async` row gather),
   prepares q while they fly (`_prepare_q`: bf16 q from global memory, scaled to f16 and
-  stored swizzled, and the column scales), then refills a stage once its consumer has
-  converted it;
+  stored swizzled, and the column scales), then refills a stage once its consumer has its
+  last bytes in registers (after the tile's P V operands are loaded);
 * warpgroups 0 and 1 (consumers): the tiles alternate between them (tile i goes to consumer
-  i % 2, through stage i % 2), each running its own online softmax over its tiles with its
-  own accumulator (64 fp32 registers a thread at N = 16); at the end consumer 1 hands its
-  (O^T, max, sum) through shared memory and consumer 0 merges the two and stores.
+  i % 2, through stage i % 4, so each consumer has a tile landing while it works on one),
+  each running its own online softmax over its tiles with its own accumulator (64 fp32
+  registers a thread at N = 16); at the end consumer 1 hands its (O^T, max, sum) through
+  shared memory and consumer 0 merges the two and stores.
 
 Scales: q is scaled per row by a power of two into f16's range (exact,
 `decode_common.f16_row_scales`); the kernel multiplies each score column by that row's
@@ -34,11 +37,12 @@ them in its own shared-memory scratch (Mosaic GPU's built-in reduction scratch i
 for the whole block, which two warpgroups reducing at once would share).
 
 Masking as in `decode_mgpu`: scores past a column's causal limit are selected to -inf, and
-in a partial last tile the converted K/V rows past kv_len are zeroed before they are used,
+in a partial last tile the K rows and V tokens past kv_len are zeroed before they are used,
 so no unused pool row (NaN, Inf) reaches the result. Each softmax sum stays a per-thread
 partial over its tokens until the end (one cross-warp reduction a tile, for the max, not
 two). Consumer 0 stores O^T from registers straight to global memory as [B, S, N, 512]
-(`_store_transposed`), so no XLA kernel runs around the launch. Splits and partials are those
+(`_store_transposed`, 16-value vector stores, un-permuting the rows), so no XLA kernel runs
+around the launch. Splits and partials are those
 of the other decode kernels (`split_tile_range`), so they share the merge. Runs on sm_90a.
 Mosaic GPU's interpreter deadlocks on it on a 2-core CPU (jax 0.10.2 at times, 0.12.0.1 every
 time): each warpgroup's barrier waits run as host callbacks on XLA:CPU's thread pool (two
@@ -90,8 +94,9 @@ ROWS = (16,)
 _CHUNK = 64       # columns per fp8 load and per q k^T group (128-byte f16 swizzle)
 _FP8_SWIZZLE = 64  # bytes; 64 fp8 columns per swizzle tile (576 is 9 of them)
 _Q_SWIZZLE = 128
-_STAGES = 2       # fp8 landing stages: one per consumer
+_STAGES = 4       # fp8 landing stages: two per consumer (a stage is held until its P V)
 _CONSUMERS = 2
+_D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
 # Per-consumer scratch of a cross-warp column reduction of [64, N] fp32: 4 warps x 32 lanes
 # x 2 values, enough for one register of the result at a time (shared memory is tight).
 _RED_BYTES = 4 * 32 * 2 * 4
@@ -255,8 +260,10 @@ def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_sca
 
 
 def _store_transposed(o_ref, x, b, split, interpret: bool):
-    """o_ref[b, split] = x.T: x [512, N] (WGMMA layout) into o_ref [B, S, N, 512] in global
-    memory, one 2- or 4-byte store per value (once a block; no shared-memory staging)."""
+    """o_ref[b, split] = x.T: x [512, N] (WGMMA layout, rows in `latent_column` order) into
+    o_ref [B, S, N, 512] in global memory, no shared-memory staging (once a block). A thread's
+    16 rows of x are 16 contiguous latent columns (`_v_operand`), so each of its 4 query rows is
+    one 16-value vector store."""
     if interpret:
         o_ref[b, split] = x.T
         return
@@ -266,11 +273,37 @@ def _store_transposed(o_ref, x, b, split, interpret: bool):
     def store(ctx, x, o, b, split):
         del ctx
         from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, memref
+        from jax._src.lib.mlir.dialects import arith, llvm, vector
+        from jax.experimental.mosaic.gpu import utils as mu
 
-        index = ir.IndexType.get()
-        bi, si = (arith.index_castui(index, v.registers.item()) for v in (b, split))
-        x.foreach(lambda v, idx: memref.store(v, o, [bi, si, idx[1], idx[0]]))
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        o_ty = ir.MemRefType(o.type)
+        _, n_splits, n_rows, d_v = o_ty.shape
+        itemsize = mu.bitwidth(o_ty.element_type) // 8
+        if x.registers.shape != (d_v // 64, n_rows // 8, 1, 1, 2, 1, 1, 1, 1):
+            raise NotImplementedError(f"WGMMA layout registers {x.registers.shape}")
+
+        def k(n, ty=i32):
+            return mu.c(n, ty)
+
+        t = arith.remui(mu.thread_idx(), k(128))
+        w, lane = arith.shrui(t, k(5)), arith.andi(t, k(31))
+        g, q4 = arith.shrui(lane, k(2)), arith.andi(lane, k(3))
+        col0 = arith.addi(arith.shli(w, k(7)), arith.shli(g, k(4)))
+        blk = arith.addi(arith.muli(b.registers.item(), k(n_splits)), split.registers.item())
+        gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(o))
+        vec_ty = ir.VectorType.get((16,), o_ty.element_type)
+        for ng in range(n_rows // 8):
+            for e in range(2):
+                n = arith.addi(arith.shli(q4, k(1)), k(8 * ng + e))
+                elem = arith.addi(arith.muli(arith.addi(arith.muli(blk, k(n_rows)), n),
+                                             k(d_v)), col0)
+                vals = [vector.extract(x.registers[c // 2, ng, 0, 0, c % 2, 0, 0, 0, 0],
+                                       dynamic_position=[], static_position=[e])
+                        for c in range(16)]
+                dst = mu.getelementptr(gptr, [arith.muli(arith.extui(i64, elem),
+                                                         k(itemsize, i64))], i8)
+                llvm.store(vector.from_elements(vec_ty, vals), dst, alignment=16)
 
     store(x, o_ref, b, split)
 
@@ -280,10 +313,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     n_meta = len(refs) - 8
     meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
         refs[:n_meta], refs[n_meta:])
-    (q_smem, scale_smem, stages, union0, union1, p_smem, red, q_bar, k_full, k_empty,
-     handed) = scratch
-    (v16_0,), (lse_stage,) = union0
-    (v16_1,), (acc1_smem, m_smem, l_smem) = union1
+    (q_smem, scale_smem, stages, lse_stage, acc1_smem, m_smem, l_smem, p_smem, red, q_bar,
+     k_full, k_empty, handed) = scratch
 
     blk = lax.axis_index("blk")
     split = lax.rem(blk, num_splits)
@@ -291,7 +322,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     wg = lax.axis_index("wg")
     rows = s_q * num_heads
     d = kv_ref.shape[1]
-    pv_swizzle = 2 * rows  # bytes of one P^T row (f16); V's tiles match it
+    pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
 
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
@@ -300,7 +331,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 2)
     def _producer():
-        # a stage is released once its consumer has converted the tile
+        # a stage is released once its consumer's P V has its last bytes in registers
         fill = functools.partial(fill_stage, kv_ref, table_ref, stages, k_full, k_empty,
                                  first=first, start_entry=start_entry, kv_len=kv_len,
                                  num_stages=_STAGES, page_size=page_size,
@@ -332,11 +363,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def consumer(c: int):
-        """Consumer c: tiles c, c + 2, ... through stage c and its own f16 V tile."""
+        """Consumer c: tiles c, c + 2, ... (step j's tile through stage (c + 2 j) % 4)."""
         plgpu.set_max_registers(232, action="increase")
-        v_ref = (v16_0, v16_1)[c]
         p_ref = p_smem.at[c]
-        stage = stages.at[c]
         plgpu.barrier_wait(q_bar)
         col_scale = load(scale_smem.at[0], col_layout, interpret)
         acc0 = in_layout(jnp.zeros((d_v, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
@@ -348,24 +377,20 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         n_chunks = d // _CHUNK
 
-        def scores(valid, masked: bool):
-            """S^T of the stage's tile [64, rows] fp32 (unscaled), a 64-column chunk at a time:
-            its fp8 bytes loaded and converted to f16 (rows past `valid` zeroed when
-            `masked`), its V columns stored to v_ref, its q k^T issued while the next chunk
-            converts; the stage is released once its last bytes are in registers."""
-            plgpu.barrier_wait(k_full.at[c])
+        def scores(slot, valid, masked: bool):
+            """S^T of stage `slot`'s tile [64, rows] fp32 (unscaled), a 64-column chunk at a
+            time: its fp8 bytes loaded and converted to f16 (rows past `valid` zeroed when
+            `masked`), its q k^T issued while the next chunk converts."""
+            stage = stages.at[slot]
+            plgpu.barrier_wait(k_full.at[slot])
 
             def convert(j):
                 x8 = load(stage.at[:, pl.ds(j * _CHUNK, _CHUNK)], plgpu.Layout.WGMMA_UPCAST_2X,
                            interpret)
-                if j == n_chunks - 1:
-                    plgpu.barrier_arrive(k_empty.at[c])  # the last bytes are in registers
                 x = in_layout(x8.astype(jnp.float16), plgpu.Layout.WGMMA, interpret)
                 if masked:
                     x = jnp.where(iota((BLOCK_KV, _CHUNK), 0, interpret) < valid, x,
                                   jnp.zeros_like(x))
-                if j * _CHUNK < d_v:
-                    _store_cols(v_ref, x, j * _CHUNK, pv_swizzle, interpret)
                 return x
 
             if interpret:
@@ -390,8 +415,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def step(j, carry, masked: bool):
             acc, m_i, l_i = carry
             tile = first + c + 2 * j
+            slot = lax.rem(c + 2 * j, _STAGES)
             valid = kv_len - tile * BLOCK_KV
-            s = scores(valid, masked)  # raw: the column scale multiplies s - max (below)
+            s = scores(slot, valid, masked)  # raw: the column scale multiplies s - max
             if masked:  # the iotas live only here (registers)
                 tok_iota = iota((BLOCK_KV, rows), 0, interpret)
                 col_iota = iota((BLOCK_KV, rows), 1, interpret)
@@ -405,9 +431,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
             plgpu.commit_smem()
-            _wg_sync(interpret)  # every thread's V and P stores, before P V reads them
+            _wg_sync(interpret)  # every thread's P stores, before P V reads them
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-            return _pv(acc, v_ref, p_ref, interpret), m_new, l_i
+            acc = _pv(acc, stages, slot, p_ref, lambda: plgpu.barrier_arrive(k_empty.at[slot]),
+                      valid, masked, interpret)
+            return acc, m_new, l_i
 
         n_mine = jnp.maximum((count - c + 1) // 2, 0)
         n_plain_mine = jnp.clip((n_plain - c + 1) // 2, 0, n_mine)
@@ -416,7 +444,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         acc, m_i, l_part = lax.fori_loop(n_plain_mine, n_mine,
                                          functools.partial(step, masked=True), carry)
         l_i = _col_reduce(l_part, "add", red.at[c], interpret)
-        if c == 1:  # hand over (its V tile is dead: the hand-off reuses its memory)
+        if c == 1:  # hand over
             acc1_smem[...] = acc
             m_smem[...] = m_i
             l_smem[...] = l_i
@@ -442,7 +470,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe)
         empty = jnp.inf if final else -jnp.inf
         _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, interpret)
-        # The lse staging reuses consumer 0's V tile (its last P V is done).
         lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split])
@@ -452,16 +479,127 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         pl.when(wg == c)(functools.partial(consumer, c))
 
 
-def _pv(acc, v_ref, p_ref, interpret: bool):
-    """acc [512, N] + V^T P^T (`wgmma`, waited): V^T is a transposed A from shared memory."""
+def _v_operand(stages, slot, kk: int, valid, masked: bool, interpret: bool):
+    """V^T of tokens 16 kk .. 16 kk + 15 of stage `slot`: [512, 16] f16 in the WGMMA layout
+    (the register A operand of P V), converted from the stage's fp8 bytes, its rows in
+    `latent_column` order. Rows past `valid` are zeroed when `masked`.
+
+    Thread (warp w, lane l) holds rows 64 mb + 16 w + 8 h + l // 4 and tokens 2 (l % 4) + {0, 1}
+    (+ 8): with rows mapped to latent columns 128 w + 16 (l // 4) + 2 mb + h, its 16 rows are
+    16 contiguous bytes of a token's row, one 16-byte load a token. Odd quads of lanes load the
+    odd token first, so the 8 lanes of a load phase hit 8 distinct 16-byte bank groups; the
+    `prmt` that pairs each column's two tokens undoes the order, and `cvt.rn.f16x2.e4m3x2`
+    converts a pair."""
     if interpret:
-        return acc + lax.dot_general(v_ref[...].astype(jnp.float32),
-                                     p_ref[...].astype(jnp.float32),
-                                     (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+        v = stages[slot, pl.ds(16 * kk, 16), pl.ds(0, _DV)]
+        if masked:
+            v = jnp.where(lax.broadcasted_iota(jnp.int32, v.shape, 0) + 16 * kk < valid, v,
+                          jnp.zeros_like(v))
+        return v.astype(jnp.float16).T
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(_FP8_SWIZZLE, 1)), splat, splat),
+                       return_type=plgpu.ShapeDtypeStruct((_DV, 16), jnp.float16,
+                                                          layout=plgpu.Layout.WGMMA))
+    def operand(ctx, stages, slot, valid):
+        del ctx
+        import numpy as np
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, vector
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i8, i32 = (ir.IntegerType.get_signless(n) for n in (8, 32))
+        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+        v4 = ir.VectorType.get((4,), i32)
+        slot, valid = slot.registers.item(), valid.registers.item()
+        regs_shape = fa.WGMMA_LAYOUT.registers_shape((_DV, 16))
+        if regs_shape != (8, 2, 1, 1, 2, 1, 1, 1, 1):  # (row block, token group, half)
+            raise NotImplementedError(f"WGMMA layout registers {regs_shape}")
+
+        def k(n):
+            return mu.c(n, i32)
+
+        t = arith.remui(mu.thread_idx(), k(128))
+        w, lane = arith.shrui(t, k(5)), arith.andi(t, k(31))
+        g, q4 = arith.shrui(lane, k(2)), arith.andi(lane, k(3))
+        odd = arith.andi(g, k(1))
+        # The thread's 16 latent columns start at 128 w + 16 g: 64-column tile 2 w + g // 4,
+        # 16-byte vector g % 4 of it, swizzled by the row's bits ((r % 8) // 2 = q4).
+        vec = arith.xori(arith.andi(g, k(3)), q4)
+        col_off = arith.addi(arith.shli(arith.addi(arith.shli(w, k(1)), arith.shrui(g, k(2))),
+                                        k(9)), arith.shli(vec, k(4)))
+        base = arith.addi(arith.muli(slot, k(BLOCK_KV * _D)), col_off)
+        ptr0 = mu.memref_ptr(stages)
+        # byte selectors pairing (even token, odd token) of two columns; swapped on odd quads
+        sel = [arith.xori(k(lo), arith.muli(odd, k(lo ^ sw)))
+               for lo, sw in ((0x5140, 0x1504), (0x7362, 0x3726))]
+
+        def load_token(kg: int, e: int):
+            """16 bytes of token 16 kk + 8 kg + 2 q4 + (e ^ odd): this thread's columns."""
+            r8 = arith.addi(arith.shli(q4, k(1)), arith.xori(odd, k(e)))
+            off = arith.addi(base, arith.addi(arith.shli(r8, k(6)),
+                                              k((2 * kk + kg) * (_D // _FP8_SWIZZLE) * 512)))
+            x = llvm.load(v4, mu.getelementptr(ptr0, [off], i8), alignment=16)
+            if masked:
+                tok = arith.addi(r8, k(16 * kk + 8 * kg))
+                x = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, valid), x,
+                                 vector.broadcast(v4, k(0)))
+            return x
+
+        def word(x, j):
+            return vector.extract(x, dynamic_position=[], static_position=[j])
+
+        def prmt(a, b, s):
+            return llvm.inline_asm(i32, [a, b, s], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+
+        def cvt(pair_word, half: int):
+            return mu.bitcast(llvm.inline_asm(
+                i32, [pair_word],
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
+                f"cvt.rn.f16x2.e4m3x2 $0, {('lo', 'hi')[half]}; }}", "=r,r"), f16x2)
+
+        regs = np.empty(regs_shape, dtype=object)
+        for kg in range(2):
+            x0, x1 = load_token(kg, 0), load_token(kg, 1)
+            for j in range(4):
+                for s_i in range(2):
+                    paired = prmt(word(x0, j), word(x1, j), sel[s_i])
+                    for half in range(2):
+                        c = 4 * j + 2 * s_i + half  # the thread's column 2 mb + h
+                        regs[c // 2, kg, 0, 0, c % 2, 0, 0, 0, 0] = cvt(paired, half)
+        return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return operand(stages, slot, valid)
+
+
+def latent_column(m):
+    """The latent column that row m of the kernel's O^T holds (`_v_operand`'s order):
+    m = 64 mb + 16 w + 8 h + g -> 128 w + 16 g + 2 mb + h. Works on ints and index values."""
+    return (((m >> 4) & 3) << 7) + ((m & 7) << 4) + ((m >> 6) << 1) + ((m >> 3) & 1)
+
+
+def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool):
+    """acc [512, N] + V^T P^T over the stage's 64 tokens, 16 a `wgmma` (V^T in registers,
+    `_v_operand`; P^T slices from shared memory), the next operand converted while one runs;
+    `release()` once the last bytes of the stage are in registers."""
+    if interpret:
+        for kk in range(BLOCK_KV // 16):
+            a = _v_operand(stages, slot, kk, valid, masked, interpret)
+            acc = acc + lax.dot_general(a.astype(jnp.float32),
+                                        p_ref[pl.ds(16 * kk, 16), :].astype(jnp.float32),
+                                        (((1,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+        release()
+        return acc
 
     def body(acc_ref):
-        plgpu.wgmma(acc_ref, v_ref.transpose((1, 0)), p_ref)
+        for kk in range(BLOCK_KV // 16):
+            a = _v_operand(stages, slot, kk, valid, masked, interpret)
+            if kk == BLOCK_KV // 16 - 1:
+                release()
+            plgpu.wgmma(acc_ref, a, p_ref.at[pl.ds(16 * kk, 16)])
+            plgpu.wgmma_wait(1)
         plgpu.wgmma_wait(0)
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
@@ -491,27 +629,22 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     b = t // s_q
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
-    pv_swizzle = 2 * rows  # bytes of one P^T row (f16); V's tiles must match it
-    v_tile = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=swizzled(pv_swizzle, 2))
+    pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
     copies = arrivals_per_tile(kv.page_size)
-
-    def union(*groups):  # the interpreter has no RefUnion (nor a shared-memory limit)
-        return groups if interpret else plgpu.RefUnion(*groups)
-
     scratch = [
         plgpu.SMEM((rows, d), jnp.float16, transforms=swizzled(_Q_SWIZZLE, 2)),
         plgpu.SMEM((2, rows), jnp.float32),
         plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=swizzled(_FP8_SWIZZLE, 1)),
-        # Each consumer's f16 V tile; once its last P V is done, consumer 0's holds the
-        # output staging and consumer 1's its hand-off.
-        union((v_tile,), (plgpu.SMEM((rows,), jnp.float32),)),
-        union((v_tile,), (plgpu.SMEM((v_head_dim, rows), jnp.float32),
-                          plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.float32))),
+        plgpu.SMEM((rows,), jnp.float32),  # lse staging
+        # consumer 1's hand-off: O^T, max, sum
+        plgpu.SMEM((v_head_dim, rows), jnp.float32),
+        plgpu.SMEM((rows,), jnp.float32),
+        plgpu.SMEM((rows,), jnp.float32),
         plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=swizzled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
         plgpu.Barrier(),  # q and the scales prepared
         plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
-        plgpu.Barrier(num_barriers=_STAGES),  # stage converted by its consumer
+        plgpu.Barrier(num_barriers=_STAGES),  # stage's bytes in its consumer's registers
         plgpu.Barrier(),  # consumer 1's (O^T, max, sum) handed over
     ]
     meta = kv.meta_operands()
