@@ -42,8 +42,8 @@ so no unused pool row (NaN, Inf) reaches the result. Each softmax sum stays a pe
 partial over its tokens until the end (one cross-warp reduction a tile, for the max, not
 two). Consumer 0 stores O^T from registers straight to global memory as [B, S, N, 512]
 (`_store_transposed`, 16-value vector stores, un-permuting the rows), so no XLA kernel runs
-around the launch. Splits and partials are those
-of the other decode kernels (`split_tile_range`), so they share the merge. Runs on sm_90a.
+around the launch. Splits and partials are those of the other decode kernels
+(`split_tile_range`), so they share the merge. Runs on sm_90a.
 Mosaic GPU's interpreter deadlocks on it on a 2-core CPU (jax 0.10.2 at times, 0.12.0.1 every
 time): each warpgroup's barrier waits run as host callbacks on XLA:CPU's thread pool (two
 threads there), so two warpgroups waiting leave the third none (docs/decode_kernel.md). So
@@ -363,7 +363,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def consumer(c: int):
-        """Consumer c: tiles c, c + 2, ... (step j's tile through stage (c + 2 j) % 4)."""
+        """Consumer c: tiles c, c + 2, ... (step j's through stage (c + 2 j) % _STAGES)."""
         plgpu.set_max_registers(232, action="increase")
         p_ref = p_smem.at[c]
         plgpu.barrier_wait(q_bar)
@@ -482,7 +482,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 def _v_operand(stages, slot, kk: int, valid, masked: bool, interpret: bool):
     """V^T of tokens 16 kk .. 16 kk + 15 of stage `slot`: [512, 16] f16 in the WGMMA layout
     (the register A operand of P V), converted from the stage's fp8 bytes, its rows in
-    `latent_column` order. Rows past `valid` are zeroed when `masked`.
+    `latent_column` order. Tokens past `valid` are zeroed when `masked`.
 
     Thread (warp w, lane l) holds rows 64 mb + 16 w + 8 h + l // 4 and tokens 2 (l % 4) + {0, 1}
     (+ 8): with rows mapped to latent columns 128 w + 16 (l // 4) + 2 mb + h, its 16 rows are
