@@ -1,0 +1,88 @@
+"""bench.kernel_ab's pieces that run without a GPU: a module loaded from a git revision, the
+swap of its public names into the live module (and back), and the case names."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from bench import kernel_ab
+from funcmla.attention.pallas import decode_mgpu_fp8
+
+MODULE = "funcmla.attention.pallas.decode_mgpu_fp8"
+
+
+def _in_git_checkout() -> bool:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                              cwd=kernel_ab.os.path.dirname(decode_mgpu_fp8.__file__)
+                              ).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+needs_git = pytest.mark.skipif(not _in_git_checkout(), reason="not a git checkout")
+
+
+@needs_git
+def test_module_at_revision_is_a_separate_module_with_that_source():
+    base = kernel_ab.module_at_revision(MODULE, "HEAD")
+    assert base is not decode_mgpu_fp8
+    assert base.decode_call is not decode_mgpu_fp8.decode_call
+    assert base.__file__.startswith("HEAD:") and base.__file__.endswith("decode_mgpu_fp8.py")
+    assert [base.latent_column(m) for m in range(512)] == [
+        decode_mgpu_fp8.latent_column(m) for m in range(512)]
+
+
+@needs_git
+def test_swapped_replaces_the_public_names_and_restores_them():
+    base = kernel_ab.module_at_revision(MODULE, "HEAD")
+    live_call, live_rows = decode_mgpu_fp8.decode_call, decode_mgpu_fp8.ROWS
+    with kernel_ab.swapped(decode_mgpu_fp8, base) as names:
+        assert "decode_call" in names
+        assert decode_mgpu_fp8.decode_call is base.decode_call
+    assert decode_mgpu_fp8.decode_call is live_call and decode_mgpu_fp8.ROWS is live_rows
+    with pytest.raises(RuntimeError):
+        with kernel_ab.swapped(decode_mgpu_fp8, base):
+            raise RuntimeError("a failing case")
+    assert decode_mgpu_fp8.decode_call is live_call
+
+
+@needs_git
+def test_module_at_an_unknown_revision_names_it():
+    with pytest.raises(ValueError, match="no-such-rev"):
+        kernel_ab.module_at_revision(MODULE, "no-such-rev")
+
+
+def test_case_names():
+    assert kernel_ab.parse_case("h16_b32_ctx4k_p64") == (16, 32, 4096, 64)
+    assert kernel_ab.parse_case("h128_b1_ctx16k_p1") == (128, 1, 16384, 1)
+    with pytest.raises(ValueError, match="h16_b32_ctx4000_p64"):
+        kernel_ab.parse_case("h16_b32_ctx4000_p64")
+
+
+@needs_git
+def test_main_times_each_variant_with_its_own_module(monkeypatch, tmp_path):
+    """main() with bench_case replaced by a stand-in that reports which decode_call the live
+    module holds at call time: REV's rounds must see REV's function, the tree's its own."""
+    import json
+
+    from bench import decode_case
+
+    live_call = decode_mgpu_fp8.decode_call
+    seen = []
+
+    def fake_bench_case(key, h, b, ctx, page, ceiling, reps, config, **kw):
+        tree = decode_mgpu_fp8.decode_call is live_call
+        seen.append(tree)
+        return dict(time_us=10.0 if tree else 20.0, rel_err=1e-3, kernel="mgpu", num_splits=1)
+
+    monkeypatch.setattr(decode_case, "bench_case", fake_bench_case)
+    assert kernel_ab.main(["--rev", "HEAD", "--cases", "h16_b32_ctx4k_p64", "--rounds", "2",
+                           "--out", str(tmp_path)]) == 0
+    assert seen == [True, False, True, False]
+    assert decode_mgpu_fp8.decode_call is live_call
+    (case,) = json.loads((tmp_path / "kernel_ab.json").read_text())["cases"]
+    assert case["times_us"] == {"tree": [10.0, 10.0], "rev": [20.0, 20.0]}
+    assert case["ratio"] == 0.5
