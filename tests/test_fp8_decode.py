@@ -223,7 +223,7 @@ def test_fp8_mosaic_kernel_names_what_it_does_not_take(rows, page, d, dv, qd, kd
 def test_fp8_mosaic_kernel_lowers_for_cuda(page_size, s_q, splits):
     """The compiled fp8 Mosaic GPU kernel lowers for CUDA on any host: layouts, the inline
     Mosaic GPU pieces (row gather, column reductions, stores) and the shared-memory budget
-    (about 200 of 227 KB) are checked at lowering, which the interpreter does not model."""
+    (204 of 227 KB) are checked at lowering, which the interpreter does not model."""
     b, h = 2, 16 // s_q
     q = jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((64 * 64, D), FP8)
