@@ -6,7 +6,11 @@ change is measured against a baseline of the same run (same machine state, same 
     python -m bench.kernel_ab --rev HEAD~1 --module funcmla.attention.pallas.decode_mgpu \\
         --cases h128_b128_ctx16k_p64,h128_b32_ctx4k_p1
 
-Only the named module comes from REV: its source (`git show REV:path`) is imported under
+    python -m bench.kernel_ab --base-file base.py --label e75e8f7 --kv-dtype fp8   # no git
+
+Only the named module comes from REV: its source (`git show REV:path`, or the file given by
+`--base-file` where the checkout has no git history, as on a copy of the working tree) is
+imported under
 another name, and what it imports resolves to the working tree. Its public names (`__all__`)
 replace the live module's for REV's rounds, so callers must reach them through the module, as
 `funcmla.attention.pallas.api` calls `decode_mgpu.decode_call` and `decode_mgpu_fp8
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import types
 
-__all__ = ["module_at_revision", "swapped", "parse_case", "main"]
+__all__ = ["module_at_revision", "module_from_file", "swapped", "parse_case", "main"]
 
 _CASE = re.compile(r"h(\d+)_b(\d+)_ctx(\d+)k_p(\d+)")
 DEFAULT_CASES = {
@@ -64,11 +68,26 @@ def module_at_revision(module: str, rev: str, repo: str | None = None) -> types.
                            text=True)
     if shown.returncode:
         raise ValueError(f"git show {rev}:{rel}: {shown.stderr.strip()}")
-    name = f"{module}__at_{re.sub(r'[^0-9A-Za-z_]', '_', rev)}"
+    return _load(module, shown.stdout, rev, f"{rev}:{rel}")
+
+
+def module_from_file(module: str, path: str, label: str) -> types.ModuleType:
+    """The source in file `path`, standing for `module` at the revision called `label`,
+    imported as a separate module. Raises ValueError if the file cannot be read."""
+    try:
+        with open(path) as f:
+            source = f.read()
+    except OSError as e:
+        raise ValueError(f"--base-file {path}: {e.strerror}") from e
+    return _load(module, source, label, f"{label}:{path}")
+
+
+def _load(module: str, source: str, label: str, file: str) -> types.ModuleType:
+    name = f"{module}__at_{re.sub(r'[^0-9A-Za-z_]', '_', label)}"
     base = types.ModuleType(name)
-    base.__file__ = f"{rev}:{rel}"
+    base.__file__ = file
     sys.modules[name] = base  # dataclasses resolve annotations through sys.modules
-    exec(compile(shown.stdout, base.__file__, "exec"), base.__dict__)
+    exec(compile(source, file, "exec"), base.__dict__)
     return base
 
 
@@ -95,7 +114,11 @@ def swapped(live: types.ModuleType, base: types.ModuleType):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rev", required=True, help="git revision of the baseline module")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--rev", help="git revision of the baseline module")
+    src.add_argument("--base-file", help="a file holding the baseline module's source")
+    ap.add_argument("--label", default=None,
+                    help="the baseline's name in the report (default: --rev or the file)")
     ap.add_argument("--module", default="funcmla.attention.pallas.decode_mgpu_fp8")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--kernel", choices=("auto", "mgpu", "triton"), default="mgpu")
@@ -116,7 +139,9 @@ def main(argv=None) -> int:
     from .timing import environment, print_table, write_json
 
     live = importlib.import_module(args.module)
-    base = module_at_revision(args.module, args.rev)
+    label = args.label or args.rev or args.base_file
+    base = (module_at_revision(args.module, args.rev) if args.rev
+            else module_from_file(args.module, args.base_file, label))
     config = DecodeKernelConfig(kernel=args.kernel)
     kv_scale = KV_SCALE if args.kv_dtype == "fp8" else None
     rows, table = [], []
@@ -144,10 +169,10 @@ def main(argv=None) -> int:
                          kernel=kernels))
         table.append([name, kernels["tree"], med["rev"], med["tree"], med["tree"] / med["rev"],
                       errs["tree"]])
-    print_table(f"{args.module}: working tree vs {args.rev} (device us per call, medians)",
-                ["case", "kernel", args.rev, "tree", "tree / rev", "tree err"], table)
+    print_table(f"{args.module}: working tree vs {label} (device us per call, medians)",
+                ["case", "kernel", label, "tree", "tree / rev", "tree err"], table)
     path = write_json(os.path.join(args.out, "kernel_ab.json"), dict(
-        info=dict(environment(), module=args.module, rev=args.rev, kv_dtype=args.kv_dtype,
+        info=dict(environment(), module=args.module, rev=label, kv_dtype=args.kv_dtype,
                   kernel=args.kernel, rounds=args.rounds, reps=args.reps, kv_scale=kv_scale),
         cases=rows))
     log(f"wrote {path}")

@@ -55,6 +55,20 @@ def test_module_at_an_unknown_revision_names_it():
         kernel_ab.module_at_revision(MODULE, "no-such-rev")
 
 
+def test_module_from_file_loads_that_source_apart(tmp_path):
+    """--base-file: the baseline from a file (a checkout without git history)."""
+    path = tmp_path / "base.py"
+    path.write_text("__all__ = ['ROWS']\nROWS = (7,)\n")
+    base = kernel_ab.module_from_file(MODULE, str(path), "e75e8f7")
+    assert base.ROWS == (7,) and decode_mgpu_fp8.ROWS != (7,)
+    assert base.__file__ == f"e75e8f7:{path}"
+    with kernel_ab.swapped(decode_mgpu_fp8, base):
+        assert decode_mgpu_fp8.ROWS == (7,)
+    assert decode_mgpu_fp8.ROWS != (7,)
+    with pytest.raises(ValueError, match="no-such-file"):
+        kernel_ab.module_from_file(MODULE, str(tmp_path / "no-such-file.py"), "x")
+
+
 def test_case_names():
     assert kernel_ab.parse_case("h16_b32_ctx4k_p64") == (16, 32, 4096, 64)
     assert kernel_ab.parse_case("h128_b1_ctx16k_p1") == (128, 1, 16384, 1)
