@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from funcmla.attention.pallas import DecodeKernelConfig, decode_mgpu_fp8, kernel_choice, mla_decode
 from funcmla.attention.reference import mla_attention_reference
@@ -253,6 +255,50 @@ def test_fp8_mosaic_output_rows_are_a_permutation_of_the_latent_columns():
             assert mine == list(range(128 * w + 16 * g, 128 * w + 16 * g + 16))
 
 
+# a power-of-two row scale 2^exp that the q dtype holds (f16: ~2^-24..2^16) beside the draw
+_Q_DTYPE_AND_EXP = st.sampled_from(["bfloat16", "float16"]).flatmap(lambda dt: st.tuples(
+    st.just(dt), st.integers(-60, 60) if dt == "bfloat16" else st.integers(-12, 8)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(dtype_exp=_Q_DTYPE_AND_EXP, seed=st.integers(0, 2**16))
+def test_fp8_mosaic_q_split_into_high_and_low_e4m3_parts(dtype_exp, seed):
+    """The fp8 Mosaic GPU kernel's q (`prepare_q`): per row a power of two `up` takes the row's
+    largest |q| into [2^7, 2^8); hi = e4m3(q up), lo = e4m3(q up - hi). For bf16 q, hi + lo is
+    q up exactly for every element within 2^9 of its row's largest, and within 2^-10 (in
+    units of q up) for the rest; the score factor is sm_scale k_scale log2(e) / up, NaN for a
+    row holding Inf or NaN. NumPy restatement."""
+    q_dtype, exp = dtype_exp
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 16, D)) * rng.choice([1.0, 1e-3, 30.0], (2, 16, 1)) * 2.0**exp
+    q = jnp.asarray(q, q_dtype)
+    q = q.at[1, 3, 7].set(jnp.inf).at[1, 5, 0].set(jnp.nan)
+    q8, scales = decode_mgpu_fp8.prepare_q(q, sm_scale=SCALE, k_scale=jnp.asarray([0.5]),
+                                           v_scale=jnp.asarray([2.0]))
+    assert q8.shape == (2, 32, D) and q8.dtype == FP8 and scales.shape == (2, 2, 16)
+    qf = np.asarray(q, np.float64)
+    amax = np.abs(qf).max(-1)
+    finite = np.isfinite(amax)
+    up = 2.0 ** (7 - np.floor(np.log2(np.where(finite, amax, 1.0))))
+    factor = np.asarray(scales[:, 0], np.float64)
+    np.testing.assert_array_equal(np.isnan(factor), ~finite)
+    np.testing.assert_allclose(factor[finite], (SCALE * 0.5 * np.log2(np.e) / up)[finite],
+                               rtol=1e-6)
+    assert (np.asarray(scales[:, 1]) == 2.0).all()
+    x = qf * up[..., None]
+    hi = np.asarray(q8[:, :16], np.float64)
+    lo = np.asarray(q8[:, 16:], np.float64)
+    err = np.abs(hi + lo - x)[finite]
+    rowmax = np.abs(x).max(-1, keepdims=True)[finite]
+    assert (rowmax >= 128).all() and (rowmax < 256).all()
+    near = np.abs(x)[finite] >= rowmax * 2.0**-9
+    if q_dtype == "bfloat16":
+        assert (err[near] == 0).all()
+    else:  # f16 keeps 11 bits, the pair at least 8
+        assert (err[near] <= np.abs(x)[finite][near] * 2.0**-8).all()
+    assert (err[~near] <= 2.0**-10).all()
+
+
 def _fp8_mosaic(p, *, page_size, s_q, num_splits, interpret, ks=0.37, vs=1.9):
     """The fp8 Mosaic GPU kernel + merge over problem `p` (token CSR at page 1)."""
     if page_size == 1:
@@ -309,13 +355,32 @@ def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool(kernel, lse_tol):
 @pytest.mark.gpu
 def test_gpu_fp8_mosaic_kernel_on_query_rows_far_above_f16_range():
     """Scores of ~2^45 in log2 units: the column scale multiplies s - max, so no multiply-add
-    contraction leaves a rounding residual of ~2^21 in exp2's argument (which gave +inf)."""
+    contraction leaves a rounding residual of ~2^21 in exp2's argument (which gave +inf). At
+    such scores the softmax is an argmax, which a relative score error (the fp8
+    accumulation's, up to ~7e-4: decode_mgpu_fp8._PROMOTE) may move to a near tie: rows of 2^17 and 2^40
+    are held to finite outputs inside the range of their sequence's V, and lse (the largest
+    score) to 1e-3; rows of 1 and 2^-40 to the reference."""
     rng = np.random.default_rng(80)
     p = _problem(rng, batch=4, heads=16, s_q=1, page_size=64, lens=[1000, 0, 513, 7])
     mag = np.array([2.0**40, 2.0**-40, 2.0**17, 1.0] * 4, np.float32)
     p["q"] = (p["q"].astype(jnp.float32) * mag[None, :, None]).astype(jnp.bfloat16)
     out, lse = _fp8_mosaic(p, page_size=64, s_q=1, num_splits=None, interpret=False)
-    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], 1, 0.37, 1.9))
+    ref_out, ref_lse = oracle(p["q"], p["pool"], p["slot_lists"], 1, 0.37, 1.9)
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    lse = np.asarray(lse, np.float64)
+    huge = mag >= 2.0**17
+    _check(out[:, ~huge], lse[:, ~huge], ref_out[:, ~huge], ref_lse[:, ~huge])
+    pool = np.asarray(jnp.asarray(p["pool"], jnp.float32), np.float64)[:, :DV] * 1.9
+    for b, sl in enumerate(p["slot_lists"]):
+        if len(sl) == 0:
+            assert (lse[b] == np.inf).all() and (out[b] == 0).all()
+            continue
+        o = out[b, huge]
+        assert np.isfinite(o).all()
+        v = pool[sl]
+        tol = 1e-2 * np.abs(v).max()  # the bf16 output's rounding
+        assert (o >= v.min(0) - tol).all() and (o <= v.max(0) + tol).all()
+        np.testing.assert_allclose(lse[b, huge], ref_lse[b, huge], rtol=1e-3)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ __all__ = [
     "split_tile_range",
     "causal_limit",
     "f16_row_scales",
+    "pow2_row_scales",
     "KVRows",
     "kv_rows_from_csr",
     "kv_rows_from_page_table",
@@ -299,17 +300,22 @@ def causal_limit(kv_len, s_q: int, row_token):
     return jnp.minimum(kv_len - s_q + 1 + row_token, kv_len)
 
 
-def f16_row_scales(amax):
-    """Per-row powers of two (up, down = 1 / up) from each row's largest |q| (`amax`, fp32)
-    such that q * up fits f16, the row's largest |q| landing in [2^14, 2^15). Built from the
-    exponent bits, so both are exact and q * up rounds nothing that bf16 holds (f16 has more
-    mantissa bits); down undoes up on the float32 scores. The fp8 decode kernels run f16
-    products (e4m3 -> f16 is one exact `cvt` a pair on sm_90; -> bf16 is not)."""
+def pow2_row_scales(amax, top: int):
+    """Per-row powers of two (up, down = 1 / up) from each row's largest |q| (`amax`, fp32),
+    the row's largest |q| * up landing in [2^top, 2^(top + 1)). Built from the exponent bits,
+    so both are exact (q * up rounds nothing) and down undoes up on the float32 scores."""
     e = lax.shift_right_logical(lax.bitcast_convert_type(amax, jnp.int32), 23) & 0xFF
-    e = jnp.clip(e, 15, 254)  # biased exponent; clipped so both scales stay normal floats
-    up = lax.bitcast_convert_type(lax.shift_left(268 - e, 23), jnp.float32)
-    down = lax.bitcast_convert_type(lax.shift_left(e - 14, 23), jnp.float32)
+    e = jnp.clip(e, top + 1, 254)  # biased exponent; clipped so both scales stay normal floats
+    up = lax.bitcast_convert_type(lax.shift_left(254 + top - e, 23), jnp.float32)
+    down = lax.bitcast_convert_type(lax.shift_left(e - top, 23), jnp.float32)
     return up, down
+
+
+def f16_row_scales(amax):
+    """`pow2_row_scales` for f16 products: the row's largest |q| lands in [2^14, 2^15), so q *
+    up fits f16 and keeps every bit bf16 holds (f16 has more mantissa bits). The fp8 Triton
+    loop runs f16 products (e4m3 -> f16 is one exact `cvt` a pair on sm_90; -> bf16 is not)."""
+    return pow2_row_scales(amax, 14)
 
 
 # The Triton tiling of an fp8 pool where the defaults would give 64-row blocks (128 heads):

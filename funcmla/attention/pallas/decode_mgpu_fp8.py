@@ -4,8 +4,10 @@ For s_q * H = 16 folded query rows (16 heads, or 8 heads at s_q = 2), where deco
 bound and fp8 halves the bytes. The products run transposed, so the narrow query side is
 wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
 
-* S^T = K q^T   [64 tokens, N]: K (fp8 bytes, converted to f16 in registers, `cvt` a pair)
-  is the register A operand, q^T (f16, in shared memory) is B;
+* S^T = K q^T   [64 tokens, 2N]: an fp8 `wgmma` straight from the fp8 stage (K-major, A)
+  against q split into two e4m3 parts (q8 [2N, 576] in shared memory, B: rows 0..N-1 the high
+  parts, N..2N-1 the low ones), the two column halves of the result added in registers; no
+  conversion of K at all;
 * O^T += V^T P^T [512, N]: V^T is a register A operand too, built from the same fp8 stage in
   another arrangement (`_v_operand`: each thread's 16 O^T rows are 16 contiguous latent
   columns, so one 16-byte load a token feeds them), 16 tokens a `wgmma`; P^T (f16, in shared
@@ -16,8 +18,8 @@ One CUDA block handles one sequence and one KV split, with three warpgroups:
 
 * warpgroup 2 (producer): issues the first four 64-token fp8 tiles into the four landing
   stages (page >= 8: one TMA copy a tile or a page; page 1 to 4: a `cp.async` row gather),
-  prepares q while they fly (`_prepare_q`: bf16 q from global memory, scaled to f16 and
-  stored swizzled, and the column scales), then refills a stage once its consumer has its
+  prepares q while they fly (`_prepare_q`: bf16 q from global memory, scaled, split into
+  its e4m3 pair and stored swizzled, and the column scales), then refills a stage once its consumer has its
   last bytes in registers (after the tile's P V operands are loaded);
 * warpgroups 0 and 1 (consumers): the tiles alternate between them (tile i goes to consumer
   i % 2, through stage i % 4, so each consumer has a tile landing while it works on one),
@@ -25,20 +27,23 @@ One CUDA block handles one sequence and one KV split, with three warpgroups:
   registers a thread at N = 16); at the end consumer 1 hands its (O^T, max, sum) through
   shared memory and consumer 0 merges the two and stores.
 
-Scales: q is scaled per row by a power of two into f16's range (exact,
-`decode_common.f16_row_scales`); the kernel multiplies each score column by that row's
-inverse times sm_scale * k_scale * log2(e) (k_scale and v_scale are [1] operands, so one
-kernel serves every layer) and the output by v_scale. e4m3 -> f16 is exact, so the products
-see the pool's values. Preparing q in the kernel rather than in XLA kernels before it saves
+Scales: q is scaled per row by a power of two (exact, `decode_common.pow2_row_scales` at
+`_Q_TOP`) so its largest |q| lands in [2^7, 2^8), then hi = e4m3(q up) and lo = e4m3(q up -
+hi): hi + lo is q up exactly for bf16 elements within 2^9 of the row's largest, within 2^-10
+(in q up units) below that, so the score error stays at the bf16 kernels' (`prepare_q`). The
+kernel multiplies each score column by that row's inverse times sm_scale * k_scale * log2(e)
+(k_scale and v_scale are [1] operands, so one kernel serves every layer) and the output by
+v_scale. Hopper's fp8 wgmma keeps ~13-14 bits in its accumulator, so q k^T restarts from zero
+every `_PROMOTE` columns and the groups are summed in fp32. Preparing q in the kernel rather than in XLA kernels before it saves
 their launches and the gaps between them (7-32 us a call on the H200; docs/decode_kernel.md).
 
 Softmax reductions over the token axis cross the 4 warps of a warpgroup; each consumer does
 them in its own shared-memory scratch (Mosaic GPU's built-in reduction scratch is one region
 for the whole block, which two warpgroups reducing at once would share).
 
-Masking as in `decode_mgpu`: scores past a column's causal limit are selected to -inf, and
-in a partial last tile the K rows and V tokens past kv_len are zeroed before they are used,
-so no unused pool row (NaN, Inf) reaches the result. Each softmax sum stays a per-thread
+Masking as in `decode_mgpu`: scores past a column's causal limit or past kv_len are selected
+to -inf (a NaN from an unused K row is selected away), and in a partial last tile the V tokens
+past kv_len are zeroed before P V, so no unused pool row (NaN, Inf) reaches the result. Each softmax sum stays a per-thread
 partial over its tokens until the end (one cross-warp reduction a tile, for the max, not
 two). Consumer 0 stores O^T from registers straight to global memory as [B, S, N, 512]
 (`_store_transposed`, 16-value vector stores, un-permuting the rows), so no XLA kernel runs
@@ -70,7 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.decode_common import (
     KVRows,
     causal_limit,
-    f16_row_scales,
+    pow2_row_scales,
     seq_start_and_len,
     split_tile_range,
 )
@@ -91,9 +96,16 @@ _LN2 = 0.6931471805599453
 # Folded query rows taken (wgmma N). 32 would fit the registers (O^T is 4 * N a thread) but
 # not shared memory: q and P double, 255 KB of the 227 an SM has.
 ROWS = (16,)
-_CHUNK = 64       # columns per fp8 load and per q k^T group (128-byte f16 swizzle)
-_FP8_SWIZZLE = 64  # bytes; 64 fp8 columns per swizzle tile (576 is 9 of them)
-_Q_SWIZZLE = 128
+_CHUNK = 64       # q columns per load in the q preparation
+_FP8_SWIZZLE = 64  # bytes; 64 fp8 columns per swizzle tile (576 is 9 of them): stages and q8
+# q * up's largest |value| in a row lands in [2^7, 2^8): below e4m3's 448, and the low part
+# (at most half an e4m3 step of the high one, 2^3 below it) stays a normal number down to
+# elements 2^9 below the row's largest.
+_Q_TOP = 7
+# Columns of q k^T per fp8 accumulator: Hopper's fp8 wgmma adds into its accumulator with
+# truncated alignment (about 13-14 bits kept), so the error grows with the instructions
+# chained on one accumulator; each group of columns starts from zero and is summed in fp32.
+_PROMOTE = 128
 _STAGES = 4       # fp8 landing stages: two per consumer (a stage is held until its P V)
 _CONSUMERS = 2
 _D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
@@ -177,22 +189,22 @@ def _wg_sync(interpret: bool):
 def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_scale: float,
                interpret: bool):
     """Producer: q rows of sequence `b` (q_ref [B, rows, 576], bf16 or f16, in global memory)
-    to f16 in q_smem ((8, 64)-tiled, 128-byte swizzle) and the score / output column factors
-    into scale_smem [2, rows], as `prepare_q` computes them (the same values). Thread t takes
-    row t // 8 and 16-byte vector t % 8 of each 64-column chunk (9 loads, a warp reading 4
-    whole 128-byte row segments an instruction); the row's largest |q| meets over its 8
-    threads by shuffles."""
+    split into e4m3 pairs in q_smem [2 rows, 576] ((8, 64)-tiled, 64-byte swizzle: rows
+    0..rows-1 the high parts, rows..2 rows-1 the low ones) and the score / output column
+    factors into scale_smem [2, rows], as `prepare_q` computes them (the same values). Thread t
+    takes row t // 8 and 8 columns (16 bytes of bf16) at 8 (t % 8) of each 64-column chunk;
+    the row's largest |q| meets over its 8 threads by shuffles."""
     if interpret:
-        q16, scales = prepare_q(q_ref[pl.ds(b, 1)], sm_scale=sm_scale, k_scale=k_scale_ref[...],
-                                v_scale=v_scale_ref[...])
-        q_smem[...] = q16[0]
+        q8, scales = prepare_q(q_ref[pl.ds(b, 1)], sm_scale=sm_scale, k_scale=k_scale_ref[...],
+                               v_scale=v_scale_ref[...])
+        q_smem[...] = q8[0]
         scale_smem[...] = scales[0]
         return
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(swizzled(_Q_SWIZZLE, 2)), plgpu.RefType(),
+                                  plgpu.RefType(swizzled(_FP8_SWIZZLE, 1)), plgpu.RefType(),
                                   plgpu.Layout.WG_SPLAT(())))
-    def prep(ctx, q, k_scale, v_scale, q16, scales, b):
+    def prep(ctx, q, k_scale, v_scale, q8, scales, b):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
@@ -203,12 +215,30 @@ def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_sca
         q_ty = ir.MemRefType(q.type)
         _, rows, d = q_ty.shape
         v8 = ir.VectorType.get((8,), q_ty.element_type)
+        n_chunks = d // _CHUNK
 
         def k(n, ty=i32):
             return mu.c(n, ty)
 
         def splat(x, ty):
             return vector.broadcast(ir.VectorType.get((8,), ty), x)
+
+        def elem(x, j):
+            return vector.extract(x, dynamic_position=[], static_position=[j])
+
+        def to_e4m3(x4):  # 4 fp32 -> 4 e4m3 bytes in one word, x4[0] in the low byte
+            return llvm.inline_asm(
+                i32, x4, "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                "=r,f,f,f,f")
+
+        def from_e4m3(word, half: int):  # bytes 2 half, 2 half + 1 of a word -> 2 fp32
+            pair = mu.bitcast(llvm.inline_asm(
+                i32, [word], "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
+                f"cvt.rn.f16x2.e4m3x2 $0, {('lo', 'hi')[half]}; }}", "=r,r"),
+                ir.VectorType.get((2,), f16))
+            wide = arith.extf(ir.VectorType.get((2,), f32), pair)
+            return [elem(wide, 0), elem(wide, 1)]
 
         b = b.registers.item()
         t = arith.remui(mu.thread_idx(), k(128))
@@ -220,7 +250,7 @@ def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_sca
             vec, k(4))))], i8)
         xs = [arith.extf(ir.VectorType.get((8,), f32), llvm.load(
             v8, mu.getelementptr(src, [2 * _CHUNK * j], i8), alignment=16))
-            for j in range(d // _CHUNK)]
+            for j in range(n_chunks)]
         # |q| as float32 bits: an integer max orders them (NaN above Inf, as jnp.max gives)
         amax = None
         for x in xs:
@@ -229,21 +259,35 @@ def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_sca
             amax = bits if amax is None else arith.maxui(amax, bits)
         amax = vector.reduction(i32, vector.CombiningKind.MAXUI, amax)
         amax = mu.warp_tree_reduce(amax, arith.maxui, 8)
-        # f16_row_scales from the exponent bits
-        e = arith.andi(arith.shrui(amax, k(23)), k(0xFF))
-        e = arith.minsi(arith.maxsi(e, k(15)), k(254))
-        up = arith.bitcast(f32, arith.shli(arith.subi(k(268), e), k(23)))
-        down = arith.bitcast(f32, arith.shli(arith.subi(e, k(14)), k(23)))
-        # Element (r, c) of q16 lives at byte ((r // 8) * 9 + c // 64) * 1024 + (r % 8) * 128
-        # + (((c % 64) // 8) ^ (r % 8)) * 16 + (c % 8) * 2 (128-byte swizzle).
+        # pow2_row_scales(amax, _Q_TOP) from the exponent bits; a row holding Inf or NaN
+        # gets a NaN factor (e4m3's saturation would make it finite)
+        e_raw = arith.andi(arith.shrui(amax, k(23)), k(0xFF))
+        e = arith.minsi(arith.maxsi(e_raw, k(_Q_TOP + 1)), k(254))
+        up = arith.bitcast(f32, arith.shli(arith.subi(k(254 + _Q_TOP), e), k(23)))
+        down = arith.bitcast(f32, arith.shli(arith.subi(e, k(_Q_TOP)), k(23)))
+        down = arith.select(arith.cmpi(arith.CmpIPredicate.eq, e_raw, k(0xFF)),
+                            mu.c(float("nan"), f32), down)
+        # Element (R, c) of q8 lives at byte ((R // 8) * 9 + c // 64) * 512 + (R % 8) * 64
+        # + (((c % 64) // 16) ^ ((R % 8) // 2)) * 16 + c % 16 (64-byte swizzle); this
+        # thread's 8 columns of a chunk are the half (vec % 2) of 16-byte vector vec // 2.
         r8 = arith.andi(r, k(7))
-        dst_off = arith.addi(arith.muli(arith.shrui(r, k(3)), k((d // _CHUNK) * 1024)),
-                             arith.addi(arith.muli(r8, k(128)),
-                                        arith.shli(arith.xori(vec, r8), k(4))))
-        dst = mu.getelementptr(mu.memref_ptr(q16), [dst_off], i8)
+        dst_off = arith.addi(
+            arith.addi(arith.muli(arith.shrui(r, k(3)), k(n_chunks * 512)), arith.shli(r8, k(6))),
+            arith.addi(arith.shli(arith.xori(arith.shrui(vec, k(1)), arith.shrui(r8, k(1))),
+                                  k(4)), arith.shli(arith.andi(vec, k(1)), k(3))))
+        dst = mu.getelementptr(mu.memref_ptr(q8), [dst_off], i8)
+        lo_rows = (rows // 8) * n_chunks * 512  # rows + R sits rows // 8 tile rows further
+        v2 = ir.VectorType.get((2,), i32)
         for j, x in enumerate(xs):
-            y = arith.truncf(ir.VectorType.get((8,), f16), arith.mulf(x, splat(up, f32)))
-            llvm.store(y, mu.getelementptr(dst, [j * 1024], i8), alignment=16)
+            x = arith.mulf(x, splat(up, f32))  # exact: a power of two
+            xv = [elem(x, i) for i in range(8)]
+            hi = [to_e4m3(xv[4 * h:4 * h + 4]) for h in range(2)]
+            back = [v for w in hi for half in range(2) for v in from_e4m3(w, half)]
+            res = [arith.subf(a, c) for a, c in zip(xv, back)]  # exact in fp32
+            lo = [to_e4m3(res[4 * h:4 * h + 4]) for h in range(2)]
+            for words, off in ((hi, j * 512), (lo, lo_rows + j * 512)):
+                llvm.store(vector.from_elements(v2, words), mu.getelementptr(dst, [off], i8),
+                           alignment=8)
 
         def scalar(ref):
             p = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(ref))
@@ -257,6 +301,32 @@ def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_sca
         memref.store(scalar(v_scale), scales, [mu.c(1, ir.IndexType.get()), ri])
 
     prep(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b)
+
+
+def _fold(s2, rows: int, interpret: bool):
+    """S^T [64, rows] from the [64, 2 rows] product with q's (high, low) parts: the two column
+    halves summed (registers alone)."""
+    if interpret:
+        return s2[:, :rows] + s2[:, rows:]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((BLOCK_KV, rows), jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def fold(ctx, s2):
+        del ctx
+        import numpy as np
+        from jax._src.lib.mlir.dialects import arith
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+        regs = s2.registers
+        half = regs.shape[1] // 2  # column groups of 8
+        out = np.empty((regs.shape[0], half, *regs.shape[2:]), dtype=object)
+        for idx in np.ndindex(out.shape):
+            hi_idx = (idx[0], idx[1] + half, *idx[2:])
+            out[idx] = arith.addf(regs[idx], regs[hi_idx])
+        return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return fold(s2)
 
 
 def _store_transposed(o_ref, x, b, split, interpret: bool):
@@ -335,7 +405,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         fill = functools.partial(fill_stage, kv_ref, table_ref, stages, k_full, k_empty,
                                  first=first, start_entry=start_entry, kv_len=kv_len,
                                  num_stages=_STAGES, page_size=page_size,
-                                 swizzle=_FP8_SWIZZLE, async_proxy=False, interpret=interpret)
+                                 swizzle=_FP8_SWIZZLE, async_proxy=True, interpret=interpret)
 
         def prepare():  # q's rows, then the registers go to the consumers
             _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
@@ -375,49 +445,53 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         l0 = in_layout(jnp.zeros((BLOCK_KV, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
         n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
 
-        n_chunks = d // _CHUNK
-
-        def scores(slot, valid, masked: bool):
-            """S^T of stage `slot`'s tile [64, rows] fp32 (unscaled), a 64-column chunk at a
-            time: its fp8 bytes loaded and converted to f16 (rows past `valid` zeroed when
-            `masked`), its q k^T issued while the next chunk converts."""
+        def scores(slot):
+            """S^T of stage `slot`'s tile [64, rows] fp32 (unscaled): fp8 `wgmma`s of the
+            stage (A, K-major) by q's (high, low) e4m3 parts (B, N = 2 rows), `_PROMOTE`
+            columns each into a fresh accumulator, summed in fp32 registers while the next
+            runs; then the halves summed. Tokens past kv_len are left to the caller's mask
+            (selected to -inf)."""
             stage = stages.at[slot]
             plgpu.barrier_wait(k_full.at[slot])
-
-            def convert(j):
-                x8 = load(stage.at[:, pl.ds(j * _CHUNK, _CHUNK)], plgpu.Layout.WGMMA_UPCAST_2X,
-                           interpret)
-                x = in_layout(x8.astype(jnp.float16), plgpu.Layout.WGMMA, interpret)
-                if masked:
-                    x = jnp.where(iota((BLOCK_KV, _CHUNK), 0, interpret) < valid, x,
-                                  jnp.zeros_like(x))
-                return x
-
             if interpret:
-                s = jnp.zeros((BLOCK_KV, rows), jnp.float32)
-                for j in range(n_chunks):
-                    s = s + lax.dot_general(
-                        convert(j).astype(jnp.float32),
-                        q_smem[:, pl.ds(j * _CHUNK, _CHUNK)].astype(jnp.float32),
-                        (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                return s
+                s2 = lax.dot_general(stage[...].astype(jnp.float32),
+                                     q_smem[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+                return _fold(s2, rows, interpret)
+            n_groups = -(-d // _PROMOTE)  # the last group takes what is left
+            zeros = in_layout(jnp.zeros((BLOCK_KV, 2 * rows), jnp.float32), plgpu.Layout.WGMMA,
+                              interpret)
 
-            def body(acc_ref):
-                for j in range(n_chunks):
-                    plgpu.wgmma(acc_ref, convert(j),
-                                q_smem.at[:, pl.ds(j * _CHUNK, _CHUNK)].transpose((1, 0)))
-                    plgpu.wgmma_wait(1)
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
+            def body(acc_a, acc_b):
+                accs = (acc_a, acc_b)
 
-            return pl.run_scoped(body, plgpu.ACC((BLOCK_KV, rows), jnp.float32))
+                def issue(g):
+                    cols = pl.ds(g * _PROMOTE, min(_PROMOTE, d - g * _PROMOTE))
+                    plgpu.wgmma(accs[g % 2], stage.at[:, cols],
+                                q_smem.at[:, cols].transpose((1, 0)))
+
+                issue(0)
+                total = None
+                for g in range(n_groups):
+                    more = g + 1 < n_groups
+                    if more:
+                        issue(g + 1)
+                    part = plgpu.wgmma_accumulator_load(accs[g % 2], wait_n=1 if more else 0)
+                    total = part if total is None else total + part
+                    if g + 2 < n_groups:
+                        accs[g % 2][...] = zeros
+                return total
+
+            s2 = pl.run_scoped(body, plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32),
+                               plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32))
+            return _fold(s2, rows, interpret)
 
         def step(j, carry, masked: bool):
             acc, m_i, l_i = carry
             tile = first + c + 2 * j
             slot = lax.rem(c + 2 * j, _STAGES)
             valid = kv_len - tile * BLOCK_KV
-            s = scores(slot, valid, masked)  # raw: the column scale multiplies s - max
+            s = scores(slot)  # raw: the column scale multiplies s - max
             if masked:  # the iotas live only here (registers)
                 tok_iota = iota((BLOCK_KV, rows), 0, interpret)
                 col_iota = iota((BLOCK_KV, rows), 1, interpret)
@@ -606,15 +680,24 @@ def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool)
 
 
 def prepare_q(q: jax.Array, *, sm_scale: float, k_scale: jax.Array, v_scale: jax.Array):
-    """(q16 [B, rows, 576] f16, scales [B, 2, rows] fp32) for the kernel from q [B, rows, 576]:
-    q16 = q * up per row (`f16_row_scales`, exact), scales[:, 0] = down * sm_scale * k_scale *
-    log2(e) (the score columns' factor), scales[:, 1] = v_scale."""
+    """(q8 [B, 2 rows, 576] e4m3, scales [B, 2, rows] fp32) for the kernel from q [B, rows,
+    576]: q * up per row (`pow2_row_scales` at `_Q_TOP`, exact) split into a high part (q8
+    rows 0..rows-1, e4m3 of q * up) and a low one (rows rows..2 rows-1, e4m3 of the exact
+    residual); scales[:, 0] = down * sm_scale * k_scale * log2(e) (the score columns' factor,
+    NaN for a row holding Inf or NaN), scales[:, 1] = v_scale."""
     qf = q.astype(jnp.float32)
-    up, down = f16_row_scales(jnp.max(jnp.abs(qf), axis=-1))
-    q16 = (qf * up[..., None]).astype(jnp.float16)
+    # |q| as float32 bits: an integer max orders them with NaN above Inf, as the kernel's
+    # `_prepare_q` does (a float max need not propagate NaN: XLA's CPU reduction drops it)
+    bits = jnp.max(lax.bitcast_convert_type(qf, jnp.int32) & 0x7FFFFFFF, axis=-1)
+    amax = lax.bitcast_convert_type(bits, jnp.float32)
+    up, down = pow2_row_scales(amax, _Q_TOP)
+    down = jnp.where(bits < 0x7F800000, down, jnp.nan)
+    x = qf * up[..., None]
+    hi = x.astype(jnp.float8_e4m3fn)
+    lo = (x - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
     col = down * (float(sm_scale) * _LOG2E) * k_scale.reshape(())
     vs = jnp.broadcast_to(v_scale.reshape(()), col.shape).astype(jnp.float32)
-    return q16, jnp.stack([col, vs], axis=1)
+    return jnp.concatenate([hi, lo], axis=1), jnp.stack([col, vs], axis=1)
 
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
@@ -632,7 +715,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
     copies = arrivals_per_tile(kv.page_size)
     scratch = [
-        plgpu.SMEM((rows, d), jnp.float16, transforms=swizzled(_Q_SWIZZLE, 2)),
+        plgpu.SMEM((2 * rows, d), jnp.float8_e4m3fn, transforms=swizzled(_FP8_SWIZZLE, 1)),
         plgpu.SMEM((2, rows), jnp.float32),
         plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=swizzled(_FP8_SWIZZLE, 1)),
         plgpu.SMEM((rows,), jnp.float32),  # lse staging
