@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the device-time (CUPTI) trace; the headline is then wall clock")
     ap.add_argument("--only", metavar="REGEX",
-                    help="grid: run only the cases whose label ('H128 B1 L16384 p64') matches")
+                    help="grid and fp8 grid: run only the cases whose label ('H128 B1 L16384 p64') "
+                    "matches")
     ap.add_argument("--partial-dtype", choices=("float32", "bfloat16"),
                     default=DecodeKernelConfig().partial_dtype,
                     help="grid: storage of the split partials (DecodeKernelConfig.partial_dtype)")

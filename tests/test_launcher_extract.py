@@ -380,8 +380,8 @@ def test_fp8_plan_reads_the_triton_kernel_with_scale_operands(h, page_size):
     block_m = min(64, h)
     kc = fp8_triton_config(DecodeKernelConfig(), h)
     assert isinstance(dec, L.TritonCall) and plan.kernel == "triton"
-    # mla_decode's own reason: no GPU backend on this host; 128 rows are not the fp8 kernel's
-    assert ("no GPU backend" if h == 16 else "128 is not one of (16,)") in plan.kernel_reason
+    # mla_decode's own reason: no GPU backend on this host (both fp8 Mosaic GPU kernels apply)
+    assert "no GPU backend" in plan.kernel_reason
     assert dec.name == f"mla_decode_ps{page_size}_m{block_m}_kv64_fp8"
     assert (dec.num_warps, dec.num_stages) == (8, 5 if h == 16 else 1)
     assert plan.num_splits == decode_num_splits(kc, b, h, ctx, mgpu=False)

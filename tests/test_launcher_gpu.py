@@ -229,7 +229,7 @@ def _fp8_routes_ok(lau, out, ref_out):
 @pytest.mark.parametrize("h,b,page_size,kernel", [
     (16, 8, 1, "triton"), (16, 8, 64, "triton"),   # fewer than fp8_mgpu_min_seqs sequences
     (16, 32, 1, "mgpu"), (16, 32, 64, "mgpu"),     # the fp8 Mosaic GPU kernel
-    (128, 40, 1, "triton"), (128, 40, 64, "triton")])
+    (128, 40, 1, "mgpu"), (128, 40, 64, "mgpu")])  # the 64-row fp8 Mosaic GPU kernel
 def test_gpu_fp8_bit_identical_to_jax(h, b, page_size, kernel, form):
     """An fp8 pool through the launcher (the kernel mla_decode picks, scales as floats or
     device tensors) equals mla_decode on the same fp8 pool and scales bit for bit; so do
@@ -268,8 +268,8 @@ def test_gpu_fp8_graph_replay_equals_uncaptured_calls(h, b, page_size):
     """Four layers of an fp8 launcher, each with its own scales (floats seen before the
     capture, device tensors, the default), captured once in a CUDA graph and replayed with new
     q, new metadata and a tensor scale rewritten in place: equal to uncaptured calls bit for
-    bit, layer 0 equal to mla_decode (Triton; the fp8 Mosaic GPU kernel at 16 heads, 16
-    sequences)."""
+    bit, layer 0 equal to mla_decode (Triton below 16 sequences at 16 heads; the fp8 Mosaic GPU
+    kernels at 16 heads from 16 sequences and at 128 heads)."""
     cfg = fp8_config(h, page_size, b=b, ctx=512)
     lau = L.decode_launcher(cfg)
     dev = torch.device("cuda", 0)

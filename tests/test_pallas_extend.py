@@ -242,8 +242,8 @@ def test_pseudo_sequence_bound_and_lengths(q_lens, chunk):
 
 def test_extend_kernel_rule(monkeypatch):
     """On a GPU, "auto" runs the Mosaic GPU kernel from `mgpu_min_blocks` 64-row blocks (the
-    decode rule) where it takes the shape; explicit choices, interpret mode and fp8 pools keep
-    theirs."""
+    decode rule) where it takes the shape; explicit choices and interpret mode keep theirs;
+    fp8 pools at 64-row blocks run Triton."""
     from funcmla.attention.pallas.extend import extend_kernel_config
 
     auto = DecodeKernelConfig(mgpu_min_blocks=16)
@@ -255,7 +255,11 @@ def test_extend_kernel_rule(monkeypatch):
     assert extend_kernel_config(auto, 16, 4, n, 1).kernel == "mgpu"
     assert extend_kernel_config(auto, 16, 4, n - 1, 1) is auto
     assert extend_kernel_config(auto, 24, 2, 1000, 1) is auto  # 48 rows: not a 64-row block
-    assert extend_kernel_config(auto, 128, 1, 1000, 1, kv_dtype=jnp.float8_e4m3fn) is auto
+    for h, c in ((128, 1), (16, 4)):  # fp8 pools at 64-row blocks: Triton
+        fp8 = extend_kernel_config(auto, h, c, 1000, 1, kv_dtype=jnp.float8_e4m3fn)
+        assert fp8.kernel == "triton"
+    # 16 rows (not causal: one token a pseudo-sequence): the decode's rule, the 16-row kernel
+    assert extend_kernel_config(auto, 16, 1, 1000, 1, kv_dtype=jnp.float8_e4m3fn).kernel == "mgpu"
     assert extend_kernel_config(auto, 128, 1, 1000, 1, interpret=True) is auto
     tri = DecodeKernelConfig(kernel="triton")
     assert extend_kernel_config(tri, 128, 1, 1000, 64) is tri

@@ -2,7 +2,8 @@
 
 `mla_decode` (in `api`) checks its arguments, runs one of two decode kernels, the
 Triton-lowered one (`mla_decode_rows`; every shape) or the warp-specialized Mosaic GPU one for
-Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks; an fp8 pool runs the Triton one), and merges split-KV partials with
+Hopper (`mla_decode_rows_mgpu`; bf16, 64-row blocks; an fp8 pool runs the fp8 Mosaic GPU
+kernels at 16 folded rows or 64-row blocks), and merges split-KV partials with
 `merge_splits_pallas`. `DecodeKernelConfig` is the static tiling, `choose_num_splits` the split
 rule. `mla_extend` (in `extend`) runs ragged extend batches on the same kernels, each
 request's queries cut into chunks that act as decode sequences. `mha_prefill` (in `prefill`)

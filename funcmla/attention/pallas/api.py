@@ -5,9 +5,10 @@ page size, heads, s_q, split count), picks the kernel (`uses_mgpu`: the Mosaic G
 it applies and the batch fills a quarter of the GPU, else the Triton-lowered one), runs it with
 the split rule's count (`decode_num_splits`) and merges the splits (`merge_splits_pallas`).
 `mla_decode_rows` and `mla_decode_rows_mgpu` run one kernel alone. An fp8 pool
-(float8_e4m3fn, with `k_scale` / `v_scale`: `funcmla.attention.kv_quant`) runs the fp8
-Mosaic GPU kernel at 16 folded rows (`decode_mgpu_fp8`), the Triton kernel elsewhere; both
-read fp8 bytes and convert them on chip. `validate_decode_inputs` is
+(float8_e4m3fn, with `k_scale` / `v_scale`: `funcmla.attention.kv_quant`) runs an fp8
+Mosaic GPU kernel at 16 folded rows (`decode_mgpu_fp8`) or at 64-row blocks
+(`decode_mgpu_fp8_wide`), the Triton kernel elsewhere; all read fp8 bytes (K straight into
+fp8 `wgmma`s in the Mosaic GPU kernels). `validate_decode_inputs` is
 the eager check of index values. Why the rule picks what it does: docs/decode_kernel.md;
 reproduce with `python -m bench.decode --only "H128 B1 L4096"`.
 """
@@ -23,7 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcmla.attention.kv_quant import kv_scales
-from funcmla.attention.pallas import decode_mgpu, decode_mgpu_fp8, decode_triton
+from funcmla.attention.pallas import (
+    decode_mgpu,
+    decode_mgpu_fp8,
+    decode_mgpu_fp8_wide,
+    decode_triton,
+)
 from funcmla.attention.pallas.decode_common import (
     MAX_POOL_ROWS,
     PARTIAL_DTYPES,
@@ -122,6 +128,25 @@ def decode_num_splits(config: DecodeKernelConfig, num_seqs: int, rows: int, max_
                              block_m)
 
 
+def _fp8_mgpu_wide(rows: int) -> bool:
+    """Whether an fp8 pool at `rows` folded query rows goes to `decode_mgpu_fp8_wide` (64-row
+    blocks, `decode_mgpu`'s products) rather than `decode_mgpu_fp8` (16 rows, transposed)."""
+    return rows % MGPU_BLOCK_M == 0
+
+
+def fp8_mgpu_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int, q_dtype,
+                       kv_dtype) -> str | None:
+    """None when one of the fp8 Mosaic GPU kernels takes the shape, else the reason."""
+    if _fp8_mgpu_wide(rows):
+        return decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, head_dim, v_head_dim,
+                                                       q_dtype, kv_dtype)
+    if rows not in decode_mgpu_fp8.ROWS:
+        return (f"folded rows s_q*H = {rows} is neither one of {decode_mgpu_fp8.ROWS} nor a "
+                f"multiple of {MGPU_BLOCK_M}")
+    return decode_mgpu_fp8.fp8_narrow_supported(rows, page_size, head_dim, v_head_dim,
+                                                q_dtype, kv_dtype)
+
+
 def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
                   v_head_dim: int = 512, interpret: bool = False,
                   kv_dtype=None) -> tuple[str, str]:
@@ -129,11 +154,13 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     of `kv_dtype` (default q's) at this page size (`DecodeKernelConfig.kernel`); raises for
     kernel="mgpu" on a shape or dtype it does not take.
 
-    "mgpu" is one of two Mosaic GPU kernels: `decode_mgpu` for a bf16 pool, `decode_mgpu_fp8`
-    for an fp8 pool at 16 folded rows. "auto" keeps bf16 batches of fewer than
-    `config.mgpu_min_blocks` blocks of 64 rows on Triton: there a Mosaic GPU block's fixed
-    cost outweighs its matrix rate (`python -m bench.decode_dispatch`). "auto" runs an fp8
-    pool at 16 folded rows on the fp8 Mosaic GPU kernel from `config.fp8_mgpu_min_seqs`
+    "mgpu" is one of three Mosaic GPU kernels: `decode_mgpu` for a bf16 pool, and for an fp8
+    pool `decode_mgpu_fp8` at 16 folded rows or `decode_mgpu_fp8_wide` at a multiple of 64.
+    "auto" keeps batches of fewer than `config.mgpu_min_blocks` blocks of 64 rows on Triton
+    (bf16 and fp8 alike): there a Mosaic GPU block's fixed cost outweighs its matrix rate
+    (`python -m bench.decode_dispatch`); at 128 heads the fp8 one takes 0.34-0.42x of the
+    Triton kernel's time (`python -m bench.decode --kv-dtype fp8 --fp8-variants`). "auto" runs
+    an fp8 pool at 16 folded rows on `decode_mgpu_fp8` from `config.fp8_mgpu_min_seqs`
     sequences (0.48-0.75x of the Triton kernel's time at batch 32 and 128), other fp8 shapes
     and smaller batches on Triton.
     """
@@ -143,8 +170,7 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     dtype = q.dtype if kv_dtype is None else kv_dtype
     fp8 = jnp.dtype(dtype) != jnp.dtype(q.dtype)
     if fp8:
-        why = decode_mgpu_fp8.fp8_narrow_supported(rows, page_size, q.shape[2], v_head_dim,
-                                                   q.dtype, dtype)
+        why = fp8_mgpu_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype, dtype)
         if why is not None:
             why = f"kv_pool dtype {jnp.dtype(dtype).name}: the fp8 Mosaic GPU kernel {why}"
         elif interpret:  # the interpreter deadlocks on its three warpgroups on 2 cores
@@ -164,12 +190,13 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     if backend != "gpu":
         return "triton", f"JAX's default backend is {backend}, not a GPU (no GPU backend)"
     seqs = q.shape[0] // s_q
-    if fp8:
+    if fp8 and rows % MGPU_BLOCK_M:
         if seqs < config.fp8_mgpu_min_seqs:
             return "triton", (f"fp8 pool: {seqs} sequences < fp8_mgpu_min_seqs = "
                               f"{config.fp8_mgpu_min_seqs}")
         return "mgpu", (f"fp8 pool at {rows} folded rows, {seqs} sequences >= "
-                        f"fp8_mgpu_min_seqs = {config.fp8_mgpu_min_seqs}: the fp8 Mosaic GPU kernel")
+                        f"fp8_mgpu_min_seqs = {config.fp8_mgpu_min_seqs}: the fp8 Mosaic GPU "
+                        "kernel")
     blocks = seqs * (rows // MGPU_BLOCK_M)
     if blocks < config.mgpu_min_blocks:
         return "triton", (f"{blocks} blocks of 64 rows < mgpu_min_blocks = "
@@ -275,11 +302,11 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits,
                      kv_dtype=kv_pool.dtype)
     if mgpu and scales is not None:
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
-        o, lse = decode_mgpu_fp8.decode_call(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,
-                                             num_splits=ns, k_scale=scales[0],
-                                             v_scale=scales[1], v_head_dim=v_head_dim,
-                                             partial_dtype=config.partial_dtype,
-                                             interpret=interpret)
+        kernel = decode_mgpu_fp8_wide if _fp8_mgpu_wide(rows) else decode_mgpu_fp8
+        o, lse = kernel.decode_call(
+            q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=ns, k_scale=scales[0],
+            v_scale=scales[1], v_head_dim=v_head_dim, partial_dtype=config.partial_dtype,
+            interpret=interpret)
     elif mgpu:
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
         o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,

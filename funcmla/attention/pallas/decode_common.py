@@ -68,8 +68,9 @@ class DecodeKernelConfig:
                 (`resolved_programs_per_sm`) from shared memory and registers.
     merge_block_d: output columns per program of the merge kernel (None: `merge.merge_block_d`).
     kernel:     which decode kernel `mla_decode` runs: "triton" (every shape), "mgpu" (the
-                warp-specialized Mosaic GPU kernel: sm_90a, bf16, s_q * H a multiple of 64, a
-                page size that divides 64 tokens or is a multiple of 64), or "auto" (default):
+                warp-specialized Mosaic GPU kernels: sm_90a, s_q * H a multiple of 64 for a bf16
+                pool, 16 or a multiple of 64 for an fp8 one, a page size that divides 64 tokens
+                or is a multiple of 64), or "auto" (default):
                 "mgpu" where it applies on a GPU (not interpret mode) and the batch gives at
                 least `mgpu_min_blocks` blocks of 64 rows, else "triton" (`api.uses_mgpu`).
     mgpu_min_blocks: the fewest 64-row blocks (sequences x s_q * H / 64; an extend's

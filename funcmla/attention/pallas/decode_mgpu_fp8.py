@@ -18,24 +18,30 @@ One CUDA block handles one sequence and one KV split, with three warpgroups:
 
 * warpgroup 2 (producer): issues the first four 64-token fp8 tiles into the four landing
   stages (page >= 8: one TMA copy a tile or a page; page 1 to 4: a `cp.async` row gather),
-  prepares q while they fly (`_prepare_q`: bf16 q from global memory, scaled, split into
-  its e4m3 pair and stored swizzled, and the column scales), then refills a stage once its consumer has its
-  last bytes in registers (after the tile's P V operands are loaded);
+  prepares q while they fly (`fp8_q_split.prepare_q_smem`: bf16 q from global memory,
+  scaled, split into its e4m3 pair and stored swizzled, and the column scales), then
+  refills a stage once its consumer has its last bytes in registers (after the tile's P V
+  operands are loaded);
 * warpgroups 0 and 1 (consumers): the tiles alternate between them (tile i goes to consumer
   i % 2, through stage i % 4, so each consumer has a tile landing while it works on one),
   each running its own online softmax over its tiles with its own accumulator (64 fp32
   registers a thread at N = 16); at the end consumer 1 hands its (O^T, max, sum) through
   shared memory and consumer 0 merges the two and stores.
 
-Scales: q is scaled per row by a power of two (exact, `decode_common.pow2_row_scales` at
-`_Q_TOP`) so its largest |q| lands in [2^7, 2^8), then hi = e4m3(q up) and lo = e4m3(q up -
-hi): hi + lo is q up exactly for bf16 elements within 2^9 of the row's largest, within 2^-10
-(in q up units) below that, so the score error stays at the bf16 kernels' (`prepare_q`). The
-kernel multiplies each score column by that row's inverse times sm_scale * k_scale * log2(e)
-(k_scale and v_scale are [1] operands, so one kernel serves every layer) and the output by
-v_scale. Hopper's fp8 wgmma keeps ~13-14 bits in its accumulator, so q k^T restarts from zero
-every `_PROMOTE` columns and the groups are summed in fp32. Preparing q in the kernel rather than in XLA kernels before it saves
+Scales: q is scaled per row by a power of two and split into two e4m3 parts whose sum keeps
+the bf16 kernels' score error (`fp8_q_split`). The kernel multiplies each score column by
+that row's inverse times sm_scale * k_scale * log2(e) (k_scale and v_scale are [1] operands,
+so one kernel serves every layer) and the output by v_scale. Hopper's fp8 wgmma keeps ~13-14
+bits in its accumulator, so q k^T restarts from zero every `_PROMOTE` columns and the groups
+are summed in fp32. Preparing q in the kernel rather than in XLA kernels before it saves
 their launches and the gaps between them (7-32 us a call on the H200; docs/decode_kernel.md).
+
+V^T is converted from fp8 in registers (`_v_operand`), half its pairs by
+`cvt.rn.f16x2.e4m3x2` and half on the integer pipe (the e4m3 bits placed as f16 bits: the
+value times 2^-8, exact; those output rows are scaled back at the end), so neither pipe
+carries all of a tile's conversions (H16 B128 L16k p64 319.6 -> 310.5 us, B32 L4k p64 30.4
+-> 32.1: `python -m bench.kernel_ab`; an fp8 NaN in a used V row reads as a finite value
+there, V past kv_len is zeroed before either conversion).
 
 Softmax reductions over the token axis cross the 4 warps of a warpgroup; each consumer does
 them in its own shared-memory scratch (Mosaic GPU's built-in reduction scratch is one region
@@ -43,9 +49,9 @@ for the whole block, which two warpgroups reducing at once would share).
 
 Masking as in `decode_mgpu`: scores past a column's causal limit or past kv_len are selected
 to -inf (a NaN from an unused K row is selected away), and in a partial last tile the V tokens
-past kv_len are zeroed before P V, so no unused pool row (NaN, Inf) reaches the result. Each softmax sum stays a per-thread
-partial over its tokens until the end (one cross-warp reduction a tile, for the max, not
-two). Consumer 0 stores O^T from registers straight to global memory as [B, S, N, 512]
+past kv_len are zeroed before P V, so no unused pool row (NaN, Inf) reaches the result.
+Each softmax sum stays a per-thread partial over its tokens until the end (one cross-warp
+reduction a tile, for the max, not two). Consumer 0 stores O^T from registers straight to global memory as [B, S, N, 512]
 (`_store_transposed`, 16-value vector stores, un-permuting the rows), so no XLA kernel runs
 around the launch. Splits and partials are those of the other decode kernels
 (`split_tile_range`), so they share the merge. Runs on sm_90a.
@@ -75,10 +81,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.decode_common import (
     KVRows,
     causal_limit,
-    pow2_row_scales,
     seq_start_and_len,
     split_tile_range,
 )
+from funcmla.attention.pallas.fp8_q_split import Q8_SWIZZLE, prepare_q_smem
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
@@ -86,22 +92,23 @@ from funcmla.attention.pallas.mgpu_kv_copy import (
     gather_rows,
     gathers,
 )
-from funcmla.attention.pallas.mgpu_ops import in_layout, iota, load, mgpu_params, swizzled
+from funcmla.attention.pallas.mgpu_ops import (
+    in_layout,
+    iota,
+    load,
+    mgpu_params,
+    swizzled,
+    warpgroup_sync,
+)
 
 __all__ = ["fp8_narrow_supported", "decode_call", "ROWS", "BLOCK_KV"]
 
-_LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 # Folded query rows taken (wgmma N). 32 would fit the registers (O^T is 4 * N a thread) but
 # not shared memory: q and P double, 255 KB of the 227 an SM has.
 ROWS = (16,)
-_CHUNK = 64       # q columns per load in the q preparation
-_FP8_SWIZZLE = 64  # bytes; 64 fp8 columns per swizzle tile (576 is 9 of them): stages and q8
-# q * up's largest |value| in a row lands in [2^7, 2^8): below e4m3's 448, and the low part
-# (at most half an e4m3 step of the high one, 2^3 below it) stays a normal number down to
-# elements 2^9 below the row's largest.
-_Q_TOP = 7
+_FP8_SWIZZLE = Q8_SWIZZLE  # bytes; 64 fp8 columns per swizzle tile (576 is 9): stages, q8
 # Columns of q k^T per fp8 accumulator: Hopper's fp8 wgmma adds into its accumulator with
 # truncated alignment (about 13-14 bits kept), so the error grows with the instructions
 # chained on one accumulator; each group of columns starts from zero and is summed in fp32.
@@ -109,6 +116,17 @@ _PROMOTE = 128
 _STAGES = 4       # fp8 landing stages: two per consumer (a stage is held until its P V)
 _CONSUMERS = 2
 _D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
+# The odd row blocks of O^T (64 latent columns each, `latent_column`) have their V pairs
+# converted on the integer pipe by `_v_operand` rather than with `cvt.rn.f16x2.e4m3x2` (a
+# quarter-rate instruction), so half the pairs go to each pipe: e4m3 bits placed as f16 bits
+# are the value times 2^-8, exactly (subnormals included); those rows are scaled by 2^8 at
+# the end. A pair word holds bytes (column c: even, odd token; column c + 1: even, odd);
+# `INT_PAIR_SELECT[half]` (prmt with a zero word) moves column c + half's two bytes to the high
+# byte of each 16-bit half, then `INT_SIGN_MASK` keeps the sign and `INT_MAG_MASK` >> 1 the
+# exponent and mantissa.
+_INT_SCALE = 256.0
+INT_PAIR_SELECT = (0x1404, 0x3424)
+INT_SIGN_MASK, INT_MAG_MASK = 0x80008000, 0x7F007F00
 # Per-consumer scratch of a cross-warp column reduction of [64, N] fp32: 4 warps x 32 lanes
 # x 2 values, enough for one register of the result at a time (shared memory is tight).
 _RED_BYTES = 4 * 32 * 2 * 4
@@ -152,7 +170,7 @@ def _col_reduce(x, op: str, scratch, interpret: bool):
 def _store_cols(ref, x, col0: int, swizzle: int, interpret: bool):
     """ref[:, col0 : col0 + x.shape[1]] = x (f16, WGMMA layout) into a (8, swizzle / 2)-tiled
     ref, as plain `stmatrix` stores: no read of the old values and no warpgroup barrier
-    around them (Pallas's store does both); the caller orders them (`_wg_sync`)."""
+    around them (Pallas's store does both); the caller orders them (`warpgroup_sync`)."""
     if interpret:
         ref[:, pl.ds(col0, x.shape[1])] = x
         return
@@ -168,139 +186,6 @@ def _store_cols(ref, x, col0: int, swizzle: int, interpret: bool):
         x.store_tiled(sub, swizzle=swizzle)
 
     store(x, ref)
-
-
-def _wg_sync(interpret: bool):
-    """This warpgroup's threads meet (`bar.sync` on the warpgroup's own barrier): orders their
-    shared-memory stores (`_store_cols`, fenced by `commit_smem`) before a `wgmma` reads them."""
-    if interpret:
-        return
-
-    @plgpu.inline_mgpu()
-    def sync(ctx):
-        del ctx
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        mu.warpgroup_barrier()
-
-    sync()
-
-
-def _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, *, sm_scale: float,
-               interpret: bool):
-    """Producer: q rows of sequence `b` (q_ref [B, rows, 576], bf16 or f16, in global memory)
-    split into e4m3 pairs in q_smem [2 rows, 576] ((8, 64)-tiled, 64-byte swizzle: rows
-    0..rows-1 the high parts, rows..2 rows-1 the low ones) and the score / output column
-    factors into scale_smem [2, rows], as `prepare_q` computes them (the same values). Thread t
-    takes row t // 8 and 8 columns (16 bytes of bf16) at 8 (t % 8) of each 64-column chunk;
-    the row's largest |q| meets over its 8 threads by shuffles."""
-    if interpret:
-        q8, scales = prepare_q(q_ref[pl.ds(b, 1)], sm_scale=sm_scale, k_scale=k_scale_ref[...],
-                               v_scale=v_scale_ref[...])
-        q_smem[...] = q8[0]
-        scale_smem[...] = scales[0]
-        return
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(swizzled(_FP8_SWIZZLE, 1)), plgpu.RefType(),
-                                  plgpu.Layout.WG_SPLAT(())))
-    def prep(ctx, q, k_scale, v_scale, q8, scales, b):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        f16, f32 = ir.F16Type.get(), ir.F32Type.get()
-        q_ty = ir.MemRefType(q.type)
-        _, rows, d = q_ty.shape
-        v8 = ir.VectorType.get((8,), q_ty.element_type)
-        n_chunks = d // _CHUNK
-
-        def k(n, ty=i32):
-            return mu.c(n, ty)
-
-        def splat(x, ty):
-            return vector.broadcast(ir.VectorType.get((8,), ty), x)
-
-        def elem(x, j):
-            return vector.extract(x, dynamic_position=[], static_position=[j])
-
-        def to_e4m3(x4):  # 4 fp32 -> 4 e4m3 bytes in one word, x4[0] in the low byte
-            return llvm.inline_asm(
-                i32, x4, "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
-                "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-                "=r,f,f,f,f")
-
-        def from_e4m3(word, half: int):  # bytes 2 half, 2 half + 1 of a word -> 2 fp32
-            pair = mu.bitcast(llvm.inline_asm(
-                i32, [word], "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
-                f"cvt.rn.f16x2.e4m3x2 $0, {('lo', 'hi')[half]}; }}", "=r,r"),
-                ir.VectorType.get((2,), f16))
-            wide = arith.extf(ir.VectorType.get((2,), f32), pair)
-            return [elem(wide, 0), elem(wide, 1)]
-
-        b = b.registers.item()
-        t = arith.remui(mu.thread_idx(), k(128))
-        r, vec = arith.shrui(t, k(3)), arith.andi(t, k(7))
-        gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(q))
-        row_bytes = arith.muli(arith.extui(i64, arith.addi(arith.muli(b, k(rows)), r)),
-                               k(2 * d, i64))
-        src = mu.getelementptr(gptr, [arith.addi(row_bytes, arith.extui(i64, arith.shli(
-            vec, k(4))))], i8)
-        xs = [arith.extf(ir.VectorType.get((8,), f32), llvm.load(
-            v8, mu.getelementptr(src, [2 * _CHUNK * j], i8), alignment=16))
-            for j in range(n_chunks)]
-        # |q| as float32 bits: an integer max orders them (NaN above Inf, as jnp.max gives)
-        amax = None
-        for x in xs:
-            bits = arith.andi(vector.bitcast(ir.VectorType.get((8,), i32), x),
-                              splat(k(0x7FFFFFFF), i32))
-            amax = bits if amax is None else arith.maxui(amax, bits)
-        amax = vector.reduction(i32, vector.CombiningKind.MAXUI, amax)
-        amax = mu.warp_tree_reduce(amax, arith.maxui, 8)
-        # pow2_row_scales(amax, _Q_TOP) from the exponent bits; a row holding Inf or NaN
-        # gets a NaN factor (e4m3's saturation would make it finite)
-        e_raw = arith.andi(arith.shrui(amax, k(23)), k(0xFF))
-        e = arith.minsi(arith.maxsi(e_raw, k(_Q_TOP + 1)), k(254))
-        up = arith.bitcast(f32, arith.shli(arith.subi(k(254 + _Q_TOP), e), k(23)))
-        down = arith.bitcast(f32, arith.shli(arith.subi(e, k(_Q_TOP)), k(23)))
-        down = arith.select(arith.cmpi(arith.CmpIPredicate.eq, e_raw, k(0xFF)),
-                            mu.c(float("nan"), f32), down)
-        # Element (R, c) of q8 lives at byte ((R // 8) * 9 + c // 64) * 512 + (R % 8) * 64
-        # + (((c % 64) // 16) ^ ((R % 8) // 2)) * 16 + c % 16 (64-byte swizzle); this
-        # thread's 8 columns of a chunk are the half (vec % 2) of 16-byte vector vec // 2.
-        r8 = arith.andi(r, k(7))
-        dst_off = arith.addi(
-            arith.addi(arith.muli(arith.shrui(r, k(3)), k(n_chunks * 512)), arith.shli(r8, k(6))),
-            arith.addi(arith.shli(arith.xori(arith.shrui(vec, k(1)), arith.shrui(r8, k(1))),
-                                  k(4)), arith.shli(arith.andi(vec, k(1)), k(3))))
-        dst = mu.getelementptr(mu.memref_ptr(q8), [dst_off], i8)
-        lo_rows = (rows // 8) * n_chunks * 512  # rows + R sits rows // 8 tile rows further
-        v2 = ir.VectorType.get((2,), i32)
-        for j, x in enumerate(xs):
-            x = arith.mulf(x, splat(up, f32))  # exact: a power of two
-            xv = [elem(x, i) for i in range(8)]
-            hi = [to_e4m3(xv[4 * h:4 * h + 4]) for h in range(2)]
-            back = [v for w in hi for half in range(2) for v in from_e4m3(w, half)]
-            res = [arith.subf(a, c) for a, c in zip(xv, back)]  # exact in fp32
-            lo = [to_e4m3(res[4 * h:4 * h + 4]) for h in range(2)]
-            for words, off in ((hi, j * 512), (lo, lo_rows + j * 512)):
-                llvm.store(vector.from_elements(v2, words), mu.getelementptr(dst, [off], i8),
-                           alignment=8)
-
-        def scalar(ref):
-            p = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(ref))
-            return llvm.load(f32, p)
-
-        factor = arith.mulf(arith.mulf(down, mu.c(float(sm_scale) * _LOG2E, f32)),
-                            scalar(k_scale))
-        ri = arith.index_castui(ir.IndexType.get(), r)
-        # the row's 8 threads store the same values
-        memref.store(factor, scales, [mu.c(0, ir.IndexType.get()), ri])
-        memref.store(scalar(v_scale), scales, [mu.c(1, ir.IndexType.get()), ri])
-
-    prep(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b)
 
 
 def _fold(s2, rows: int, interpret: bool):
@@ -408,8 +293,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                                  swizzle=_FP8_SWIZZLE, async_proxy=True, interpret=interpret)
 
         def prepare():  # q's rows, then the registers go to the consumers
-            _prepare_q(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
-                       sm_scale=sm_scale, interpret=interpret)
+            prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
+                           jnp.int32(0), sm_scale=sm_scale, interpret=interpret)
             plgpu.commit_smem()
             plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(40, action="decrease")
@@ -505,7 +390,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
             plgpu.commit_smem()
-            _wg_sync(interpret)  # every thread's P stores, before P V reads them
+            warpgroup_sync(interpret)  # every thread's P stores, before P V reads them
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
             acc = _pv(acc, stages, slot, p_ref, lambda: plgpu.barrier_arrive(k_empty.at[slot]),
                       valid, masked, interpret)
@@ -541,7 +426,12 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def bc(x):
             return lax.broadcast_in_dim(x, acc.shape, [1])
 
-        out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe)
+        # the odd row blocks hold V times 2^-8 (`_INT_SCALE`)
+        o_rows = iota(acc.shape, 0, interpret)
+        fix = jnp.where(_int_block(o_rows // 64), _INT_SCALE, 1.0)
+        if interpret:  # rows there are latent columns in order: scaled in `_v_operand` alike
+            fix = jnp.where(_int_block(latent_row_block(o_rows)), _INT_SCALE, 1.0)
+        out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe) * fix
         empty = jnp.inf if final else -jnp.inf
         _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, interpret)
         lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
@@ -569,7 +459,9 @@ def _v_operand(stages, slot, kk: int, valid, masked: bool, interpret: bool):
         if masked:
             v = jnp.where(lax.broadcasted_iota(jnp.int32, v.shape, 0) + 16 * kk < valid, v,
                           jnp.zeros_like(v))
-        return v.astype(jnp.float16).T
+        vt = v.astype(jnp.float16).T  # rows are latent columns in order here
+        block = latent_row_block(lax.broadcasted_iota(jnp.int32, (_DV, 1), 0))
+        return jnp.where(_int_block(block), vt / _INT_SCALE, vt)
     splat = plgpu.Layout.WG_SPLAT(())
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(_FP8_SWIZZLE, 1)), splat, splat),
@@ -633,6 +525,15 @@ def _v_operand(stages, slot, kk: int, valid, masked: bool, interpret: bool):
                 "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
                 f"cvt.rn.f16x2.e4m3x2 $0, {('lo', 'hi')[half]}; }}", "=r,r"), f16x2)
 
+        def int_cvt(pair_word, half: int):
+            # bytes 2 half, 2 half + 1 to the high byte of each 16-bit half (prmt with a zero
+            # word), then sign kept and exponent + mantissa moved down a bit: f16 bits of the
+            # e4m3 value times 2^-8
+            w = prmt(pair_word, k(0), k(INT_PAIR_SELECT[half]))
+            mag = arith.shrui(arith.andi(w, k(INT_MAG_MASK)), k(1))
+            sign = arith.andi(w, k(INT_SIGN_MASK - (1 << 32)))  # as a signed i32
+            return mu.bitcast(arith.ori(mag, sign), f16x2)
+
         regs = np.empty(regs_shape, dtype=object)
         for kg in range(2):
             x0, x1 = load_token(kg, 0), load_token(kg, 1)
@@ -641,7 +542,8 @@ def _v_operand(stages, slot, kk: int, valid, masked: bool, interpret: bool):
                     paired = prmt(word(x0, j), word(x1, j), sel[s_i])
                     for half in range(2):
                         c = 4 * j + 2 * s_i + half  # the thread's column 2 mb + h
-                        regs[c // 2, kg, 0, 0, c % 2, 0, 0, 0, 0] = cvt(paired, half)
+                        conv = int_cvt if (c // 2) % 2 else cvt  # odd row blocks
+                        regs[c // 2, kg, 0, 0, c % 2, 0, 0, 0, 0] = conv(paired, half)
         return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return operand(stages, slot, valid)
@@ -651,6 +553,18 @@ def latent_column(m):
     """The latent column that row m of the kernel's O^T holds (`_v_operand`'s order):
     m = 64 mb + 16 w + 8 h + g -> 128 w + 16 g + 2 mb + h. Works on ints and index values."""
     return (((m >> 4) & 3) << 7) + ((m & 7) << 4) + ((m >> 6) << 1) + ((m >> 3) & 1)
+
+
+def _int_block(mb):
+    """Whether row block `mb` (an int array) has its V converted on the integer pipe (the odd
+    ones, `_INT_SCALE`)."""
+    return mb - (mb // 2) * 2 == 1
+
+
+def latent_row_block(c):
+    """The row block mb of O^T (`latent_column`'s inverse, m // 64) that latent column c
+    lands in: c = 128 w + 16 g + 2 mb + h -> mb = (c % 16) // 2."""
+    return (c & 15) >> 1
 
 
 def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool):
@@ -677,27 +591,6 @@ def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool)
         plgpu.wgmma_wait(0)
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
-
-
-def prepare_q(q: jax.Array, *, sm_scale: float, k_scale: jax.Array, v_scale: jax.Array):
-    """(q8 [B, 2 rows, 576] e4m3, scales [B, 2, rows] fp32) for the kernel from q [B, rows,
-    576]: q * up per row (`pow2_row_scales` at `_Q_TOP`, exact) split into a high part (q8
-    rows 0..rows-1, e4m3 of q * up) and a low one (rows rows..2 rows-1, e4m3 of the exact
-    residual); scales[:, 0] = down * sm_scale * k_scale * log2(e) (the score columns' factor,
-    NaN for a row holding Inf or NaN), scales[:, 1] = v_scale."""
-    qf = q.astype(jnp.float32)
-    # |q| as float32 bits: an integer max orders them with NaN above Inf, as the kernel's
-    # `_prepare_q` does (a float max need not propagate NaN: XLA's CPU reduction drops it)
-    bits = jnp.max(lax.bitcast_convert_type(qf, jnp.int32) & 0x7FFFFFFF, axis=-1)
-    amax = lax.bitcast_convert_type(bits, jnp.float32)
-    up, down = pow2_row_scales(amax, _Q_TOP)
-    down = jnp.where(bits < 0x7F800000, down, jnp.nan)
-    x = qf * up[..., None]
-    hi = x.astype(jnp.float8_e4m3fn)
-    lo = (x - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
-    col = down * (float(sm_scale) * _LOG2E) * k_scale.reshape(())
-    vs = jnp.broadcast_to(v_scale.reshape(()), col.shape).astype(jnp.float32)
-    return jnp.concatenate([hi, lo], axis=1), jnp.stack([col, vs], axis=1)
 
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,

@@ -71,9 +71,14 @@ def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
     a GPU becomes "mgpu" where the Mosaic GPU kernel takes the shape (bf16 pool, C * H a
     multiple of 64, the page size) and the pseudo-sequences give at least
     `config.mgpu_min_blocks` blocks of 64 rows: `api.kernel_choice` over the pseudo-sequences
-    (an extend is a decode of s_q = C over them)."""
+    (an extend is a decode of s_q = C over them). An fp8 pool at 64-row blocks runs the
+    Triton kernel: the 64-row fp8 Mosaic GPU kernel's GPU tests cover decode batches
+    (tests/test_fp8_decode.py), not an extend's pseudo-sequences."""
     if config.kernel != "auto":
         return config
+    fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype)
+    if fp8 and (chunk * num_heads) % 64 == 0:
+        return dataclasses.replace(config, kernel="triton")
     q = jax.ShapeDtypeStruct((num_pseudo * chunk, num_heads, head_dim), dtype)
     pick, _ = kernel_choice(config, q, page_size, chunk, v_head_dim=v_head_dim,
                             interpret=interpret, kv_dtype=kv_dtype)

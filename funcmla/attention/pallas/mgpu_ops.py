@@ -1,8 +1,9 @@
 """Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
 jax 0.10.2): a load in a layout, a store of registers, a layout cast, an iota, accumulating
-`wgmma`s, the transforms of a swizzled shared-memory operand, and the interpreter parameters.
-Used by `decode_mgpu`, `decode_mgpu_fp8`, `mgpu_kv_copy` and `prefill_mgpu`.
+`wgmma`s, a warpgroup barrier, the transforms of a swizzled shared-memory operand, and the
+interpreter parameters. Used by `decode_mgpu`, `decode_mgpu_fp8`, `decode_mgpu_fp8_wide`,
+`mgpu_kv_copy` and `prefill_mgpu`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled",
-           "mgpu_params"]
+           "warpgroup_sync", "mgpu_params"]
 
 
 # jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
@@ -102,6 +103,23 @@ def swizzled(swizzle: int, itemsize: int) -> tuple:
     elements: (8, swizzle / itemsize) tiles, each row of a tile one swizzle span (what `wgmma`
     and the TMA read and write)."""
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def warpgroup_sync(interpret: bool) -> None:
+    """This warpgroup's threads meet (`bar.sync` on the warpgroup's own barrier): orders their
+    shared-memory stores (fenced by `plgpu.commit_smem`) before a `wgmma` of theirs reads them.
+    A no-op in the interpreter, which runs a warpgroup as one program."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        mu.warpgroup_barrier()
+
+    sync()
 
 
 def mgpu_params(interpret):

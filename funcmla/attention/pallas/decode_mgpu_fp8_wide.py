@@ -1,0 +1,422 @@
+"""Absorbed MLA decode over an fp8 pool at 64 folded query rows a block (128 heads), on
+Hopper's matrix units: a warp-specialized Pallas Mosaic GPU kernel.
+
+At 64 rows a block decode is compute bound, so the products keep `decode_mgpu`'s form (S = q
+k^T [64 rows, 64 tokens], O += P V) and the fp8 bytes go where the matrix units take them
+without conversion:
+
+* S = q k^T: fp8 `wgmma`s with A = q's two e4m3 parts (q8 [128, 576] in shared memory, rows
+  0-63 the high parts, 64-127 the low ones: `fp8_q_split`) and B = the fp8 landing stage
+  itself (K-major). The high and low products of `_PROMOTE` columns go into one fresh
+  accumulator (Hopper's fp8 `wgmma` keeps ~13-14 bits in its accumulator, so the chain is
+  cut) and the groups are summed in fp32. K is never converted.
+* O += P V: V's K axis is the token axis, which an 8-bit operand cannot have as its
+  contiguous one, so consumer 1 converts each tile's V [64, 512] to f16 (exact) into one
+  shared-memory buffer (`_convert_v`, `cvt.rn.f16x2.e4m3x2` a pair, 16-byte loads and
+  stores, no bank conflicts) while consumer 0 runs q k^T; then both consumers add P V over
+  their 256-column halves (P f16, from consumer 0's registers / handed through shared memory).
+
+One CUDA block handles 64 folded rows of one sequence against one split of its KV, with three
+warpgroups:
+
+* warpgroup 2 (producer): issues the first two fp8 tiles into the two landing stages (TMA
+  copies, or a `cp.async` row gather under 8 tokens a page: `mgpu_kv_copy`), prepares q's
+  e4m3 parts and the row factors meanwhile (`fp8_q_split.prepare_q_smem`), then refills a
+  stage once consumer 0's q k^T and consumer 1's conversion have both read it;
+* warpgroup 0 (consumer): q k^T, the masked online softmax in base 2 (each row's factor
+  sm_scale * k_scale * log2(e) / up multiplies s - max), P and the row rescale alpha to
+  consumer 1, then O[:, :256] += P V[:, :256] with P from its registers;
+* warpgroup 1 (consumer): V to f16, then O[:, 256:] += P V[:, 256:].
+
+Shared memory: q8 72 KB + two fp8 stages 72 KB + f16 V 64 KB + P 8 KB; the output staging
+reuses the stages and V once both consumers meet after their last tile. Masking: scores past
+a row's causal limit (and so past kv_len) are selected to -inf, which also drops a NaN from an
+unused K row; V tokens past kv_len are converted as zeros. So no unused pool row (NaN, Inf)
+reaches the result. Zero-length KV gives out 0 and lse +inf. Grid, splits and partials are
+`decode_mgpu`'s, so the merge is shared. Runs on sm_90a. Why this design and what it measures:
+docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from funcmla.attention.pallas.decode_common import (
+    KVRows,
+    causal_limit,
+    seq_start_and_len,
+    split_tile_range,
+)
+from funcmla.attention.pallas.fp8_q_split import Q8_SWIZZLE, prepare_q_smem
+from funcmla.attention.pallas.mgpu_kv_copy import (
+    BLOCK_KV,
+    arrivals_per_tile,
+    fill_stage,
+    gather_rows,
+    gathers,
+)
+from funcmla.attention.pallas.mgpu_ops import (
+    in_layout,
+    iota,
+    load,
+    mgpu_params,
+    mma_acc,
+    mma_acc_and,
+    store,
+    swizzled,
+    warpgroup_sync,
+)
+
+__all__ = ["fp8_wide_supported", "decode_call", "BLOCK_M", "BLOCK_KV"]
+
+_LN2 = 0.6931471805599453
+
+BLOCK_M = 64      # folded query rows per block (wgmma M)
+_HALF = 256       # output columns per consumer warpgroup (wgmma N <= 256)
+_D, _DV = 576, 512
+_STAGES = 2       # fp8 landing stages (36 KB each)
+_V_SWIZZLE = 128  # bytes; the f16 V buffer and P: 64 f16 columns per swizzle tile
+# Columns of q k^T per fp8 accumulator, the high and the low product of each chained on it
+# (8 wgmmas a chain; lse within ~4e-3 of float32 on q rows of 2^17 and more). A second
+# accumulator (high and low apart, or groups alternating) spills consumer 0's registers:
+# 1.5-1.75x the time (docs/decode_kernel.md, decision log).
+_PROMOTE = 128
+
+
+def fp8_wide_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
+                       q_dtype, kv_dtype) -> str | None:
+    """None when this kernel handles the shape, else the reason it does not."""
+    if rows % BLOCK_M:
+        return f"folded rows s_q*H = {rows} is not a multiple of {BLOCK_M}"
+    if jnp.dtype(kv_dtype) != jnp.float8_e4m3fn:
+        return f"kv_pool dtype {jnp.dtype(kv_dtype).name} is not float8_e4m3fn"
+    if jnp.dtype(q_dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {jnp.dtype(q_dtype).name} is not bfloat16 or float16"
+    if v_head_dim != _DV or head_dim != _D:
+        return f"head dims ({head_dim}, {v_head_dim}) are not ({_D}, {_DV})"
+    if page_size < BLOCK_KV and BLOCK_KV % page_size:
+        return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
+    if page_size > BLOCK_KV and page_size % BLOCK_KV:
+        return f"page size {page_size} is not a multiple of the {BLOCK_KV}-token tile"
+    return None
+
+
+def _scores(q8_smem, stage, interpret: bool):
+    """S = q k^T of the tile in `stage` [64 rows, 64 tokens] fp32, unscaled: per `_PROMOTE`
+    columns, q's high and low e4m3 parts (A) by the fp8 stage (B, K-major) into one fresh
+    accumulator, the groups summed in fp32 registers."""
+    if interpret:
+        k = stage[...].astype(jnp.float32)
+        q = q8_smem[...].astype(jnp.float32)
+        dims = (((1,), (1,)), ((), ()))
+        return (lax.dot_general(q[:BLOCK_M], k, dims, preferred_element_type=jnp.float32)
+                + lax.dot_general(q[BLOCK_M:], k, dims, preferred_element_type=jnp.float32))
+    d = stage.shape[1]
+    zeros = in_layout(jnp.zeros((BLOCK_M, BLOCK_KV), jnp.float32), plgpu.Layout.WGMMA,
+                      interpret)
+
+    def body(acc):
+        total = None
+        for g in range(-(-d // _PROMOTE)):  # the last group takes what is left
+            cols = pl.ds(g * _PROMOTE, min(_PROMOTE, d - g * _PROMOTE))
+            if g:
+                acc[...] = zeros
+            k_t = stage.at[:, cols].transpose((1, 0))
+            plgpu.wgmma(acc, q8_smem.at[pl.ds(0, BLOCK_M), cols], k_t)
+            plgpu.wgmma(acc, q8_smem.at[pl.ds(BLOCK_M, BLOCK_M), cols], k_t)
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+            total = part if total is None else total + part
+        return total
+
+    return pl.run_scoped(body, plgpu.ACC((BLOCK_M, BLOCK_KV), jnp.float32))
+
+
+def _convert_v(stages, slot, v_smem, valid, interpret: bool):
+    """v_smem [64, 512] f16 = V of stage `slot` (its first 512 columns), tokens at or past
+    `valid` as zeros. Thread t converts 16-byte vectors j * 128 + t in the stage's physical
+    order (a warp reads one 512-byte swizzle tile: no bank conflicts), each into two 16-byte
+    f16 vectors of the same row (128-byte swizzle; the 8 lanes of a store phase land in 8
+    distinct bank groups)."""
+    if interpret:
+        v = stages[slot, :, pl.ds(0, _DV)]
+        tok = lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v_smem[...] = jnp.where(tok < valid, v, jnp.zeros_like(v)).astype(jnp.float16)
+        return
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(Q8_SWIZZLE, 1)),
+                                  plgpu.RefType(swizzled(_V_SWIZZLE, 2)), splat, splat))
+    def convert(ctx, stages, v16, slot, valid):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, vector
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i8, i32 = (ir.IntegerType.get_signless(n) for n in (8, 32))
+        v4 = ir.VectorType.get((4,), i32)
+        slot, valid = slot.registers.item(), valid.registers.item()
+        src_tiles = _D // 64   # 64-column tiles a row of 8 stage rows holds (512 B each)
+        dst_tiles = _DV // 64  # and of the f16 buffer (1 KB each)
+
+        def k(n):
+            return mu.c(n, i32)
+
+        def cvt(word, half: int):  # bytes 2 half, 2 half + 1 of a word -> an f16 pair
+            return llvm.inline_asm(
+                i32, [word], "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
+                f"cvt.rn.f16x2.e4m3x2 $0, {('lo', 'hi')[half]}; }}", "=r,r")
+
+        t = arith.remui(mu.thread_idx(), k(128))
+        q32 = arith.andi(t, k(31))
+        r8, pv = arith.shrui(q32, k(2)), arith.andi(q32, k(3))
+        lv = arith.xori(pv, arith.shrui(r8, k(1)))  # the vector's 16 columns: 16 lv + ...
+        src0 = mu.getelementptr(mu.memref_ptr(stages), [arith.addi(
+            arith.muli(slot, k(BLOCK_KV * _D)), arith.addi(arith.shli(r8, k(6)),
+                                                           arith.shli(pv, k(4))))], i8)
+        dst_row = arith.shli(r8, k(7))
+        dst_lo = arith.shli(arith.xori(arith.shli(lv, k(1)), r8), k(4))
+        dst_hi = arith.shli(arith.xori(arith.addi(arith.shli(lv, k(1)), k(1)), r8), k(4))
+        dst0 = mu.memref_ptr(v16)
+        zero = vector.broadcast(v4, k(0))
+        warp = arith.shrui(t, k(5))
+        for j in range(BLOCK_KV * _DV // 16 // 128):
+            tile = arith.addi(k(4 * j), warp)  # 8 x 8 tiles of V, 4 warps a pass
+            tr, tc = arith.shrui(tile, k(3)), arith.andi(tile, k(7))
+            x = llvm.load(v4, mu.getelementptr(src0, [arith.muli(
+                arith.addi(arith.muli(tr, k(src_tiles)), tc), k(512))], i8), alignment=16)
+            tok = arith.addi(arith.shli(tr, k(3)), r8)
+            x = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, valid), x, zero)
+            words = [vector.extract(x, dynamic_position=[], static_position=[w])
+                     for w in range(4)]
+            f16s = [cvt(w, h) for w in words for h in range(2)]
+            base = arith.addi(arith.muli(arith.addi(arith.muli(tr, k(dst_tiles)), tc),
+                                         k(1024)), dst_row)
+            for off, part in ((dst_lo, f16s[:4]), (dst_hi, f16s[4:])):
+                llvm.store(vector.from_elements(v4, part), mu.getelementptr(
+                    dst0, [arith.addi(base, off)], i8), alignment=16)
+
+    convert(stages, v_smem, slot, valid)
+
+
+def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
+            s_q: int, num_heads: int, sm_scale: float, final: bool, interpret: bool):
+    n_meta = len(refs) - 8
+    meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
+        refs[:n_meta], refs[n_meta:])
+    (q8_smem, scale_smem, kv_or_out, p_smem, alpha_smem, l_smem, q_bar, k_full, k_empty,
+     v_full, v_free, p_full, l_ready) = scratch
+    (stages, v_smem), (o_stage, lse_stage) = kv_or_out
+
+    # block = (b * num_splits + split) * row_blocks + rb, rb fastest (`decode_mgpu`): a
+    # sequence's row blocks stream the same KV tiles side by side, the second read from L2.
+    blk = lax.axis_index("blk")
+    row_blocks = s_q * num_heads // BLOCK_M
+    rb = lax.rem(blk, row_blocks)
+    split = lax.rem(lax.div(blk, row_blocks), num_splits)
+    b = lax.div(blk, row_blocks * num_splits)
+    wg = lax.axis_index("wg")
+    row_lo = rb * BLOCK_M
+
+    start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
+    first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
+    count = jnp.maximum(last - first, 0)
+    gather = gathers(page_size)
+
+    @pl.when(wg == 2)
+    def _producer():
+        # a stage is released by consumer 0's q k^T and consumer 1's conversion
+        fill = functools.partial(fill_stage, kv_ref, table_ref, stages, k_full, k_empty,
+                                 first=first, start_entry=start_entry, kv_len=kv_len,
+                                 num_stages=_STAGES, page_size=page_size, swizzle=Q8_SWIZZLE,
+                                 async_proxy=True, interpret=interpret)
+
+        def prepare():  # q's e4m3 parts, then the registers go to the consumers
+            prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo,
+                           sm_scale=sm_scale, interpret=interpret)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(q_bar)
+            plgpu.set_max_registers(40, action="decrease")
+
+        if gather:  # the gather waits for its copies: q first
+            prepare()
+            lax.fori_loop(0, count, fill,
+                          gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
+                                      page_size=page_size, swizzle=Q8_SWIZZLE,
+                                      interpret=interpret))
+        else:  # the first tiles' copies run while q is prepared
+            head = jnp.minimum(count, _STAGES)
+            lax.fori_loop(0, head, fill, 0)
+            prepare()
+            lax.fori_loop(head, count, fill, 0)
+        for st in range(_STAGES):  # observe each stage's last release
+            @pl.when(count > st)
+            def _():
+                plgpu.barrier_wait(k_empty.at[st])
+
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def finish(acc, m_i, l_i, half: int):
+        """Consumer `half` after its last P V: both meet (the output staging reuses the stages
+        and V; consumer 0 hands over the row sums), then its output half is normalized and
+        written, and consumer 0 writes the lse."""
+        if half == 0:
+            l_smem[...] = l_i
+        else:  # the factors' writes, ordered before consumer 1's reads
+            plgpu.barrier_wait(q_bar)
+        plgpu.barrier_arrive(l_ready)
+        plgpu.barrier_wait(l_ready)
+        l_i = load(l_smem, row_layout, interpret)
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        v_scale = load(scale_smem.at[1], row_layout, interpret)
+        out = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
+        store(o_stage.at[half], out.astype(o_stage.dtype), interpret)
+        if half == 0:
+            factor = load(scale_smem.at[0], row_layout, interpret)
+            empty = jnp.inf if final else -jnp.inf
+            lse_stage[...] = jnp.where(has, (m_i * factor + jnp.log2(l_safe)) * _LN2, empty)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_stage.at[half], o_ref.at[b, split, pl.ds(row_lo, BLOCK_M),
+                                                           pl.ds(half * _HALF, _HALF)])
+        if half == 0:
+            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row_lo, BLOCK_M)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 0)
+    def _consumer0():
+        plgpu.set_max_registers(232, action="increase")
+        rows_iota = iota((BLOCK_M, BLOCK_KV), 0, interpret)
+        cols_iota = iota((BLOCK_M, BLOCK_KV), 1, interpret)
+        limit = causal_limit(kv_len, s_q, (row_lo + rows_iota) // num_heads)
+        acc0 = in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA,
+                         interpret)
+        m0 = in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l0 = in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret)
+        n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
+        plgpu.barrier_wait(q_bar)
+        factor = load(scale_smem.at[0], row_layout, interpret)
+
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, _STAGES)
+            tile = first + i
+            plgpu.barrier_wait(k_full.at[slot])
+            s = _scores(q8_smem, stages.at[slot], interpret)
+            plgpu.barrier_arrive(k_empty.at[slot])
+            if masked:
+                s = jnp.where(tile * BLOCK_KV + cols_iota < limit, s, -jnp.inf)
+            # max over raw scores, the factor (> 0) multiplying s - max (`decode_mgpu`)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2((m_i - m_safe) * factor)
+            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                         * lax.broadcast_in_dim(factor, s.shape, [0]))
+            p16 = p.astype(jnp.float16)
+            # V converted: consumer 1 is past its previous P V, so P and alpha are free
+            plgpu.barrier_wait(v_full)
+            p_smem[...] = p16
+            alpha_smem[...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_full)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc, l_i = mma_acc_and(acc, p16, v_smem.at[:, pl.ds(0, _HALF)], l_i,
+                                   lambda l: l * alpha + p.sum(axis=1), interpret)
+            plgpu.barrier_arrive(v_free)
+            return acc, m_new, l_i
+
+        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
+                              (acc0, m0, l0))
+        finish(*lax.fori_loop(n_plain, count, functools.partial(step, masked=True), carry), 0)
+
+    @pl.when(wg == 1)
+    def _consumer1():
+        plgpu.set_max_registers(232, action="increase")
+        acc0 = in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA,
+                         interpret)
+
+        def step(i, acc):
+            slot = lax.rem(i, _STAGES)
+            plgpu.barrier_wait(k_full.at[slot])
+
+            @pl.when(i > 0)  # consumer 0's previous P V has read V
+            def _():
+                plgpu.barrier_wait(v_free)
+
+            _convert_v(stages, slot, v_smem, kv_len - (first + i) * BLOCK_KV, interpret)
+            plgpu.commit_smem()
+            warpgroup_sync(interpret)  # every thread's V stores, before this P V reads them
+            plgpu.barrier_arrive(k_empty.at[slot])
+            plgpu.barrier_arrive(v_full)
+            plgpu.barrier_wait(p_full)
+            alpha = load(alpha_smem, row_layout, interpret)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            return mma_acc(acc, p_smem, v_smem.at[:, pl.ds(_HALF, _HALF)], interpret)
+
+        finish(lax.fori_loop(0, count, step, acc0), None, None, 1)
+
+
+def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
+                num_splits: int, k_scale: jax.Array, v_scale: jax.Array,
+                v_head_dim: int = 512, partial_dtype="bfloat16",
+                interpret=False) -> tuple[jax.Array, jax.Array]:
+    """The pallas call on checked arguments (`api.check_decode_args` and
+    `fp8_wide_supported`): o [B, S, rows, 512] and lse [B, S, rows], the contract of
+    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]."""
+    t, h, d = q.shape
+    rows = s_q * h
+    b = t // s_q
+    final = num_splits == 1
+    o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
+    copies = arrivals_per_tile(kv.page_size)
+    fp8_tiles = swizzled(Q8_SWIZZLE, 1)
+    f16_tiles = swizzled(_V_SWIZZLE, 2)
+    stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=fp8_tiles)
+    v_smem = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=f16_tiles)
+    o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype)
+    lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
+    scratch = [
+        plgpu.SMEM((2 * BLOCK_M, d), jnp.float8_e4m3fn, transforms=fp8_tiles),
+        plgpu.SMEM((2, BLOCK_M), jnp.float32),  # row factors, v_scale
+        # the output staging reuses the stages and V once both consumers have met at the end
+        # (the interpreter has no RefUnion, nor a shared-memory limit)
+        (((stages, v_smem), (o_stage, lse_stage)) if interpret
+         else plgpu.RefUnion((stages, v_smem), (o_stage, lse_stage))),
+        plgpu.SMEM((BLOCK_M, BLOCK_KV), jnp.float16, transforms=f16_tiles),  # P
+        plgpu.SMEM((BLOCK_M,), jnp.float32),  # alpha
+        plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
+        plgpu.Barrier(),  # q8 and the factors prepared
+        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
+        plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),  # stage read by q k^T and V
+        plgpu.Barrier(),  # V converted
+        plgpu.Barrier(),  # consumer 0's P V done with V
+        plgpu.Barrier(),  # P and alpha written
+        plgpu.Barrier(num_arrivals=2),  # both consumers done; row sums written
+    ]
+    meta = kv.meta_operands()
+    kernel = functools.partial(
+        _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
+        num_splits=num_splits, s_q=s_q, num_heads=h, sm_scale=float(sm_scale), final=final,
+        interpret=interpret)
+    n_io = len(meta) + 7  # meta, table, q, k_scale, v_scale, pool; o, lse
+    call = plgpu.kernel(
+        lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
+        out_type=(jax.ShapeDtypeStruct((b, num_splits, rows, v_head_dim), o_dtype),
+                  jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
+        scratch_types=scratch,
+        grid=(b * num_splits * (rows // BLOCK_M),),
+        grid_names=("blk",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=mgpu_params(interpret),
+        kernel_name=f"mla_decode_mgpu_fp8w_ps{kv.page_size}",
+    )
+    return call(*meta, kv.table, q.reshape(b, rows, d), k_scale.reshape(1).astype(jnp.float32),
+                v_scale.reshape(1).astype(jnp.float32), kv_pool)
