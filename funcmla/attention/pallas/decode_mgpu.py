@@ -46,9 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
-    fill_stage,
-    gather_rows,
-    gathers,
+    produce_tiles,
 )
 from funcmla.attention.pallas.mgpu_ops import (
     in_layout,
@@ -182,7 +180,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
-    gather = gathers(page_size)
     row_lo = rb * BLOCK_M
 
     @pl.when(wg == 2)
@@ -191,22 +188,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_lo, BLOCK_M)], q_smem, q_bar)
 
         # a stage is released by both consumers
-        fill = functools.partial(fill_stage, kv_ref, table_ref, kv_smem, k_full, k_empty,
-                                 first=first, start_entry=start_entry, kv_len=kv_len,
-                                 num_stages=_STAGES, page_size=page_size, swizzle=_SWIZZLE,
-                                 async_proxy=True, interpret=interpret)
-
-        rows0 = (gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
-                             page_size=page_size, swizzle=_SWIZZLE, interpret=interpret)
-                 if gather else 0)
-        lax.fori_loop(0, count, fill, rows0)
-
-        # Observe each stage's last release too (every wait sees every phase; the block's
-        # shared memory is not left while a consumer may still read it).
-        for st in range(_STAGES):
-            @pl.when(count > st)
-            def _():
-                plgpu.barrier_wait(k_empty.at[st])
+        produce_tiles(kv_ref, table_ref, kv_smem, k_full, k_empty, first=first, count=count,
+                      start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
+                      page_size=page_size, swizzle=_SWIZZLE, async_proxy=True,
+                      interpret=interpret)
 
     def _store(out, which: int, lse):
         """Output half `which` ([64, 256], this block's rows and split) and, with `lse`, the

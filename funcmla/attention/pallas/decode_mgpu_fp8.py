@@ -88,9 +88,7 @@ from funcmla.attention.pallas.fp8_q_split import Q8_SWIZZLE, prepare_q_smem
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
-    fill_stage,
-    gather_rows,
-    gathers,
+    produce_tiles,
 )
 from funcmla.attention.pallas.mgpu_ops import (
     in_layout,
@@ -282,16 +280,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
-    gather = gathers(page_size)
 
     @pl.when(wg == 2)
     def _producer():
         # a stage is released once its consumer's P V has its last bytes in registers
-        fill = functools.partial(fill_stage, kv_ref, table_ref, stages, k_full, k_empty,
-                                 first=first, start_entry=start_entry, kv_len=kv_len,
-                                 num_stages=_STAGES, page_size=page_size,
-                                 swizzle=_FP8_SWIZZLE, async_proxy=True, interpret=interpret)
-
         def prepare():  # q's rows, then the registers go to the consumers
             prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
                            jnp.int32(0), sm_scale=sm_scale, interpret=interpret)
@@ -299,21 +291,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(40, action="decrease")
 
-        if gather:  # the gather waits for its copies: q first
-            prepare()
-            lax.fori_loop(0, count, fill,
-                          gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
-                                      page_size=page_size, swizzle=_FP8_SWIZZLE,
-                                      interpret=interpret))
-        else:  # the first tiles' copies run while q is prepared
-            head = jnp.minimum(count, _STAGES)
-            lax.fori_loop(0, head, fill, 0)
-            prepare()
-            lax.fori_loop(head, count, fill, 0)
-        for st in range(_STAGES):  # observe each stage's last release
-            @pl.when(count > st)
-            def _():
-                plgpu.barrier_wait(k_empty.at[st])
+        produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
+                      start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
+                      page_size=page_size, swizzle=_FP8_SWIZZLE, async_proxy=True,
+                      interpret=interpret, prepare=prepare)
 
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 

@@ -1,8 +1,9 @@
 """How the producer warpgroup of a Mosaic GPU decode kernel fills a KV stage with one 64-token
 tile of pool rows: TMA copies (one a tile at page >= 64, one a page at pages 8 to 32), or, at
 pages under 8 tokens, which a TMA copy cannot place inside an 8-row swizzled tile (Hopper's TMA
-has no row gather), a `cp.async` row gather. Used by `decode_mgpu` (bf16 stages, 128-byte
-swizzle) and `decode_mgpu_fp8` (fp8 stages, 64-byte swizzle); a stage is `swizzled`
+has no row gather), a `cp.async` row gather; and the producer's whole loop (`produce_tiles`).
+Used by `decode_mgpu` (bf16 stages, 128-byte swizzle), `decode_mgpu_fp8` and
+`decode_mgpu_fp8_wide` (fp8 stages, 64-byte swizzle); a stage is `swizzled`
 (8, swizzle / itemsize) tiles either way, and the gather derives its addressing from the
 stage's swizzle and the pool's itemsize.
 
@@ -14,6 +15,8 @@ consumers (and past the sequence) without reading out of bounds. Pool byte offse
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -23,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.mgpu_ops import swizzled
 
 __all__ = ["BLOCK_KV", "gathers", "arrivals_per_tile", "gather_rows", "gather_tile",
-           "copy_tile", "fill_stage"]
+           "copy_tile", "fill_stage", "produce_tiles"]
 
 BLOCK_KV = 64  # KV tokens per tile
 
@@ -266,3 +269,35 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
     copy_tile(kv_ref, table_ref, stages.at[slot], full.at[slot], start_entry, tile, kv_len,
               page_size=page_size)
     return rows
+
+
+def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start_entry,
+                  kv_len, num_stages: int, page_size: int, swizzle: int, async_proxy: bool,
+                  interpret: bool, prepare=None):
+    """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
+    (`fill_stage`), then a wait on each stage's last release (every wait sees every phase, and
+    the block's shared memory is not left while a consumer may still read it). `prepare()`,
+    if given, is the producer's other work (the fp8 kernels' q split): run after the first
+    `num_stages` tiles are issued, so it overlaps their copies; with the row gather, which
+    waits for its own copies, it runs first."""
+    fill = functools.partial(fill_stage, kv_ref, table_ref, stages, full, empty, first=first,
+                             start_entry=start_entry, kv_len=kv_len, num_stages=num_stages,
+                             page_size=page_size, swizzle=swizzle, async_proxy=async_proxy,
+                             interpret=interpret)
+    if gathers(page_size):
+        if prepare is not None:
+            prepare()
+        lax.fori_loop(0, count, fill,
+                      gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
+                                  page_size=page_size, swizzle=swizzle, interpret=interpret))
+    elif prepare is None:
+        lax.fori_loop(0, count, fill, 0)
+    else:
+        head = jnp.minimum(count, num_stages)
+        lax.fori_loop(0, head, fill, 0)
+        prepare()
+        lax.fori_loop(head, count, fill, 0)
+    for st in range(num_stages):
+        @pl.when(count > st)
+        def _():
+            plgpu.barrier_wait(empty.at[st])
