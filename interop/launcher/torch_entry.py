@@ -161,20 +161,33 @@ def torch_extend_config(q, kv_pool, kv_indices, *, batch: int, sm_scale: float,
         kv_dtype=kv_dtype if kv_dtype in _FP8_NAMES else None)
 
 
+def torch_extend_key(q, kv_pool, kv_indices, *, batch: int, sm_scale: float,
+                     causal: bool = True, max_kv_len: int | None = None,
+                     v_head_dim: int = 512) -> tuple:
+    """The key of the extend launcher these tensors run (one home of its bucketing rule): q
+    rows at their `prefill_capacity`, `batch` requests at its `prefill_batch_capacity`, and the
+    other static shapes, dtypes and options as they are. Calls with one key share a launcher,
+    so a serving run builds a bounded set of them."""
+    return (prefill_capacity(q.shape[0]), tuple(q.shape[1:]), q.dtype, tuple(kv_pool.shape),
+            kv_pool.dtype, tuple(kv_indices.shape), prefill_batch_capacity(batch),
+            float(sm_scale), bool(causal), max_kv_len, v_head_dim, q.get_device())
+
+
 def torch_extend_launcher(q, kv_pool, kv_indices, *, batch: int, sm_scale: float,
                           causal: bool = True, max_kv_len: int | None = None,
                           v_head_dim: int = 512):
-    """The cached extend launcher (`ExtendLauncher`) `torch_extend` runs: `torch_extend_config`
-    with `batch` at its `prefill_batch_capacity`, so calls of any batch size share a bounded
-    set of launchers (q rows are bucketed by `prefill_capacity` there). Raises
-    LauncherUnavailable where it cannot run, ValueError for a configuration it does not
-    take."""
-    config = torch_extend_config(q, kv_pool, kv_indices, batch=prefill_batch_capacity(batch),
-                                 sm_scale=sm_scale, causal=causal, max_kv_len=max_kv_len,
-                                 v_head_dim=v_head_dim)
-    key = (config, q.get_device())
+    """The cached extend launcher (`ExtendLauncher`) `torch_extend` runs, one per
+    `torch_extend_key`: `torch_extend_config` with `batch` at its `prefill_batch_capacity`
+    (q rows are bucketed by `prefill_capacity` there). Raises LauncherUnavailable where it
+    cannot run, ValueError for a configuration it does not take."""
+    key = torch_extend_key(q, kv_pool, kv_indices, batch=batch, sm_scale=sm_scale,
+                           causal=causal, max_kv_len=max_kv_len, v_head_dim=v_head_dim)
     launcher = _TORCH_EXTEND.get(key)
     if launcher is None:
+        config = torch_extend_config(q, kv_pool, kv_indices,
+                                     batch=prefill_batch_capacity(batch), sm_scale=sm_scale,
+                                     causal=causal, max_kv_len=max_kv_len,
+                                     v_head_dim=v_head_dim)
         launcher = _TORCH_EXTEND[key] = _extend.extend_launcher(config, q.device)
     return launcher
 

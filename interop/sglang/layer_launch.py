@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
 from funcmla.interop.backend_select import _launcher_reason, launcher_scale
 from funcmla.interop.dlpack import FP8_DTYPES
+from funcmla.interop.launcher.torch_entry import torch_extend_key
 
 __all__ = ["layer_launch", "extend_launch"]
 
@@ -132,11 +132,10 @@ def extend_launch(backend, q: torch.Tensor, layer, step: tuple) -> torch.Tensor 
     q3 = q.reshape(-1, heads, layer.qk_head_dim)
     pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     batch = fm.qo_indptr.shape[0] - 1  # the live batch: the views are cut to it
-    # keyed by the q-row and batch buckets, not the counts: a bounded set of launchers over a
-    # serving run (`torch_extend_launcher` buckets both the same way)
-    key = ("extend", prefill_capacity(q3.shape[0]), q3.shape[1:], q3.dtype, pool.shape,
-           pool.dtype, kv_indices.shape, prefill_batch_capacity(batch), max_kv,
-           layer.v_head_dim, layer.scaling, q3.device)
+    # the extend launcher's own key (its buckets): a failure is kept under it too
+    key = ("extend",) + torch_extend_key(q3, pool, kv_indices, batch=batch,
+                                         sm_scale=float(layer.scaling), max_kv_len=max_kv,
+                                         v_head_dim=layer.v_head_dim)
     launcher = backend._decode_launchers.get(key)
     if launcher is None:
         launcher = _extend_launcher(q3, pool, kv_indices, batch=batch, max_kv=max_kv,
