@@ -253,32 +253,17 @@ def test_fp8_wide_mosaic_kernel_names_what_it_does_not_take(rows, page, d, dv, q
                                                        jnp.bfloat16, FP8) is None
 
 
-@pytest.mark.parametrize("page_size,s_q,splits", [(64, 1, 1), (16, 1, 2), (1, 1, 2), (4, 2, 1)])
-def test_fp8_mosaic_kernel_lowers_for_cuda(page_size, s_q, splits):
-    """The compiled fp8 Mosaic GPU kernel lowers for CUDA on any host: layouts, the inline
-    Mosaic GPU pieces (row gather, column reductions, stores) and the shared-memory budget
-    (204 of 227 KB) are checked at lowering, which the interpreter does not model."""
-    b, h = 2, 16 // s_q
-    q = jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16)
-    pool = jax.ShapeDtypeStruct((64 * 64, D), FP8)
-    if page_size == 1:
-        kv = kv_rows_from_csr(jnp.zeros((b + 1,), jnp.int32), jnp.zeros((b * 1024,), jnp.int32))
-    else:
-        kv = kv_rows_from_page_table(PageTable(jnp.zeros((b, 1024 // page_size), jnp.int32),
-                                               jnp.zeros((b,), jnp.int32), page_size))
-    one = jnp.ones((1,), jnp.float32)
-    fn = jax.jit(lambda q, pool, kv: decode_mgpu_fp8.decode_call(
-        q, pool, kv, sm_scale=SCALE, s_q=s_q, num_splits=splits, k_scale=one, v_scale=one))
-    text = jax.export.export(fn, platforms=["cuda"])(q, pool, kv).mlir_module()
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("page_size,s_q,heads,splits", [(64, 1, 128, 1), (16, 1, 64, 2),
-                                                        (1, 1, 128, 2), (4, 2, 64, 1)])
-def test_fp8_wide_mosaic_kernel_lowers_for_cuda(page_size, s_q, heads, splits):
-    """The 64-row fp8 Mosaic GPU kernel lowers for CUDA on any host: its layouts, the inline
-    pieces (q split, V conversion, row gather) and the shared-memory budget (q8 72 KB, two
-    fp8 stages 72 KB, f16 V 64 KB, P 8 KB) are checked at lowering."""
+@pytest.mark.parametrize("kernel,page_size,s_q,heads,splits", [
+    # the 16-row kernel: q k^T transposed, V^T from registers (204 of 227 KB shared memory)
+    ("narrow", 64, 1, 16, 1), ("narrow", 16, 1, 16, 2), ("narrow", 1, 1, 16, 2),
+    ("narrow", 4, 2, 8, 1),
+    # the 64-row kernel: q8 72 KB, two fp8 stages 72 KB, f16 V 64 KB, P 8 KB
+    ("wide", 64, 1, 128, 1), ("wide", 16, 1, 64, 2), ("wide", 1, 1, 128, 2), ("wide", 4, 2, 64, 1)])
+def test_fp8_mosaic_kernel_lowers_for_cuda(kernel, page_size, s_q, heads, splits):
+    """The compiled fp8 Mosaic GPU kernels lower for CUDA on any host: layouts, the inline
+    Mosaic GPU pieces (q split, row gather, V conversion, column reductions, stores) and the
+    shared-memory budget are checked at lowering, which the interpreter does not model."""
+    module = {"narrow": decode_mgpu_fp8, "wide": decode_mgpu_fp8_wide}[kernel]
     b = 2
     q = jax.ShapeDtypeStruct((b * s_q, heads, D), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((64 * 64, D), FP8)
@@ -288,7 +273,7 @@ def test_fp8_wide_mosaic_kernel_lowers_for_cuda(page_size, s_q, heads, splits):
         kv = kv_rows_from_page_table(PageTable(jnp.zeros((b, 1024 // page_size), jnp.int32),
                                                jnp.zeros((b,), jnp.int32), page_size))
     one = jnp.ones((1,), jnp.float32)
-    fn = jax.jit(lambda q, pool, kv: decode_mgpu_fp8_wide.decode_call(
+    fn = jax.jit(lambda q, pool, kv: module.decode_call(
         q, pool, kv, sm_scale=SCALE, s_q=s_q, num_splits=splits, k_scale=one, v_scale=one))
     text = jax.export.export(fn, platforms=["cuda"])(q, pool, kv).mlir_module()
     assert "mosaic_gpu" in text
