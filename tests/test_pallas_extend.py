@@ -337,6 +337,25 @@ def test_gpu_extend_matches_reference(heads, page_size):
     check(*run(p, form, interpret=False), *reference(p))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,page_size", [(128, 1), (128, 64), (16, 16), (16, 64)])
+def test_gpu_fp8_extend_on_the_64_row_fp8_kernel(heads, page_size):
+    """fp8 extends at 64-row blocks (128 heads, one token a pseudo-sequence; 16 heads, four)
+    on the 64-row fp8 Mosaic GPU kernel, asked for explicitly (`extend_kernel_config` keeps
+    auto on Triton there until this passes on a GPU): against the reference over the
+    dequantized cache, with prefixes, empty requests and NaN in every unused row."""
+    rng = np.random.default_rng(heads + page_size)
+    p = make_extend(rng, heads=heads, page_size=page_size, q_lens=[300, 0, 1, 77, 129, 64],
+                    kv_lens=[1000, 5, 1, 77, 1500, 64], pool_dtype=jnp.float8_e4m3fn)
+    form = "csr" if page_size == 1 else "pages"
+    out, lse = run(p, form, interpret=False, k_scale=0.5,
+                   config=DecodeKernelConfig(kernel="mgpu"))
+    want = mla_attention_reference(p["q"].astype(jnp.float32), p["pool"], p["qo_indptr"],
+                                   p["kv_indptr"], p["kv_indices"], sm_scale=SCALE,
+                                   k_scale=0.5)
+    check(out, lse, *want)
+
+
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_sglang_backend_forward_extend_runs_pallas(monkeypatch, page_size):
     """`FuncMLAAttnBackend.forward_extend` with the absorbed shapes (576 / 512) on an extend

@@ -72,8 +72,9 @@ def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
     multiple of 64, the page size) and the pseudo-sequences give at least
     `config.mgpu_min_blocks` blocks of 64 rows: `api.kernel_choice` over the pseudo-sequences
     (an extend is a decode of s_q = C over them). An fp8 pool at 64-row blocks runs the
-    Triton kernel: the 64-row fp8 Mosaic GPU kernel's GPU tests cover decode batches
-    (tests/test_fp8_decode.py), not an extend's pseudo-sequences."""
+    Triton kernel: the 64-row fp8 Mosaic GPU kernel has passed its GPU tests on decode batches
+    (tests/test_fp8_decode.py), not yet on an extend's pseudo-sequences
+    (tests/test_pallas_extend.py::test_gpu_fp8_extend_on_the_64_row_fp8_kernel)."""
     if config.kernel != "auto":
         return config
     fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype)
