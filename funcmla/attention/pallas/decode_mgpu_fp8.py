@@ -39,9 +39,9 @@ their launches and the gaps between them (7-32 us a call on the H200; docs/decod
 V^T is converted from fp8 in registers (`_v_operand`), half its pairs by
 `cvt.rn.f16x2.e4m3x2` and half on the integer pipe (the e4m3 bits placed as f16 bits: the
 value times 2^-8, exact; those output rows are scaled back at the end), so neither pipe
-carries all of a tile's conversions (H16 B128 L16k p64 319.6 -> 310.5 us, B32 L4k p64 30.4
--> 32.1: `python -m bench.kernel_ab`; an fp8 NaN in a used V row reads as a finite value
-there, V past kv_len is zeroed before either conversion).
+carries all of a tile's conversions (`python -m bench.kernel_ab`; docs/decode_kernel.md). An
+fp8 NaN in a used V row reads as a finite value on the integer pipe; V past kv_len is zeroed
+before either conversion.
 
 Softmax reductions over the token axis cross the 4 warps of a warpgroup; each consumer does
 them in its own shared-memory scratch (Mosaic GPU's built-in reduction scratch is one region
@@ -51,18 +51,16 @@ Masking as in `decode_mgpu`: scores past a column's causal limit or past kv_len 
 to -inf (a NaN from an unused K row is selected away), and in a partial last tile the V tokens
 past kv_len are zeroed before P V, so no unused pool row (NaN, Inf) reaches the result.
 Each softmax sum stays a per-thread partial over its tokens until the end (one cross-warp
-reduction a tile, for the max, not two). Consumer 0 stores O^T from registers straight to global memory as [B, S, N, 512]
-(`_store_transposed`, 16-value vector stores, un-permuting the rows), so no XLA kernel runs
-around the launch. Splits and partials are those of the other decode kernels
-(`split_tile_range`), so they share the merge. Runs on sm_90a.
-Mosaic GPU's interpreter deadlocks on it on a 2-core CPU (jax 0.10.2 at times, 0.12.0.1 every
-time): each warpgroup's barrier waits run as host callbacks on XLA:CPU's thread pool (two
-threads there), so two warpgroups waiting leave the third none (docs/decode_kernel.md). So
-`kernel_choice` refuses it in interpret mode, CPU tests cover its dispatch, refusals and
-lowering for CUDA, and the GPU tests its results.
-
-The softmax takes each column's max over raw scores and multiplies s - max by the column
-scale, so scores of any finite size stay finite (tests/test_pallas_large_scores.py).
+reduction a tile, for the max, not two). Consumer 0 stores O^T from registers straight to global
+memory as [B, S, N, 512] (`_store_transposed`, 16-value vector stores, un-permuting the rows),
+so no XLA kernel runs around the launch. Splits and partials are those of the other decode
+kernels (`split_tile_range`), so they share the merge. Runs on sm_90a. Mosaic GPU's interpreter
+deadlocks on it on a 2-core CPU (jax 0.10.2 at times, 0.12.0.1 every time): each warpgroup's
+barrier waits run as host callbacks on XLA:CPU's thread pool (two threads there), so two
+warpgroups waiting leave the third none (docs/decode_kernel.md). So `kernel_choice` refuses it
+in interpret mode, CPU tests cover its dispatch, refusals and lowering for CUDA, and the GPU
+tests its results. The softmax takes each column's max over raw scores and multiplies s - max by
+the column scale, so scores of any finite size stay finite (tests/test_pallas_large_scores.py).
 `mla_decode`'s auto dispatch runs it from `fp8_mgpu_min_seqs` sequences. Why this design and
 what it measures: docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8
 --fp8-variants`.
