@@ -172,7 +172,7 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     if fp8:
         why = fp8_mgpu_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype, dtype)
         if why is not None:
-            why = f"kv_pool dtype {jnp.dtype(dtype).name}: the fp8 Mosaic GPU kernel {why}"
+            why = f"kv_pool dtype {jnp.dtype(dtype).name}: no fp8 Mosaic GPU kernel takes it: {why}"
         elif interpret:  # the interpreter deadlocks on its three warpgroups on 2 cores
             why = ("the fp8 Mosaic GPU kernel does not run in interpret mode (Mosaic GPU's "
                    "interpreter deadlocks on it; docs/decode_kernel.md, \"fp8 KV\")")
