@@ -82,8 +82,8 @@ _STAGES = 2       # fp8 landing stages (36 KB each)
 _V_SWIZZLE = 128  # bytes; the f16 V buffer and P: 64 f16 columns per swizzle tile
 # Columns of q k^T per fp8 accumulator, the high and the low product of each chained on it
 # (8 wgmmas a chain; lse within ~4e-3 of float32 on q rows of 2^17 and more). A second
-# accumulator (high and low apart, or groups alternating) spills consumer 0's registers:
-# 1.5-1.75x the time (docs/decode_kernel.md, decision log).
+# accumulator (high and low apart, or groups alternating) costs consumer 0 32 registers of its
+# 232 and took 1.5-1.75x the time (docs/decode_kernel.md, decision log).
 _PROMOTE = 128
 
 
