@@ -46,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
+    page_size_unsupported,
     produce_tiles,
 )
 from funcmla.attention.pallas.mgpu_ops import (
@@ -128,11 +129,7 @@ def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: 
         return f"head dim {head_dim} must be v_head_dim + a multiple of 64"
     if jnp.dtype(dtype) != jnp.bfloat16:
         return f"dtype {jnp.dtype(dtype)} is not bfloat16"
-    if page_size < BLOCK_KV and BLOCK_KV % page_size:
-        return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
-    if page_size > BLOCK_KV and page_size % BLOCK_KV:
-        return f"page size {page_size} is not a multiple of the {BLOCK_KV}-token tile"
-    return None
+    return page_size_unsupported(page_size)
 
 
 def mgpu_split_config(config: DecodeKernelConfig) -> DecodeKernelConfig:

@@ -82,10 +82,15 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
-from funcmla.attention.pallas.fp8_q_split import Q8_SWIZZLE, prepare_q_smem
+from funcmla.attention.pallas.fp8_q_split import (
+    Q8_SWIZZLE,
+    fp8_operands_unsupported,
+    prepare_q_smem,
+)
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
+    page_size_unsupported,
     produce_tiles,
 )
 from funcmla.attention.pallas.mgpu_ops import (
@@ -133,17 +138,8 @@ def fp8_narrow_supported(rows: int, page_size: int, head_dim: int, v_head_dim: i
     """None when this kernel handles the shape, else the reason it does not."""
     if rows not in ROWS:
         return f"folded rows s_q*H = {rows} is not one of {ROWS}"
-    if jnp.dtype(kv_dtype) != jnp.float8_e4m3fn:
-        return f"kv_pool dtype {jnp.dtype(kv_dtype).name} is not float8_e4m3fn"
-    if jnp.dtype(q_dtype) not in (jnp.bfloat16, jnp.float16):
-        return f"q dtype {jnp.dtype(q_dtype).name} is not bfloat16 or float16"
-    if v_head_dim != 512 or head_dim != 576:
-        return f"head dims ({head_dim}, {v_head_dim}) are not (576, 512)"
-    if page_size < BLOCK_KV and BLOCK_KV % page_size:
-        return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
-    if page_size > BLOCK_KV and page_size % BLOCK_KV:
-        return f"page size {page_size} is not a multiple of the {BLOCK_KV}-token tile"
-    return None
+    return (fp8_operands_unsupported(head_dim, v_head_dim, q_dtype, kv_dtype)
+            or page_size_unsupported(page_size))
 
 
 def _col_reduce(x, op: str, scratch, interpret: bool):

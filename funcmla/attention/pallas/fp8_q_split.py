@@ -24,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from funcmla.attention.pallas.decode_common import pow2_row_scales
 from funcmla.attention.pallas.mgpu_ops import swizzled
 
-__all__ = ["Q_TOP", "Q8_SWIZZLE", "prepare_q", "prepare_q_smem"]
+__all__ = ["Q_TOP", "Q8_SWIZZLE", "fp8_operands_unsupported", "prepare_q", "prepare_q_smem"]
 
 _LOG2E = 1.4426950408889634
 # q * up's largest |value| in a row lands in [2^7, 2^8): below e4m3's 448, and the low part
@@ -33,6 +33,19 @@ _LOG2E = 1.4426950408889634
 Q_TOP = 7
 Q8_SWIZZLE = 64  # bytes: 64 fp8 columns per swizzle tile of q8 (and of the fp8 KV stages)
 _CHUNK = 64      # q columns per load
+
+
+def fp8_operands_unsupported(head_dim: int, v_head_dim: int, q_dtype, kv_dtype) -> str | None:
+    """None when the fp8 Mosaic GPU kernels take these operands (a float8_e4m3fn pool of 576-
+    column latent rows, V its first 512, q bf16 or f16: the dtypes `prepare_q_smem` splits),
+    else why not."""
+    if jnp.dtype(kv_dtype) != jnp.float8_e4m3fn:
+        return f"kv_pool dtype {jnp.dtype(kv_dtype).name} is not float8_e4m3fn"
+    if jnp.dtype(q_dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {jnp.dtype(q_dtype).name} is not bfloat16 or float16"
+    if v_head_dim != 512 or head_dim != 576:
+        return f"head dims ({head_dim}, {v_head_dim}) are not (576, 512)"
+    return None
 
 
 def prepare_q(q: jax.Array, *, sm_scale: float, k_scale: jax.Array, v_scale: jax.Array):

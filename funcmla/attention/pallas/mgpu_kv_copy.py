@@ -25,10 +25,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.mgpu_ops import swizzled
 
-__all__ = ["BLOCK_KV", "gathers", "arrivals_per_tile", "gather_rows", "gather_tile",
-           "copy_tile", "fill_stage", "produce_tiles"]
+__all__ = ["BLOCK_KV", "page_size_unsupported", "gathers", "arrivals_per_tile", "gather_rows",
+           "gather_tile", "copy_tile", "fill_stage", "produce_tiles"]
 
 BLOCK_KV = 64  # KV tokens per tile
+
+
+def page_size_unsupported(page_size: int) -> str | None:
+    """None when a stage can be filled from pages of `page_size` tokens (a divisor of the
+    tile, gathered or copied a page at a time, or a multiple of it), else why not."""
+    if page_size < BLOCK_KV and BLOCK_KV % page_size:
+        return f"page size {page_size} does not divide the {BLOCK_KV}-token tile"
+    if page_size > BLOCK_KV and page_size % BLOCK_KV:
+        return f"page size {page_size} is not a multiple of the {BLOCK_KV}-token tile"
+    return None
 
 
 def gathers(page_size: int) -> bool:
