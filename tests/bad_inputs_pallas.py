@@ -6,6 +6,8 @@ runs them)."""
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,6 +73,21 @@ def _mgpu(page_size=64, heads=64, dtype=jnp.bfloat16, **kw):
         return mla_decode_rows_mgpu(_q(heads=heads, dtype=dtype), _pool(256, dtype=dtype), kv,
                                     **args)
     return call
+
+
+def _with_xla_cpu_threads(n: int, call):
+    """`call` where XLA:CPU's worker count reads as `n` (PJRT_NPROC), restored after."""
+    def run():
+        before = os.environ.get("PJRT_NPROC")
+        os.environ["PJRT_NPROC"] = str(n)
+        try:
+            return call()
+        finally:
+            if before is None:
+                del os.environ["PJRT_NPROC"]
+            else:
+                os.environ["PJRT_NPROC"] = before
+    return run
 
 
 def _merge(o_shape, lse_shape, o_dtype=jnp.float32, lse_dtype=jnp.float32, **kw):
@@ -192,6 +209,8 @@ CASES: list[BadInput] = [
              ValueError, ("num_splits", "None")),
     BadInput("pallas.mgpu.config_type", _mgpu(config=DecodeKernelConfig()),
              TypeError, ("config must be a MgpuDecodeConfig", "DecodeKernelConfig")),
+    BadInput("pallas.mgpu.interpreter_threads", _with_xla_cpu_threads(2, _mgpu()), RuntimeError,
+             ("interpret mode", "has 2", "PJRT_NPROC=3")),
     # ------------------------------------------------------------------ KVRows
     BadInput("pallas.rows.strided_table_size", lambda: mla_decode_rows(
         _q(), _pool(), KVRows(jnp.zeros((6,), jnp.int32), None, jnp.zeros((B,), jnp.int32), 16,

@@ -11,10 +11,17 @@ import jaxlib.version
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Mosaic GPU's interpreter runs each warpgroup of a block as a thread whose barrier waits block
-# an XLA CPU worker; on a 2-core machine (2 workers) a 3-warpgroup kernel can starve (two
-# warpgroups waiting on the third, which gets no worker). More CPU devices, more workers.
+from funcmla.attention.pallas.mgpu_ops import WARPGROUPS, xla_cpu_threads
+
+# 4 CPU devices: the tensor- and data-parallel tests build meshes of up to 4.
 jax.config.update("jax_num_cpu_devices", 4)
+
+# Mosaic GPU's interpreter needs an XLA:CPU worker thread for each of a kernel's warpgroups
+# (`mgpu_ops.interpreter_unsupported`: with fewer it can hang, and the kernels refuse to run);
+# XLA sizes its pool from PJRT_NPROC, else the CPUs, once, when the CPU backend starts. So a
+# 2-core machine asks for 3; a larger count already in place is kept.
+if xla_cpu_threads() < WARPGROUPS:
+    os.environ["PJRT_NPROC"] = str(WARPGROUPS)
 
 # XLA:CPU code generation flags for the suite (see _cpu_codegen_flags); an XLA flag that a
 # jaxlib does not know aborts the process, so they are set only on the jaxlib they were

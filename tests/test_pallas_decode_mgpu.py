@@ -21,12 +21,14 @@ import pytest
 from funcmla.attention.pallas import (
     DecodeKernelConfig,
     MgpuDecodeConfig,
+    kernel_choice,
     merge_splits_pallas,
     mgpu_decode_supported,
     mla_decode,
     mla_decode_rows_mgpu,
 )
 from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
+from funcmla.attention.pallas.mgpu_ops import interpreter_unsupported, mgpu_params, xla_cpu_threads
 from funcmla.layout import PageTable
 from tests.test_pallas_decode import SCALE, check, make_problem, reference
 
@@ -120,6 +122,36 @@ def test_interpret_has_no_data_race(page_size, s_q, lens, splits):
                                 interpret=InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not interpret_pallas_call.get_races().races_found
+
+
+def test_interpreter_needs_a_worker_thread_a_warpgroup(monkeypatch):
+    """XLA's CPU worker count (PJRT_NPROC, else NPROC, else the CPUs the process may use); under
+    3 a forced Mosaic GPU kernel is refused in interpret mode, bf16 and fp8 pools alike, naming
+    the fix (never a hang); auto takes Triton there anyway."""
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.delenv("NPROC", raising=False)
+    assert xla_cpu_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("NPROC", "7")
+    assert xla_cpu_threads() == 7
+    monkeypatch.setenv("PJRT_NPROC", " 3 ")
+    assert xla_cpu_threads() == 3 and interpreter_unsupported() is None
+    q = jax.ShapeDtypeStruct((2, 64, 576), jnp.bfloat16)
+    for kv_dtype in (None, jnp.float8_e4m3fn):
+        assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1, kv_dtype=kv_dtype,
+                             interpret=True)[0] == "mgpu"
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    assert xla_cpu_threads() == 2
+    for kv_dtype in (None, jnp.float8_e4m3fn):
+        with pytest.raises(ValueError, match=r"kernel='mgpu': Mosaic GPU interpret mode .*3 "
+                                             r"warpgroups.* has 2 .*PJRT_NPROC=3"):
+            kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1, kv_dtype=kv_dtype,
+                          interpret=True)
+        name, why = kernel_choice(DecodeKernelConfig(), q, 64, 1, kv_dtype=kv_dtype,
+                                  interpret=True)
+        assert name == "triton" and "PJRT_NPROC" in why
+    with pytest.raises(RuntimeError, match="has 2"):
+        mgpu_params(True)
+    assert mgpu_params(False) is None
 
 
 @pytest.mark.parametrize("rows,page_size,dtype,needle", [

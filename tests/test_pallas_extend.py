@@ -337,23 +337,39 @@ def test_gpu_extend_matches_reference(heads, page_size):
     check(*run(p, form, interpret=False), *reference(p))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads,page_size", [(128, 1), (128, 64), (16, 16), (16, 64)])
-def test_gpu_fp8_extend_on_the_64_row_fp8_kernel(heads, page_size):
-    """fp8 extends at 64-row blocks (128 heads, one token a pseudo-sequence; 16 heads, four)
-    on the 64-row fp8 Mosaic GPU kernel, asked for explicitly (`extend_kernel_config` keeps
-    auto on Triton there until this passes on a GPU): against the reference over the
-    dequantized cache, with prefixes, empty requests and NaN in every unused row."""
+def _fp8_extend_on_the_64_row_kernel(heads, page_size, q_lens, kv_lens, interpret):
+    """The 64-row fp8 Mosaic GPU kernel (asked for explicitly) under an extend's
+    pseudo-sequences, against the reference over the dequantized cache (k_scale 0.5), NaN in
+    every unused pool row."""
     rng = np.random.default_rng(heads + page_size)
-    p = make_extend(rng, heads=heads, page_size=page_size, q_lens=[300, 0, 1, 77, 129, 64],
-                    kv_lens=[1000, 5, 1, 77, 1500, 64], pool_dtype=jnp.float8_e4m3fn)
+    p = make_extend(rng, heads=heads, page_size=page_size, q_lens=q_lens, kv_lens=kv_lens,
+                    pool_dtype=jnp.float8_e4m3fn)
     form = "csr" if page_size == 1 else "pages"
-    out, lse = run(p, form, interpret=False, k_scale=0.5,
+    out, lse = run(p, form, interpret=interpret, k_scale=0.5,
                    config=DecodeKernelConfig(kernel="mgpu"))
     want = mla_attention_reference(p["q"].astype(jnp.float32), p["pool"], p["qo_indptr"],
                                    p["kv_indptr"], p["kv_indices"], sm_scale=SCALE,
                                    k_scale=0.5)
     check(out, lse, *want)
+
+
+@pytest.mark.parametrize("heads,page_size", [(16, 64),
+                                             pytest.param(64, 1, marks=pytest.mark.slow)])
+def test_interpret_fp8_extend_on_the_64_row_fp8_kernel(heads, page_size):
+    """In interpret mode (16 heads: four tokens a pseudo-sequence, causal within it; 64 heads:
+    one), with prefixes and an empty request; the compiled kernel: the GPU test below."""
+    _fp8_extend_on_the_64_row_kernel(heads, page_size, [9, 0, 1, 6], [40, 5, 1, 6],
+                                     interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,page_size", [(128, 1), (128, 64), (16, 16), (16, 64)])
+def test_gpu_fp8_extend_on_the_64_row_fp8_kernel(heads, page_size):
+    """fp8 extends at 64-row blocks (128 heads, one token a pseudo-sequence; 16 heads, four)
+    compiled (`extend_kernel_config` keeps auto on Triton there until this passes on a GPU),
+    with prefixes and empty requests."""
+    _fp8_extend_on_the_64_row_kernel(heads, page_size, [300, 0, 1, 77, 129, 64],
+                                     [1000, 5, 1, 77, 1500, 64], interpret=False)
 
 
 @pytest.mark.parametrize("page_size", [1, 64])

@@ -35,6 +35,7 @@ from funcmla.attention.pallas.decode_common import (
     PARTIAL_DTYPES,
     DecodeKernelConfig,
     KVRows,
+    check_kv_form,
     choose_num_splits,
     fp8_triton_config,
     kv_rows_from_csr,
@@ -48,6 +49,7 @@ from funcmla.attention.pallas.decode_mgpu import (
     mgpu_split_config,
 )
 from funcmla.attention.pallas.merge import merge_splits_pallas
+from funcmla.attention.pallas.mgpu_ops import interpreter_unsupported
 from funcmla.layout import PageTable, is_power_of_two
 
 __all__ = ["mla_decode", "mla_decode_rows", "mla_decode_rows_mgpu", "check_decode_args",
@@ -173,11 +175,10 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
         why = fp8_mgpu_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype, dtype)
         if why is not None:
             why = f"kv_pool dtype {jnp.dtype(dtype).name}: no fp8 Mosaic GPU kernel takes it: {why}"
-        elif interpret:  # the interpreter deadlocks on its three warpgroups on 2 cores
-            why = ("the fp8 Mosaic GPU kernel does not run in interpret mode (Mosaic GPU's "
-                   "interpreter deadlocks on it; docs/decode_kernel.md, \"fp8 KV\")")
     else:
         why = mgpu_decode_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype)
+    if why is None and interpret:
+        why = interpreter_unsupported()
     if config.kernel == "mgpu":
         if why is not None:
             raise ValueError(f"DecodeKernelConfig.kernel='mgpu': {why}")
@@ -375,16 +376,10 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
     whatever they hold. Index values are not checked here (`validate_decode_inputs` does it
     eagerly); positions past a sequence's length are never read.
     """
+    check_kv_form(page_table, kv_indptr, kv_indices, max_kv_len)
     if page_table is not None:
-        if kv_indptr is not None or kv_indices is not None:
-            raise ValueError("pass either page_table or (kv_indptr, kv_indices), not both")
-        if max_kv_len is not None:
-            raise ValueError(f"max_kv_len={max_kv_len!r}: with a page_table it is implied by "
-                             "the table's width")
         kv = kv_rows_from_page_table(page_table)
     else:
-        if kv_indptr is None or kv_indices is None:
-            raise ValueError("pass kv_indptr and kv_indices (token CSR) or page_table")
         kv = kv_rows_from_csr(kv_indptr, kv_indices, max_kv_len)
     if not isinstance(config, DecodeKernelConfig):
         raise TypeError(f"config must be a DecodeKernelConfig, got {type(config).__name__}")

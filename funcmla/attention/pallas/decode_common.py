@@ -27,6 +27,7 @@ __all__ = [
     "KVRows",
     "kv_rows_from_csr",
     "kv_rows_from_page_table",
+    "check_kv_form",
     "choose_num_splits",
     "merge_splits",
     "num_row_blocks",
@@ -350,6 +351,19 @@ def fp8_triton_config(config: DecodeKernelConfig, rows: int) -> DecodeKernelConf
 def _check_int32(value, name: str) -> None:
     if value.dtype != jnp.int32:
         raise TypeError(f"{name} must be int32, got {value.dtype}")
+
+
+def check_kv_form(page_table, kv_indptr, kv_indices, max_kv_len) -> None:
+    """Exactly one KV form: a page table, or a token CSR (kv_indptr and kv_indices); max_kv_len
+    only with the CSR (a table's width implies it)."""
+    if page_table is not None:
+        if kv_indptr is not None or kv_indices is not None:
+            raise ValueError("pass either page_table or (kv_indptr, kv_indices), not both")
+        if max_kv_len is not None:
+            raise ValueError(f"max_kv_len={max_kv_len!r}: with a page_table it is implied by "
+                             "the table's width")
+    elif kv_indptr is None or kv_indices is None:
+        raise ValueError("pass kv_indptr and kv_indices (token CSR) or page_table")
 
 
 def kv_rows_from_csr(kv_indptr: jax.Array, kv_indices: jax.Array,

@@ -54,13 +54,11 @@ Each softmax sum stays a per-thread partial over its tokens until the end (one c
 reduction a tile, for the max, not two). Consumer 0 stores O^T from registers straight to global
 memory as [B, S, N, 512] (`_store_transposed`, 16-value vector stores, un-permuting the rows),
 so no XLA kernel runs around the launch. Splits and partials are those of the other decode
-kernels (`split_tile_range`), so they share the merge. Runs on sm_90a. Mosaic GPU's interpreter
-deadlocks on it on a 2-core CPU (jax 0.10.2 at times, 0.12.0.1 every time): each warpgroup's
-barrier waits run as host callbacks on XLA:CPU's thread pool (two threads there), so two
-warpgroups waiting leave the third none (docs/decode_kernel.md). So `kernel_choice` refuses it
-in interpret mode, CPU tests cover its dispatch, refusals and lowering for CUDA, and the GPU
-tests its results. The softmax takes each column's max over raw scores and multiplies s - max by
-the column scale, so scores of any finite size stay finite (tests/test_pallas_large_scores.py).
+kernels (`split_tile_range`), so they share the merge. Runs on sm_90a, and on CPU in Mosaic GPU
+interpret mode where XLA:CPU has a worker thread for each warpgroup
+(`mgpu_ops.interpreter_unsupported`). The softmax takes each column's max over raw scores and
+multiplies s - max by the column scale, so scores of any finite size stay finite
+(tests/test_pallas_large_scores.py).
 `mla_decode`'s auto dispatch runs it from `fp8_mgpu_min_seqs` sequences. Why this design and
 what it measures: docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8
 --fp8-variants`.

@@ -33,7 +33,8 @@ reuses the stages and V once both consumers meet after their last tile. Masking:
 a row's causal limit (and so past kv_len) are selected to -inf, which also drops a NaN from an
 unused K row; V tokens past kv_len are converted as zeros. So no unused pool row (NaN, Inf)
 reaches the result. Zero-length KV gives out 0 and lse +inf. Grid, splits and partials are
-`decode_mgpu`'s, so the merge is shared. Runs on sm_90a. Why this design and what it measures:
+`decode_mgpu`'s, so the merge is shared. Runs on sm_90a, and on CPU in Mosaic GPU interpret
+mode (`mgpu_ops.interpreter_unsupported`). Why this design and what it measures:
 docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8`.
 """
 
@@ -335,7 +336,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             return mma_acc(acc, p_smem, v_smem.at[:, pl.ds(_HALF, _HALF)], interpret)
 
-        finish(lax.fori_loop(0, count, step, acc0), None, None, 1)
+        acc = lax.fori_loop(0, count, step, acc0)
+
+        @pl.when(count > 0)  # consumer 0's last P V: every phase of v_free is observed
+        def _():
+            plgpu.barrier_wait(v_free)
+
+        finish(acc, None, None, 1)
 
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,

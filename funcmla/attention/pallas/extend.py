@@ -30,7 +30,12 @@ from jax.experimental import checkify
 
 from funcmla.attention.pallas.api import (KV_FP8_DTYPE, _mla_decode_kv, kernel_choice,
                                           pool_scales)
-from funcmla.attention.pallas.decode_common import MAX_POOL_ROWS, DecodeKernelConfig, KVRows
+from funcmla.attention.pallas.decode_common import (
+    MAX_POOL_ROWS,
+    DecodeKernelConfig,
+    KVRows,
+    check_kv_form,
+)
 from funcmla.checks import _first, check_indptr, check_queries_fit
 from funcmla.guards import enforce, should_check
 from funcmla.layout import PageTable
@@ -279,12 +284,8 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
         raise ValueError(f"kv_pool must have shape [slots, D], got {kv_pool.shape}")
     _check_int_vector(qo_indptr, "qo_indptr", 2)
     batch = qo_indptr.shape[0] - 1
+    check_kv_form(page_table, kv_indptr, kv_indices, max_kv_len)
     if page_table is not None:
-        if kv_indptr is not None or kv_indices is not None:
-            raise ValueError("pass either page_table or (kv_indptr, kv_indices), not both")
-        if max_kv_len is not None:
-            raise ValueError(f"max_kv_len={max_kv_len!r}: with a page_table it is implied by "
-                             "the table's width")
         if not isinstance(page_table, PageTable):
             raise TypeError(f"page_table must be a funcmla.layout.PageTable, got "
                             f"{type(page_table).__name__}")
@@ -302,8 +303,6 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
         table = table2.reshape(-1)
         bound = entries * page_size
     else:
-        if kv_indptr is None or kv_indices is None:
-            raise ValueError("pass kv_indptr and kv_indices (token CSR) or page_table")
         _check_int_vector(kv_indptr, "kv_indptr", 2)
         _check_int_vector(kv_indices, "kv_indices", 1)
         if kv_indptr.shape != qo_indptr.shape:

@@ -271,6 +271,11 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
     def _():
         with jax.named_scope("wait_free"):
             plgpu.barrier_wait(empty.at[slot])
+            if interpret and not gathers(page_size):
+                # The interpreter (jax >= 0.12) orders the consumers' plain reads of the stage
+                # before this TMA write only through a proxy fence. On the GPU the barrier
+                # orders them (the reads completed before the release), so no fence there.
+                plgpu.commit_smem()
 
     if gathers(page_size):  # the next tile's rows load while this one's copies land
         return gather_tile(kv_ref, table_ref, stages, slot, rows, full.at[slot], start_entry,

@@ -2,13 +2,14 @@
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
 jax 0.10.2): a load in a layout, a store of registers, a layout cast, an iota, accumulating
 `wgmma`s, a warpgroup barrier, the transforms of a swizzled shared-memory operand, and the
-interpreter parameters. Used by `decode_mgpu`, `decode_mgpu_fp8`, `decode_mgpu_fp8_wide`,
-`mgpu_kv_copy` and `prefill_mgpu`.
+interpreter parameters with the rule for where the interpreter can run. Used by
+`decode_mgpu`, `decode_mgpu_fp8`, `decode_mgpu_fp8_wide`, `mgpu_kv_copy` and `prefill_mgpu`.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled",
-           "warpgroup_sync", "mgpu_params"]
+           "warpgroup_sync", "mgpu_params", "interpreter_unsupported", "xla_cpu_threads",
+           "WARPGROUPS"]
 
 
 # jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
@@ -122,11 +124,46 @@ def warpgroup_sync(interpret: bool) -> None:
     sync()
 
 
+# Warpgroups a block of every Mosaic GPU kernel here: a producer and two consumers.
+WARPGROUPS = 3
+
+
+def xla_cpu_threads() -> int:
+    """XLA:CPU's worker threads in this process, by XLA's rule: `PJRT_NPROC`, else `NPROC`,
+    else the CPUs the process may run on. XLA reads it once, when JAX starts its CPU backend."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "").strip()
+        if value.lstrip("+-").isdigit():
+            return max(0, int(value))
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def interpreter_unsupported() -> str | None:
+    """None when Mosaic GPU's interpreter can run a `WARPGROUPS`-warpgroup kernel in this
+    process, else why not. The interpreter runs each warpgroup as its own XLA:CPU execution
+    whose barrier waits block a worker thread: with fewer workers than warpgroups, the waiting
+    ones can hold every worker while the one they wait for gets none, and the call hangs (2
+    workers on 2 CPUs; docs/decode_kernel.md, "Interpret mode")."""
+    threads = xla_cpu_threads()
+    if threads >= WARPGROUPS:
+        return None
+    return (f"Mosaic GPU interpret mode runs a kernel's {WARPGROUPS} warpgroups on XLA:CPU "
+            f"worker threads, one each, and this process has {threads} (PJRT_NPROC, else "
+            f"NPROC, else its CPUs), so it could hang: set PJRT_NPROC={WARPGROUPS} or more "
+            "before JAX starts")
+
+
 def mgpu_params(interpret):
     """Pallas's `interpret` argument: None (compiled), default interpreter parameters for True,
-    else the caller's own (e.g. with the race detector on)."""
+    else the caller's own (e.g. with the race detector on). Raises RuntimeError where the
+    interpreter could hang (`interpreter_unsupported`)."""
     if not interpret:
         return None
+    why = interpreter_unsupported()
+    if why is not None:
+        raise RuntimeError(why)
     if interpret is not True:
         return interpret
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
