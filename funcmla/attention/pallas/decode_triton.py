@@ -61,6 +61,20 @@ def _f16_row_scales(q_ref, d_v: int, d_rope: int):
     return f16_row_scales(jnp.maximum(jnp.max(jnp.abs(qn), axis=1), jnp.max(jnp.abs(qp), axis=1)))
 
 
+def _softmax_step(s, pos, limit, score_scale, m_i, l_i):
+    """One tile of the masked online softmax in base 2: raw scores s [M, N] of tokens `pos` [N],
+    scaled by `score_scale` (log2 units) and masked past each row's `limit` [M], against the
+    running max m_i and sum l_i [M]. Returns (p, alpha, m_new, l_new). Masked scores are
+    selected to -inf, not multiplied, so their P is exactly 0; a row with no score yet keeps
+    max -inf and rescales by exp2(-inf - 0) = 0."""
+    s = jnp.where(pos[None, :] < limit[:, None], s * score_scale, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + jnp.sum(p, axis=1)
+
+
 def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, page_size: int,
                    block_kv: int, num_splits: int, s_q: int, num_heads: int, d_v: int,
                    d_rope: int, scale_log2: float, final: bool, evict_first: bool,
@@ -133,13 +147,7 @@ def _decode_kernel(*refs, form: str, n_meta: int, entries_per_seq: int | None, p
             v = v.astype(q_nope.dtype)
         s = lax.dot_general(q_nope, k_nope, nt, preferred_element_type=jnp.float32)
         s = s + lax.dot_general(q_pe, k_pe, nt, preferred_element_type=jnp.float32)
-        # Select, not multiply: a masked score is -inf, so its P is exactly 0.
-        s = jnp.where(pos[None, :] < limit[:, None], s * score_scale, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l_new = _softmax_step(s, pos, limit, score_scale, m_i, l_i)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l_new
@@ -215,13 +223,7 @@ def _fp8_narrow(q_ref, kv_ref, table_ref, o_ref, lse_ref, v_scale_ref, *, score_
             s = part if s is None else s + part
         k_pe = gather(rows_k, in_seq, d_v, d_rope).astype(f16)
         s = s + lax.dot_general(q_pe, k_pe, nt, preferred_element_type=jnp.float32)
-        # Select, not multiply: a masked score is -inf, so its P is exactly 0.
-        s = jnp.where(pos[None, :] < limit[:, None], s * score_scale, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l_new = _softmax_step(s, pos, limit, score_scale, m_i, l_i)
         p = p.astype(f16)
         out = []
         for acc, k_c in zip(accs, pieces):
