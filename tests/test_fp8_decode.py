@@ -484,21 +484,20 @@ def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool(kernel, lse_tol):
     assert rel_err(np.asarray(out8, np.float32), np.asarray(out, np.float32)) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_fp8_mosaic_kernel_on_query_rows_far_above_f16_range(heads):
+def _query_rows_far_above_f16_range(heads, interpret):
     """Scores of ~2^45 in log2 units: the column scale multiplies s - max, so no multiply-add
     contraction leaves a rounding residual of ~2^21 in exp2's argument (which gave +inf). At
     such scores the softmax is an argmax, which a relative score error (the fp8
     accumulation's, up to ~7e-4: `_PROMOTE`) may move to a near tie: rows of 2^17 and 2^40
     are held to finite outputs inside the range of their sequence's V, and lse (the largest
-    score) to 1e-3 (16 heads: `decode_mgpu_fp8`) or `WIDE_HUGE_LSE_RTOL` (128 heads:
+    score) to 1e-3 (16 heads: `decode_mgpu_fp8`) or `WIDE_HUGE_LSE_RTOL` (64-row blocks:
     `decode_mgpu_fp8_wide`); rows of 1 and 2^-40 to the reference."""
     rng = np.random.default_rng(80)
-    p = _problem(rng, batch=4, heads=heads, s_q=1, page_size=64, lens=[1000, 0, 513, 7])
+    lens = [1000, 0, 513, 7] if not interpret else [130, 0, 65, 7]
+    p = _problem(rng, batch=4, heads=heads, s_q=1, page_size=64, lens=lens)
     mag = np.array([2.0**40, 2.0**-40, 2.0**17, 1.0] * (heads // 4), np.float32)
     p["q"] = (p["q"].astype(jnp.float32) * mag[None, :, None]).astype(jnp.bfloat16)
-    out, lse = _fp8_mosaic(p, page_size=64, s_q=1, num_splits=None, interpret=False)
+    out, lse = _fp8_mosaic(p, page_size=64, s_q=1, num_splits=None, interpret=interpret)
     ref_out, ref_lse = oracle(p["q"], p["pool"], p["slot_lists"], 1, 0.37, 1.9)
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     lse = np.asarray(lse, np.float64)
@@ -516,6 +515,21 @@ def test_gpu_fp8_mosaic_kernel_on_query_rows_far_above_f16_range(heads):
         assert (o >= v.min(0) - tol).all() and (o <= v.max(0) + tol).all()
         np.testing.assert_allclose(lse[b, huge], ref_lse[b, huge],
                                    rtol=1e-3 if heads == 16 else WIDE_HUGE_LSE_RTOL)
+
+
+@_SLOW
+@pytest.mark.parametrize("heads", [16, 64])
+def test_interpret_fp8_mosaic_kernel_on_query_rows_far_above_f16_range(heads):
+    """In interpret mode: the kernels' row factors and softmax on huge and tiny rows (q k^T a
+    float32 product of q's e4m3 parts there)."""
+    _query_rows_far_above_f16_range(heads, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_fp8_mosaic_kernel_on_query_rows_far_above_f16_range(heads):
+    """Compiled: the fp8 wgmma accumulation on huge rows too."""
+    _query_rows_far_above_f16_range(heads, interpret=False)
 
 
 @pytest.mark.gpu
