@@ -1,8 +1,10 @@
-"""fp8 KV pools (float8_e4m3fn / e4m3fnuz with per-layer k_scale / v_scale): the reference and
-the Triton decode kernel against a float64 NumPy restatement over the dequantized cache.
+"""fp8 KV pools (float8_e4m3fn / e4m3fnuz with per-layer k_scale / v_scale): the reference, the
+Triton decode kernel and both fp8 Mosaic GPU decode kernels against a float64 NumPy restatement
+over the dequantized cache.
 
-The kernel runs in Pallas interpret mode on CPU (small shapes, a few calls); unused pool rows
-hold fp8 NaN, so any read past a sequence's end shows up. GPU tests are marked `gpu`.
+The kernels run in Pallas interpret mode on CPU (small shapes, a few calls; the Mosaic GPU ones
+with an XLA:CPU worker a warpgroup, tests/conftest.py); unused pool rows hold fp8 NaN, so any
+read past a sequence's end shows up. GPU tests are marked `gpu`.
 """
 
 from __future__ import annotations
