@@ -412,6 +412,39 @@ def test_interpret_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_
     _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
 
 
+@st.composite
+def _mosaic_fp8_cases(draw):
+    """A shape either fp8 Mosaic GPU kernel takes: 16 folded rows or 64 (s_q 1, 2, 4), a page
+    size of 1 to 64, 1-3 sequences of 0 to 260 tokens (at least s_q when not empty), a split
+    count (None: the rule's), scales."""
+    rows = draw(st.sampled_from([16, 64]))
+    s_q = draw(st.sampled_from([1, 2, 4]))
+    length = st.one_of(st.just(0), st.integers(s_q, 260), st.sampled_from([63, 64, 65]))
+    lens = draw(st.lists(length, min_size=1, max_size=3))
+    return dict(heads=rows // s_q, s_q=s_q, lens=[max(n, s_q) if n else 0 for n in lens],
+                page_size=draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64])),
+                num_splits=draw(st.sampled_from([None, 1, 2, 3, 5])),
+                ks=draw(st.sampled_from([1.0, 0.37, 4.0])),
+                vs=draw(st.sampled_from([1.0, 1.9, 0.125])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@_SLOW
+@settings(max_examples=6, deadline=None)
+@given(case=_mosaic_fp8_cases())
+def test_interpret_fp8_mosaic_kernels_on_drawn_shapes(case):
+    """Both fp8 Mosaic GPU kernels in interpret mode on drawn shapes, against float64 over the
+    dequantized pool (NaN in unused rows); a few examples, ~20 s each on 2 CPUs."""
+    p = _problem(np.random.default_rng(case["seed"]), batch=len(case["lens"]),
+                 heads=case["heads"], s_q=case["s_q"], page_size=case["page_size"],
+                 lens=case["lens"])
+    out, lse = _fp8_mosaic(p, page_size=case["page_size"], s_q=case["s_q"],
+                           num_splits=case["num_splits"], interpret=True, ks=case["ks"],
+                           vs=case["vs"])
+    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], case["s_q"], case["ks"],
+                             case["vs"]))
+
+
 @pytest.mark.parametrize("kernel,heads,page_size,splits", [
     pytest.param(decode_mgpu_fp8, 16, 64, 1, id="narrow-p64"),
     pytest.param(decode_mgpu_fp8_wide, 64, 64, 1, id="wide-p64"),
