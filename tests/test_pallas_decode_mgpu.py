@@ -133,6 +133,8 @@ def test_interpreter_needs_a_worker_thread_a_warpgroup(monkeypatch):
     assert xla_cpu_threads() == len(os.sched_getaffinity(0))
     monkeypatch.setenv("NPROC", "7")
     assert xla_cpu_threads() == 7
+    monkeypatch.setenv("PJRT_NPROC", "+-3")  # not a number: the next variable counts
+    assert xla_cpu_threads() == 7
     monkeypatch.setenv("PJRT_NPROC", " 3 ")
     assert xla_cpu_threads() == 3 and interpreter_unsupported() is None
     q = jax.ShapeDtypeStruct((2, 64, 576), jnp.bfloat16)

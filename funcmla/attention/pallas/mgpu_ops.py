@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +133,8 @@ def xla_cpu_threads() -> int:
     """XLA:CPU's worker threads in this process, by XLA's rule: `PJRT_NPROC`, else `NPROC`,
     else the CPUs the process may run on. XLA reads it once, when JAX starts its CPU backend."""
     for name in ("PJRT_NPROC", "NPROC"):
-        value = os.environ.get(name, "").strip()
-        if value.lstrip("+-").isdigit():
+        value = os.environ.get(name, "")
+        if re.fullmatch(r"\s*[+-]?\d+\s*", value):  # what XLA parses as a number; else the next
             return max(0, int(value))
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
