@@ -1,6 +1,7 @@
 """Bad inputs of fp8 KV pools (funcmla.attention.kv_quant): a pool dtype not taken, a scale of
 the wrong shape or dtype, a non-finite or non-positive scale, a scale on a pool that is not fp8,
-and the Mosaic GPU kernel asked for an fp8 pool. Each is refused before any launch, naming the
+the Mosaic GPU kernel asked for an fp8 pool it does not take, and fp8 products where no kernel
+has them. Each is refused before any launch, naming the
 argument and the value (tests/test_bad_inputs.py runs them)."""
 
 from __future__ import annotations
@@ -122,6 +123,15 @@ CASES = [
     BadInput("fp8.decode_mgpu_kernel",
              _decode(heads=32, config=DecodeKernelConfig(kernel="mgpu")), ValueError,
              ("kernel='mgpu'", "float8_e4m3fn", "32")),
+    BadInput("fp8.config_fp8_products_unknown",
+             lambda: DecodeKernelConfig(fp8_products="e5m2"), ValueError,
+             ("fp8_products", "'e5m2'")),
+    BadInput("fp8.decode_fp8_products_at_16_rows",
+             _decode(config=DecodeKernelConfig(fp8_products="fp8")), ValueError,
+             ("fp8_products='fp8'", "s_q\\*H = 16", "multiple of 64")),
+    BadInput("fp8.decode_fp8_products_on_triton",
+             _decode(heads=64, config=DecodeKernelConfig(fp8_products="fp8", kernel="triton")),
+             ValueError, ("fp8_products='fp8'", "kernel='triton'")),
     BadInput("fp8.decode_rows_mgpu", _rows_mgpu, ValueError,
              ("mla_decode_rows_mgpu", "float8_e4m3fn")),
     BadInput("fp8.decode_uint8_pool_without_kv_dtype", _decode(_pool(jnp.uint8)), TypeError,

@@ -101,3 +101,31 @@ def test_prefill_table_takes_the_extend_rows(monkeypatch):
     line = prefill_mod.fmt(got)
     assert "588.0 TFLOP/s" in line and "decode kernel 17500.0 us" in line
     assert [name for name, _ in prefill_mod.case_groups()] == ["mha", "extend"]
+
+
+def test_fp8_verdicts_judge_both_products_against_their_own_targets():
+    """bench.decode_fp8: default products against #23's targets (bf16's time where none is
+    set) and < 1e-2; the all-fp8 path against <= 600 us at H128 B128 16k and its own error
+    bound; other variants are not judged."""
+    from bench.decode_fp8 import FP8_PRODUCTS_ERR, fp8_verdicts
+
+    def fp8(h, b, ctx, us, err, variant=None):
+        return dict(_row(h, b, ctx, 64, us=us, err=err), kv_dtype="fp8", variant=variant)
+
+    rows = [dict(_row(128, 128, 16384, 64, us=940.0), kv_dtype="bf16", variant=None),
+            fp8(128, 128, 16384, 1590.0, 2.5e-3),
+            fp8(128, 128, 16384, 590.0, 3e-2, "fp8_products=fp8"),
+            fp8(128, 128, 16384, 100.0, 3e-3, "kernel=triton"),
+            dict(_row(128, 32, 4096, 64, us=71.0), kv_dtype="bf16", variant=None),
+            fp8(128, 32, 4096, 70.0, FP8_PRODUCTS_ERR * 1.1, "fp8_products=fp8"),
+            fp8(16, 128, 16384, 299.0, 2e-3)]
+    got = {(v["case"], v["products"]): v for v in fp8_verdicts(rows)}
+    assert len(got) == 4
+    mixed = got[("H128 B128 L16384 p64", "mixed")]
+    assert (mixed["target_us"], mixed["time_ok"], mixed["err_ok"]) == (940.0, False, True)
+    fast = got[("H128 B128 L16384 p64", "fp8")]
+    assert (fast["target_us"], fast["time_ok"], fast["err_ok"]) == (600.0, True, True)
+    small = got[("H128 B32 L4096 p64", "fp8")]
+    assert (small["target_us"], small["time_ok"], small["err_ok"]) == (71.0, True, False)
+    h16 = got[("H16 B128 L16384 p64", "mixed")]
+    assert (h16["target_us"], h16["time_ok"], h16["err_bound"]) == (300.0, True, 1e-2)

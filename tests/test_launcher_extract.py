@@ -427,6 +427,29 @@ def test_fp8_plan_reads_the_fp8_mosaic_kernel_from_its_inputs(page_size, splits,
     assert (plan.merge is None) == (s == 1) and plan.rows_pad == 16
 
 
+@needs_lowering
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_fp8_products_plan_reads_the_all_fp8_kernel(page_size, monkeypatch):
+    """`fp8_products="fp8"` reaches torch callers: at 128 heads the plan holds the all-fp8
+    64-row kernel (its own kernel name), wired like the default products: the same operands
+    from the same launcher inputs and [B, S, 128, 512] out."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    b, ctx = 4, 1024
+    plans = {}
+    for products in ("mixed", "fp8"):
+        kernel = DecodeKernelConfig(fp8_products=products)
+        plans[products] = L.decode_plan(fp8_config(128, page_size, b, ctx, kernel=kernel))
+    mixed, fp8 = plans["mixed"], plans["fp8"]
+    assert fp8.kernel == "mgpu" and isinstance(fp8.decode, L.MosaicCall)
+    assert mixed.decode.name.startswith(f"mla_decode_mgpu_fp8w_ps{page_size}")
+    assert fp8.decode.name.startswith(f"mla_decode_mgpu_fp8wa_ps{page_size}")
+    assert fp8.decode_inputs == mixed.decode_inputs
+    assert fp8.decode.operands == mixed.decode.operands
+    s = fp8.num_splits
+    # out: bf16 whole, or bf16 partials (partial_dtype's default) when split
+    assert fp8.decode.results == (((b, s, 128, 512), "bf16"), ((b, s, 128), "f32"))
+
+
 def test_config_kv_dtype_rules():
     kw = dict(num_seqs=2, num_heads=16, pool_rows=64, kv_capacity=32, sm_scale=SCALE)
     fp8 = L.DecodeLaunchConfig(kv_dtype=FP8, **kw)

@@ -19,6 +19,7 @@ from funcmla.layout import PageTable, is_power_of_two, next_power_of_two
 
 __all__ = [
     "DecodeKernelConfig",
+    "FP8_PRODUCTS",
     "seq_start_and_len",
     "split_tile_range",
     "causal_limit",
@@ -41,6 +42,8 @@ __all__ = [
 
 # Storage dtypes of split partials that both decode kernels write and the merges read.
 PARTIAL_DTYPES = ("float32", "bfloat16")
+# `DecodeKernelConfig.fp8_products`: q and P at bf16 accuracy, or rounded once to e4m3.
+FP8_PRODUCTS = ("mixed", "fp8")
 
 # Slot ids are int32 (the kernels form 64-bit element offsets from them).
 MAX_POOL_ROWS = 2**31 - 1
@@ -92,6 +95,15 @@ class DecodeKernelConfig:
                 bf16 halves the bytes the decode writes and the merge reads; the merge still
                 combines in float32 and the lse partials stay float32. "float32" keeps the
                 extra bits (each partial is otherwise rounded to bf16 once).
+    fp8_products: the products of a decode over an fp8 pool. "mixed" (default): q k^T with q
+                as two e4m3 parts and P V with P in f16, the bf16 kernels' error (< 3e-3
+                against float32 over the dequantized cache). "fp8": the all-fp8 matrix path,
+                q and P each rounded once to e4m3 and both products on fp8 `wgmma`s, with
+                e4m3's error: ~3e-2 on the output and ~0.1 on lse (docs/decode_kernel.md, "fp8
+                products"). Only the 64-row fp8 Mosaic GPU kernel has it (s_q * H a multiple of
+                64), so "fp8" runs that kernel wherever it applies, also under "auto", and
+                raises elsewhere (`api.kernel_choice`). A bf16 pool ignores it; extends
+                (`mla_extend`) run "mixed".
     """
 
     block_m: int | None = None
@@ -111,6 +123,7 @@ class DecodeKernelConfig:
     partial_dtype: str = "bfloat16"
     mgpu_min_blocks: int = 1
     fp8_mgpu_min_seqs: int = 16
+    fp8_products: str = "mixed"
 
     def __post_init__(self):
         if self.block_m is not None and not (is_power_of_two(self.block_m) and self.block_m >= 16):
@@ -144,6 +157,9 @@ class DecodeKernelConfig:
         if self.partial_dtype not in PARTIAL_DTYPES:
             raise ValueError("DecodeKernelConfig.partial_dtype must be 'float32' or 'bfloat16', "
                              f"got {self.partial_dtype!r}")
+        if self.fp8_products not in FP8_PRODUCTS:
+            raise ValueError(f"DecodeKernelConfig.fp8_products must be one of {FP8_PRODUCTS}, "
+                             f"got {self.fp8_products!r}")
         if self.kernel not in ("auto", "triton", "mgpu"):
             raise ValueError("DecodeKernelConfig.kernel must be 'auto', 'triton' or 'mgpu', got "
                              f"{self.kernel!r}")

@@ -36,6 +36,13 @@ reaches the result. Zero-length KV gives out 0 and lse +inf. Grid, splits and pa
 `decode_mgpu`'s, so the merge is shared. Runs on sm_90a, and on CPU in Mosaic GPU interpret
 mode (`mgpu_ops.interpreter_unsupported`). Why this design and what it measures:
 docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8`.
+
+`products="fp8"` (`DecodeKernelConfig.fp8_products`) is the all-fp8 matrix path: q rounded
+once to e4m3 (q8 [64, 576], one `wgmma` a 128-column group), P scaled by 2^8 and rounded to
+e4m3 into shared memory (A of both consumers' P V), and consumer 1 transposes each tile's V
+into V^T [512, 64] fp8 (`_transpose_v`: the K-major B an 8-bit P V needs) instead of
+converting it; three stages fit. Its error is e4m3's (~3e-2 on the output against float32;
+docs/decode_kernel.md, "fp8 products").
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.decode_common import (
+    FP8_PRODUCTS,
     KVRows,
     causal_limit,
     seq_start_and_len,
@@ -91,6 +99,12 @@ _V_SWIZZLE = 128  # bytes; the f16 V buffer and P: 64 f16 columns per swizzle ti
 # accumulator (high and low apart, or groups alternating) costs consumer 0 32 registers of its
 # 232 and took 1.5-1.75x the time (docs/decode_kernel.md, decision log).
 _PROMOTE = 128
+# fp8_products="fp8": q and P each rounded once to e4m3 and both products on fp8 wgmmas; P in
+# [0, 1] is scaled by 2^8 first (e4m3 keeps weights down to 2^-17 of the row's largest,
+# subnormals included), the output by 2^-8 at the end. Shared memory is then q8 36 KB, V^T
+# 32 KB and P 4 KB beside the stages, so it takes a third stage (not timed against two).
+_P_SCALE = 256.0
+_FP8_PV_STAGES = 3
 
 
 def fp8_wide_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
@@ -104,14 +118,17 @@ def fp8_wide_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int
 
 def _scores(q8_smem, stage, interpret: bool):
     """S = q k^T of the tile in `stage` [64 rows, 64 tokens] fp32, unscaled: per `_PROMOTE`
-    columns, q's high and low e4m3 parts (A) by the fp8 stage (B, K-major) into one fresh
-    accumulator, the groups summed in fp32 registers."""
+    columns, q's e4m3 parts (A: the high and the low one, or the high one alone when q8_smem
+    has 64 rows) by the fp8 stage (B, K-major) into one fresh accumulator, the groups summed
+    in fp32 registers."""
+    parts = q8_smem.shape[0] // BLOCK_M
     if interpret:
         k = stage[...].astype(jnp.float32)
         q = q8_smem[...].astype(jnp.float32)
         dims = (((1,), (1,)), ((), ()))
-        return (lax.dot_general(q[:BLOCK_M], k, dims, preferred_element_type=jnp.float32)
-                + lax.dot_general(q[BLOCK_M:], k, dims, preferred_element_type=jnp.float32))
+        prods = [lax.dot_general(q[i * BLOCK_M:(i + 1) * BLOCK_M], k, dims,
+                                 preferred_element_type=jnp.float32) for i in range(parts)]
+        return prods[0] if parts == 1 else prods[0] + prods[1]
     d = stage.shape[1]
     zeros = in_layout(jnp.zeros((BLOCK_M, BLOCK_KV), jnp.float32), plgpu.Layout.WGMMA,
                       interpret)
@@ -123,8 +140,8 @@ def _scores(q8_smem, stage, interpret: bool):
             if g:
                 acc[...] = zeros
             k_t = stage.at[:, cols].transpose((1, 0))
-            plgpu.wgmma(acc, q8_smem.at[pl.ds(0, BLOCK_M), cols], k_t)
-            plgpu.wgmma(acc, q8_smem.at[pl.ds(BLOCK_M, BLOCK_M), cols], k_t)
+            for i in range(parts):
+                plgpu.wgmma(acc, q8_smem.at[pl.ds(i * BLOCK_M, BLOCK_M), cols], k_t)
             part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
             total = part if total is None else total + part
         return total
@@ -199,14 +216,162 @@ def _convert_v(stages, slot, v_smem, valid, interpret: bool):
     convert(stages, v_smem, slot, valid)
 
 
+# `_transpose_v`'s byte moves. A thread holds 16 tokens x 8 columns of V a pass: token k's 8
+# bytes as two words (columns 4 g .. 4 g + 3, g = 0, 1). Each 4 x 4 byte block (4 tokens, 4
+# columns of one word) is transposed by `prmt`: first per token pair (registers 2 j, 2 j + 1)
+# into X (columns x0, x1 of the block, each as its two tokens) and Y (columns x2, x3), then X
+# of tokens 0-1 with X of tokens 2-3 into a column's 4 tokens (`_PAIR_LO` / `_PAIR_HI`).
+_PAIR_LO, _PAIR_HI = 0x5410, 0x7632
+
+
+def pair_select(x0: int, x1: int, swap: int) -> int:
+    """The `prmt` selector taking columns x0 and x1 (bytes of a token word) of two tokens' words
+    A (bytes 0-3) and B (4-7) into [A x0, B x0, A x1, B x1]; with swap, A and B trade places
+    (the thread loaded the token pair in the other order)."""
+    a, b = (4, 0) if swap else (0, 4)
+    return (a + x0) | (b + x0) << 4 | (a + x1) << 8 | (b + x1) << 12
+
+
+def transpose_thread_map(t: int, p: int) -> tuple[int, int, int, int]:
+    """(cb8, tb16, flip, rot) of thread t (0-127) in pass p (0, 1) of `_transpose_v`: it moves
+    columns 8 cb8 .. 8 cb8 + 7 of tokens 16 tb16 .. 16 tb16 + 15; its load k reads token
+    16 tb16 + (k ^ flip), and its output word i of a 4-column block holds column i ^ rot. So
+    the 16 threads of an 8-byte load phase read 16 distinct bank slots of the stage (64-byte
+    swizzle: token parity by flip, chunk and half by cb8), and the 8 threads of a 16-byte store
+    phase write 8 distinct ones of V^T (column parity and chunk by rot, the chunk's swizzle by
+    tb16). Plain ints here; the kernel computes the same bits from its thread index."""
+    lane, w = t & 31, t >> 5
+    cb8 = lane | (w & 1) << 5
+    tb16 = p | (((lane >> 2) & 1) ^ (w >> 1)) << 1
+    return cb8, tb16, (lane >> 3) & 1, lane & 3
+
+
+def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
+    """vt_smem [512, 64] fp8 = V^T of stage `slot` (its first 512 columns), tokens at or past
+    `valid` as zeros: the K-major B operand an fp8 P V needs (V's K axis is the token axis).
+    Each thread moves 16 tokens x 8 columns a pass, two passes (`transpose_thread_map`): 8-byte
+    loads, `prmt` transposes of 4 x 4 byte blocks, 16-byte stores of a column's 16 tokens; no
+    bank conflicts either way."""
+    if interpret:
+        v = stages[slot, :, pl.ds(0, _DV)]
+        tok = lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        vt_smem[...] = jnp.where(tok < valid, v, jnp.zeros_like(v)).T
+        return
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(Q8_SWIZZLE, 1)),
+                                  plgpu.RefType(swizzled(Q8_SWIZZLE, 1)), splat, splat))
+    def transpose(ctx, stages, vt, slot, valid):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, vector
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i8, i32 = (ir.IntegerType.get_signless(n) for n in (8, 32))
+        v2, v4 = ir.VectorType.get((2,), i32), ir.VectorType.get((4,), i32)
+        slot, valid = slot.registers.item(), valid.registers.item()
+        src_tiles = _D // 64  # 64-column tiles a row of 8 stage rows holds (512 B each)
+
+        def k(n):
+            return mu.c(n, i32)
+
+        def bit(x, n):
+            return arith.andi(arith.shrui(x, k(n)), k(1))
+
+        def prmt(a, b, s):
+            return llvm.inline_asm(i32, [a, b, s], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+
+        t = arith.remui(mu.thread_idx(), k(128))
+        lane, w = arith.andi(t, k(31)), arith.shrui(t, k(5))
+        cb8 = arith.ori(lane, arith.shli(arith.andi(w, k(1)), k(5)))
+        flip, rot = bit(lane, 3), arith.andi(lane, k(3))
+        # the first-stage selectors: X takes columns rot, rot ^ 1 of a word, Y rot ^ 2, rot ^ 3
+        sel = {}
+        for name, base in (("x", 0), ("y", 2)):
+            cases = {(r, f): pair_select(base ^ r, base ^ r ^ 1, f)
+                     for r in range(4) for f in range(2)}
+            value = None
+            for (r, f), c in cases.items():
+                hit = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, rot, k(r)),
+                                 arith.cmpi(arith.CmpIPredicate.eq, flip, k(f)))
+                value = k(c) if value is None else arith.select(hit, k(c), value)
+            sel[name] = value
+        # stage bytes of column 8 cb8 in row r of a tile: 64-byte swizzle over (8, 64) tiles
+        col_tile = arith.shrui(cb8, k(3))
+        chunk = arith.andi(arith.shrui(cb8, k(1)), k(3))
+        half = arith.shli(arith.andi(cb8, k(1)), k(3))
+        src0 = mu.getelementptr(mu.memref_ptr(stages), [arith.addi(
+            arith.muli(slot, k(BLOCK_KV * _D)), arith.addi(arith.shli(col_tile, k(9)), half))],
+            i8)
+        dst0 = mu.getelementptr(mu.memref_ptr(vt), [arith.shli(cb8, k(9))], i8)
+        zero = vector.broadcast(v2, k(0))
+        for p in range(2):
+            tb16 = arith.ori(k(p), arith.shli(arith.xori(bit(lane, 2), arith.shrui(w, k(1))),
+                                               k(1)))
+            words = []
+            for kk in range(16):
+                tok = arith.addi(arith.shli(tb16, k(4)), arith.xori(k(kk), flip))
+                r8 = arith.andi(tok, k(7))
+                off = arith.addi(
+                    arith.addi(arith.muli(arith.shrui(tok, k(3)), k(src_tiles * 512)),
+                               arith.shli(r8, k(6))),
+                    arith.shli(arith.xori(chunk, arith.shrui(r8, k(1))), k(4)))
+                x = llvm.load(v2, mu.getelementptr(src0, [off], i8), alignment=8)
+                x = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, valid), x, zero)
+                words.append([vector.extract(x, dynamic_position=[], static_position=[g])
+                              for g in range(2)])
+            for g in range(2):
+                cols = [[None] * 4 for _ in range(4)]  # cols[i][quad]: word i's 4 tokens
+                for quad in range(4):
+                    pairs = []
+                    for j in range(2):
+                        a, b = words[4 * quad + 2 * j][g], words[4 * quad + 2 * j + 1][g]
+                        pairs.append((prmt(a, b, sel["x"]), prmt(a, b, sel["y"])))
+                    (x01, y01), (x23, y23) = pairs
+                    cols[0][quad] = prmt(x01, x23, k(_PAIR_LO))
+                    cols[1][quad] = prmt(x01, x23, k(_PAIR_HI))
+                    cols[2][quad] = prmt(y01, y23, k(_PAIR_LO))
+                    cols[3][quad] = prmt(y01, y23, k(_PAIR_HI))
+                for i in range(4):
+                    c8 = arith.addi(k(4 * g), arith.xori(k(i), rot))  # column within 8
+                    off = arith.addi(arith.shli(c8, k(6)), arith.shli(
+                        arith.xori(tb16, arith.shrui(c8, k(1))), k(4)))
+                    llvm.store(vector.from_elements(v4, cols[i]),
+                               mu.getelementptr(dst0, [off], i8), alignment=16)
+
+    transpose(stages, vt_smem, slot, valid)
+
+
+def _pv_and(acc, p_regs, p_smem, v_smem, half: int, fp8_pv: bool, x, under, interpret: bool):
+    """(acc + P V over output columns [256 half, 256 half + 256), under(x)), `under` run while
+    the `wgmma` does (None: x is returned as it is). fp8_pv: P8 [64, 64] e4m3 (A, shared
+    memory) by V^T's rows (B, K-major: `_transpose_v`); else P f16 (A: `p_regs` when given,
+    else `p_smem`) by the f16 V's columns (B)."""
+    cols = pl.ds(half * _HALF, _HALF)
+    if fp8_pv and interpret:
+        acc = acc + lax.dot_general(p_smem[...].astype(jnp.float32),
+                                    v_smem[cols, :].astype(jnp.float32),
+                                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc, (x if under is None else under(x))
+    if fp8_pv:
+        a, b = p_smem, v_smem.at[cols].transpose((1, 0))
+    else:
+        a, b = (p_smem if p_regs is None else p_regs), v_smem.at[:, cols]
+    if under is None:
+        return mma_acc(acc, a, b, interpret), x
+    return mma_acc_and(acc, a, b, x, under, interpret)
+
+
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
-            s_q: int, num_heads: int, sm_scale: float, final: bool, interpret: bool):
+            s_q: int, num_heads: int, sm_scale: float, final: bool, products: str,
+            interpret: bool):
     n_meta = len(refs) - 8
     meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
         refs[:n_meta], refs[n_meta:])
     (q8_smem, scale_smem, kv_or_out, p_smem, alpha_smem, l_smem, q_bar, k_full, k_empty,
      v_full, v_free, p_full, l_ready) = scratch
     (stages, v_smem), (o_stage, lse_stage) = kv_or_out
+    fp8_pv = products == "fp8"  # P V on fp8 wgmmas: P8 and V^T (v_smem) in shared memory
 
     # block = (b * num_splits + split) * row_blocks + rb, rb fastest (`decode_mgpu`): a
     # sequence's row blocks stream the same KV tiles side by side, the second read from L2.
@@ -227,13 +392,14 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         # a stage is released by consumer 0's q k^T and consumer 1's conversion
         def prepare():  # q's e4m3 parts, then the registers go to the consumers
             prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo,
-                           sm_scale=sm_scale, interpret=interpret)
+                           sm_scale=sm_scale, interpret=interpret,
+                           parts=q8_smem.shape[0] // BLOCK_M)
             plgpu.commit_smem()
             plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(40, action="decrease")
 
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
-                      start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
+                      start_entry=start_entry, kv_len=kv_len, num_stages=stages.shape[0],
                       page_size=page_size, swizzle=Q8_SWIZZLE, async_proxy=True,
                       interpret=interpret, prepare=prepare)
 
@@ -253,6 +419,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         has = l_i > 0.0
         l_safe = jnp.where(has, l_i, 1.0)
         v_scale = load(scale_smem.at[1], row_layout, interpret)
+        if fp8_pv:  # P8 holds p * _P_SCALE
+            v_scale = v_scale * (1.0 / _P_SCALE)
         out = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
         store(o_stage.at[half], out.astype(o_stage.dtype), interpret)
         if half == 0:
@@ -282,7 +450,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(i, _STAGES)
+            slot = lax.rem(i, stages.shape[0])
             tile = first + i
             plgpu.barrier_wait(k_full.at[slot])
             s = _scores(q8_smem, stages.at[slot], interpret)
@@ -295,16 +463,21 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             alpha = jnp.exp2((m_i - m_safe) * factor)
             p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
                          * lax.broadcast_in_dim(factor, s.shape, [0]))
-            p16 = p.astype(jnp.float16)
+            if fp8_pv:
+                p_op = (p * _P_SCALE).astype(jnp.float8_e4m3fn)
+            else:
+                p_op = p.astype(jnp.float16)
             # V converted: consumer 1 is past its previous P V, so P and alpha are free
             plgpu.barrier_wait(v_full)
-            p_smem[...] = p16
+            p_smem[...] = p_op
             alpha_smem[...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_full)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc, l_i = mma_acc_and(acc, p16, v_smem.at[:, pl.ds(0, _HALF)], l_i,
-                                   lambda l: l * alpha + p.sum(axis=1), interpret)
+            if fp8_pv:  # every thread's P8 stores, before its wgmma reads them
+                warpgroup_sync(interpret)
+            acc, l_i = _pv_and(acc, p_op, p_smem, v_smem, 0, fp8_pv, l_i,
+                               lambda l: l * alpha + p.sum(axis=1), interpret)
             plgpu.barrier_arrive(v_free)
             return acc, m_new, l_i
 
@@ -319,14 +492,18 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                          interpret)
 
         def step(i, acc):
-            slot = lax.rem(i, _STAGES)
+            slot = lax.rem(i, stages.shape[0])
             plgpu.barrier_wait(k_full.at[slot])
 
             @pl.when(i > 0)  # consumer 0's previous P V has read V
             def _():
                 plgpu.barrier_wait(v_free)
 
-            _convert_v(stages, slot, v_smem, kv_len - (first + i) * BLOCK_KV, interpret)
+            valid = kv_len - (first + i) * BLOCK_KV
+            if fp8_pv:
+                _transpose_v(stages, slot, v_smem, valid, interpret)
+            else:
+                _convert_v(stages, slot, v_smem, valid, interpret)
             plgpu.commit_smem()
             warpgroup_sync(interpret)  # every thread's V stores, before this P V reads them
             plgpu.barrier_arrive(k_empty.at[slot])
@@ -334,7 +511,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             plgpu.barrier_wait(p_full)
             alpha = load(alpha_smem, row_layout, interpret)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            return mma_acc(acc, p_smem, v_smem.at[:, pl.ds(_HALF, _HALF)], interpret)
+            return _pv_and(acc, None, p_smem, v_smem, 1, fp8_pv, None, None, interpret)[0]
 
         acc = lax.fori_loop(0, count, step, acc0)
 
@@ -347,11 +524,16 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
                 num_splits: int, k_scale: jax.Array, v_scale: jax.Array,
-                v_head_dim: int = 512, partial_dtype="bfloat16",
+                v_head_dim: int = 512, partial_dtype="bfloat16", products: str = "mixed",
                 interpret=False) -> tuple[jax.Array, jax.Array]:
     """The pallas call on checked arguments (`api.check_decode_args` and
     `fp8_wide_supported`): o [B, S, rows, 512] and lse [B, S, rows], the contract of
-    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]."""
+    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]. products: "mixed" (q as two
+    e4m3 parts, P f16: the bf16 kernels' error) or "fp8" (q and P rounded once to e4m3, both
+    products on fp8 `wgmma`s; `DecodeKernelConfig.fp8_products`)."""
+    if products not in FP8_PRODUCTS:
+        raise ValueError(f"products must be one of {FP8_PRODUCTS}, got {products!r}")
+    fp8_pv = products == "fp8"
     t, h, d = q.shape
     rows = s_q * h
     b = t // s_q
@@ -360,23 +542,29 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     copies = arrivals_per_tile(kv.page_size)
     fp8_tiles = swizzled(Q8_SWIZZLE, 1)
     f16_tiles = swizzled(_V_SWIZZLE, 2)
-    stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=fp8_tiles)
-    v_smem = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=f16_tiles)
+    n_stages = _FP8_PV_STAGES if fp8_pv else _STAGES
+    stages = plgpu.SMEM((n_stages, BLOCK_KV, d), kv_pool.dtype, transforms=fp8_tiles)
+    if fp8_pv:  # V^T, fp8 (`_transpose_v`)
+        v_smem = plgpu.SMEM((v_head_dim, BLOCK_KV), jnp.float8_e4m3fn, transforms=fp8_tiles)
+    else:  # V, f16 (`_convert_v`)
+        v_smem = plgpu.SMEM((BLOCK_KV, v_head_dim), jnp.float16, transforms=f16_tiles)
     o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype)
     lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
     scratch = [
-        plgpu.SMEM((2 * BLOCK_M, d), jnp.float8_e4m3fn, transforms=fp8_tiles),
+        plgpu.SMEM(((1 if fp8_pv else 2) * BLOCK_M, d), jnp.float8_e4m3fn,
+                   transforms=fp8_tiles),  # q's e4m3 parts
         plgpu.SMEM((2, BLOCK_M), jnp.float32),  # row factors, v_scale
         # the output staging reuses the stages and V once both consumers have met at the end
         # (the interpreter has no RefUnion, nor a shared-memory limit)
         (((stages, v_smem), (o_stage, lse_stage)) if interpret
          else plgpu.RefUnion((stages, v_smem), (o_stage, lse_stage))),
-        plgpu.SMEM((BLOCK_M, BLOCK_KV), jnp.float16, transforms=f16_tiles),  # P
+        (plgpu.SMEM((BLOCK_M, BLOCK_KV), jnp.float8_e4m3fn, transforms=fp8_tiles) if fp8_pv
+         else plgpu.SMEM((BLOCK_M, BLOCK_KV), jnp.float16, transforms=f16_tiles)),  # P
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # alpha
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
         plgpu.Barrier(),  # q8 and the factors prepared
-        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
-        plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),  # stage read by q k^T and V
+        plgpu.Barrier(num_arrivals=copies, num_barriers=n_stages),  # stage filled
+        plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),  # stage read by q k^T and V
         plgpu.Barrier(),  # V converted
         plgpu.Barrier(),  # consumer 0's P V done with V
         plgpu.Barrier(),  # P and alpha written
@@ -386,7 +574,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     kernel = functools.partial(
         _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
         num_splits=num_splits, s_q=s_q, num_heads=h, sm_scale=float(sm_scale), final=final,
-        interpret=interpret)
+        products=products, interpret=interpret)
     n_io = len(meta) + 7  # meta, table, q, k_scale, v_scale, pool; o, lse
     call = plgpu.kernel(
         lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
@@ -400,7 +588,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=mgpu_params(interpret),
-        kernel_name=f"mla_decode_mgpu_fp8w_ps{kv.page_size}",
+        kernel_name=f"mla_decode_mgpu_fp8w{'a' if fp8_pv else ''}_ps{kv.page_size}",
     )
     return call(*meta, kv.table, q.reshape(b, rows, d), k_scale.reshape(1).astype(jnp.float32),
                 v_scale.reshape(1).astype(jnp.float32), kv_pool)

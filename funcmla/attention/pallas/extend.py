@@ -79,7 +79,10 @@ def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
     (an extend is a decode of s_q = C over them). An fp8 pool at 64-row blocks runs the
     Triton kernel: the 64-row fp8 Mosaic GPU kernel has passed its GPU tests on decode batches
     (tests/test_fp8_decode.py), not yet on an extend's pseudo-sequences
-    (tests/test_pallas_extend.py::test_gpu_fp8_extend_on_the_64_row_fp8_kernel)."""
+    (tests/test_pallas_extend.py::test_gpu_fp8_extend_on_the_64_row_fp8_kernel). An extend
+    runs the "mixed" fp8 products (`DecodeKernelConfig.fp8_products` is a decode setting)."""
+    if config.fp8_products != "mixed":
+        config = dataclasses.replace(config, fp8_products="mixed")
     if config.kernel != "auto":
         return config
     fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype)

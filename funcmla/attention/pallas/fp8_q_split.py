@@ -69,18 +69,21 @@ def prepare_q(q: jax.Array, *, sm_scale: float, k_scale: jax.Array, v_scale: jax
 
 
 def prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo, *,
-                   sm_scale: float, interpret: bool):
+                   sm_scale: float, interpret: bool, parts: int = 2):
     """One warpgroup: rows row_lo .. row_lo + n - 1 of sequence `b` (q_ref [B, R, 576], bf16
-    or f16, in global memory; n = q8_smem.shape[0] // 2, a multiple of 16) split into
-    q8_smem [2n, 576] ((8, 64)-tiled, 64-byte swizzle: rows 0..n-1 the high parts, n..2n-1
-    the low ones) and their factors into scale_smem [2, n], the values `prepare_q` gives.
-    Thread t takes rows t // 8 + 16 p and 8 columns (16 bytes of bf16) at 8 (t % 8) of each
-    64-column chunk; a row's largest |q| meets over its 8 threads by shuffles."""
-    n = q8_smem.shape[0] // 2
+    or f16, in global memory; n = q8_smem.shape[0] // parts, a multiple of 16) split into
+    q8_smem [parts n, 576] ((8, 64)-tiled, 64-byte swizzle: rows 0..n-1 the high parts, n..2n-1
+    the low ones; parts=1 keeps the high parts alone, q rounded once to e4m3) and their factors
+    into scale_smem [2, n], the values `prepare_q` gives. Thread t takes rows t // 8 + 16 p and
+    8 columns (16 bytes of bf16) at 8 (t % 8) of each 64-column chunk; a row's largest |q|
+    meets over its 8 threads by shuffles."""
+    if parts not in (1, 2):
+        raise ValueError(f"parts must be 1 or 2, got {parts!r}")
+    n = q8_smem.shape[0] // parts
     if interpret:
         q8, scales = prepare_q(q_ref[pl.ds(b, 1), pl.ds(row_lo, n)], sm_scale=sm_scale,
                                k_scale=k_scale_ref[...], v_scale=v_scale_ref[...])
-        q8_smem[...] = q8[0]
+        q8_smem[...] = q8[0, :parts * n]
         scale_smem[...] = scales[0]
         return
     splat = plgpu.Layout.WG_SPLAT(())
@@ -174,10 +177,13 @@ def prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_
                 x = arith.mulf(x, splat(up, f32))  # exact: a power of two
                 xv = [elem(x, i) for i in range(8)]
                 hi = [to_e4m3(xv[4 * h:4 * h + 4]) for h in range(2)]
-                back = [v for w in hi for half in range(2) for v in from_e4m3(w, half)]
-                res = [arith.subf(a, c) for a, c in zip(xv, back)]  # exact in fp32
-                lo = [to_e4m3(res[4 * h:4 * h + 4]) for h in range(2)]
-                for words, off in ((hi, j * 512), (lo, lo_rows + j * 512)):
+                parts_out = [(hi, j * 512)]
+                if parts == 2:
+                    back = [v for w in hi for half in range(2) for v in from_e4m3(w, half)]
+                    res = [arith.subf(a, c) for a, c in zip(xv, back)]  # exact in fp32
+                    lo = [to_e4m3(res[4 * h:4 * h + 4]) for h in range(2)]
+                    parts_out.append((lo, lo_rows + j * 512))
+                for words, off in parts_out:
                     llvm.store(vector.from_elements(v2, words),
                                mu.getelementptr(dst, [off], i8), alignment=8)
             ri = arith.index_castui(ir.IndexType.get(), r)
