@@ -183,6 +183,23 @@ def _cases():
                  lambda: shared().init_forward_metadata(__import__("dataclasses").replace(
                      _fb(), seq_lens_cpu=_t([6, 10]).to("meta"))),
                  ValueError, ("seq_lens_cpu must be a host tensor", "meta")),
+        BadInput("backend.seq_lens_cpu_bfloat16",  # a dtype NumPy lacks
+                 lambda: shared().init_forward_metadata(__import__("dataclasses").replace(
+                     _fb(), seq_lens_cpu=_t([6, 10], torch.bfloat16))),
+                 TypeError, ("seq_lens_cpu must hold integers", "bfloat16")),
+        BadInput("backend.seq_lens_cpu_short", _eager(seq_cpu=[6]), ValueError,
+                 ("seq_lens_cpu has 1 entries", "batch has 2")),
+        BadInput("backend.extend_seq_lens_cpu_float_list",
+                 _eager(mode="EXTEND", seq=(5, 10), ext=(2, 1), ext_cpu=[2.0, 1.0], out=3),
+                 TypeError, ("extend_seq_lens_cpu must hold integers", "float64")),
+        BadInput("backend.req_pool_indices_short", _eager(rows=(0,), batch=2), ValueError,
+                 ("req_pool_indices has 1 entries", "batch has 2")),
+        BadInput("backend.seq_lens_short", _eager(seq=(6,), seq_cpu=[6, 10]), ValueError,
+                 ("seq_lens has 1 entries", "batch has 2")),
+        BadInput("backend.req_pool_indices_not_a_tensor",
+                 lambda: shared().init_forward_metadata(__import__("dataclasses").replace(
+                     _fb(), req_pool_indices=[0, 1])),
+                 TypeError, ("req_pool_indices must be a torch tensor", "list")),
         BadInput("backend.seq_lens_cpu_float",
                  lambda: shared().init_forward_metadata(__import__("dataclasses").replace(
                      _fb(), seq_lens_cpu=_t([6, 10], f32))),

@@ -60,6 +60,29 @@ def test_modes_resolve_by_name_whatever_the_numbering(mode, want):
     assert resolve_mode(mode) == want
 
 
+def test_stand_in_predicates_follow_sglangs_meaning():
+    """The stand-in's predicates (what SGLang code calls on a ForwardMode) restated by hand from
+    SGLang's: is_extend covers EXTEND, MIXED and DRAFT_EXTEND but not TARGET_VERIFY or
+    DRAFT_EXTEND_V2 here (their own kinds); mode strings resolve by SGLang's upper-case names too."""
+    want = {
+        "EXTEND": dict(is_extend=True),
+        "MIXED": dict(is_extend=True, is_mixed=True),
+        "DRAFT_EXTEND": dict(is_extend=True),
+        "DECODE": dict(is_decode=True, is_decode_or_idle=True),
+        "IDLE": dict(is_idle=True, is_decode_or_idle=True),
+        "TARGET_VERIFY": dict(is_target_verify=True),
+        "DRAFT_EXTEND_V2": dict(is_draft_extend_v2=True),
+    }
+    preds = ("is_extend", "is_decode", "is_mixed", "is_idle", "is_decode_or_idle",
+             "is_target_verify", "is_draft_extend_v2")
+    for name, true in want.items():
+        mode = ForwardMode[name]
+        assert {p: getattr(mode, p)() for p in preds} == {p: true.get(p, False) for p in preds}
+        assert resolve_mode(name) == resolve_mode(mode)
+    with pytest.raises(ValueError, match="PREBUILT is not supported"):
+        ForwardMode.PREBUILT.is_extend()
+
+
 def test_same_number_different_mode():
     # the seed's bug: value 3 is DECODE in v0.4 and MIXED today; 4 is IDLE today
     assert int(SGLangV04Mode.DECODE) == int(ForwardMode.MIXED)
