@@ -428,26 +428,26 @@ def test_fp8_plan_reads_the_fp8_mosaic_kernel_from_its_inputs(page_size, splits,
 
 
 @needs_lowering
-@pytest.mark.parametrize("page_size", [1, 64])
-def test_fp8_products_plan_reads_the_all_fp8_kernel(page_size, monkeypatch):
-    """`fp8_products="fp8"` reaches torch callers: at 128 heads the plan holds the all-fp8
-    64-row kernel (its own kernel name), wired like the default products: the same operands
-    from the same launcher inputs and [B, S, 128, 512] out."""
+@pytest.mark.parametrize("heads,page_size", [(128, 1), (128, 64), (16, 64)])
+def test_fp8_products_plan_reads_the_all_fp8_kernel(heads, page_size, monkeypatch):
+    """`fp8_products="fp8"` reaches torch callers: the plan holds the fp8 Mosaic GPU kernel's
+    fp8-products form (its own kernel name), wired like the default products: the same
+    operands from the same launcher inputs and the same results."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    b, ctx = 4, 1024
+    b, ctx = 16, 1024
     plans = {}
     for products in ("mixed", "fp8"):
         kernel = DecodeKernelConfig(fp8_products=products)
-        plans[products] = L.decode_plan(fp8_config(128, page_size, b, ctx, kernel=kernel))
+        plans[products] = L.decode_plan(fp8_config(heads, page_size, b, ctx, kernel=kernel))
     mixed, fp8 = plans["mixed"], plans["fp8"]
     assert fp8.kernel == "mgpu" and isinstance(fp8.decode, L.MosaicCall)
-    assert mixed.decode.name.startswith(f"mla_decode_mgpu_fp8w_ps{page_size}")
-    assert fp8.decode.name.startswith(f"mla_decode_mgpu_fp8wa_ps{page_size}")
+    stem = "mla_decode_mgpu_fp8" + ("w" if heads % 64 == 0 else "")
+    assert mixed.decode.name.startswith(f"{stem}_ps{page_size}")
+    assert fp8.decode.name.startswith(f"{stem}a_ps{page_size}")
     assert fp8.decode_inputs == mixed.decode_inputs
     assert fp8.decode.operands == mixed.decode.operands
-    s = fp8.num_splits
-    # out: bf16 whole, or bf16 partials (partial_dtype's default) when split
-    assert fp8.decode.results == (((b, s, 128, 512), "bf16"), ((b, s, 128), "f32"))
+    assert fp8.decode.results == mixed.decode.results
+    assert (fp8.merge is None) == (mixed.merge is None)
 
 
 def test_config_kv_dtype_rules():

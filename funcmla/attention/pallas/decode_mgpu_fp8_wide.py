@@ -62,6 +62,7 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
+from funcmla.attention.pallas import fp8_transpose
 from funcmla.attention.pallas.fp8_q_split import (
     Q8_SWIZZLE,
     fp8_operands_unsupported,
@@ -216,22 +217,6 @@ def _convert_v(stages, slot, v_smem, valid, interpret: bool):
     convert(stages, v_smem, slot, valid)
 
 
-# `_transpose_v`'s byte moves. A thread holds 16 tokens x 8 columns of V a pass: token k's 8
-# bytes as two words (columns 4 g .. 4 g + 3, g = 0, 1). Each 4 x 4 byte block (4 tokens, 4
-# columns of one word) is transposed by `prmt`: first per token pair (registers 2 j, 2 j + 1)
-# into X (columns x0, x1 of the block, each as its two tokens) and Y (columns x2, x3), then X
-# of tokens 0-1 with X of tokens 2-3 into a column's 4 tokens (`_PAIR_LO` / `_PAIR_HI`).
-_PAIR_LO, _PAIR_HI = 0x5410, 0x7632
-
-
-def pair_select(x0: int, x1: int, swap: int) -> int:
-    """The `prmt` selector taking columns x0 and x1 (bytes of a token word) of two tokens' words
-    A (bytes 0-3) and B (4-7) into [A x0, B x0, A x1, B x1]; with swap, A and B trade places
-    (the thread loaded the token pair in the other order)."""
-    a, b = (4, 0) if swap else (0, 4)
-    return (a + x0) | (b + x0) << 4 | (a + x1) << 8 | (b + x1) << 12
-
-
 def transpose_thread_map(t: int, p: int) -> tuple[int, int, int, int]:
     """(cb8, tb16, flip, rot) of thread t (0-127) in pass p (0, 1) of `_transpose_v`: it moves
     columns 8 cb8 .. 8 cb8 + 7 of tokens 16 tb16 .. 16 tb16 + 15; its load k reads token
@@ -250,8 +235,9 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
     """vt_smem [512, 64] fp8 = V^T of stage `slot` (its first 512 columns), tokens at or past
     `valid` as zeros: the K-major B operand an fp8 P V needs (V's K axis is the token axis).
     Each thread moves 16 tokens x 8 columns a pass, two passes (`transpose_thread_map`): 8-byte
-    loads, `prmt` transposes of 4 x 4 byte blocks, 16-byte stores of a column's 16 tokens; no
-    bank conflicts either way."""
+    loads (token k's 8 bytes as two words, columns 4 g .. 4 g + 3), `fp8_transpose.transpose_4x4`
+    of each 4-token, 4-column block, 16-byte stores of a column's 16 tokens; no bank conflicts
+    either way."""
     if interpret:
         v = stages[slot, :, pl.ds(0, _DV)]
         tok = lax.broadcasted_iota(jnp.int32, v.shape, 0)
@@ -288,7 +274,7 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
         # the first-stage selectors: X takes columns rot, rot ^ 1 of a word, Y rot ^ 2, rot ^ 3
         sel = {}
         for name, base in (("x", 0), ("y", 2)):
-            cases = {(r, f): pair_select(base ^ r, base ^ r ^ 1, f)
+            cases = {(r, f): fp8_transpose.pair_select(base ^ r, base ^ r ^ 1, f)
                      for r in range(4) for f in range(2)}
             value = None
             for (r, f), c in cases.items():
@@ -321,17 +307,11 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
                 words.append([vector.extract(x, dynamic_position=[], static_position=[g])
                               for g in range(2)])
             for g in range(2):
-                cols = [[None] * 4 for _ in range(4)]  # cols[i][quad]: word i's 4 tokens
-                for quad in range(4):
-                    pairs = []
-                    for j in range(2):
-                        a, b = words[4 * quad + 2 * j][g], words[4 * quad + 2 * j + 1][g]
-                        pairs.append((prmt(a, b, sel["x"]), prmt(a, b, sel["y"])))
-                    (x01, y01), (x23, y23) = pairs
-                    cols[0][quad] = prmt(x01, x23, k(_PAIR_LO))
-                    cols[1][quad] = prmt(x01, x23, k(_PAIR_HI))
-                    cols[2][quad] = prmt(y01, y23, k(_PAIR_LO))
-                    cols[3][quad] = prmt(y01, y23, k(_PAIR_HI))
+                # by quad of tokens: word i holds column 4 g + (i ^ rot), those 4 tokens
+                quads = [fp8_transpose.transpose_4x4(
+                    prmt, [words[4 * quad + j][g] for j in range(4)], sel["x"], sel["y"], k)
+                    for quad in range(4)]
+                cols = [[quads[quad][i] for quad in range(4)] for i in range(4)]
                 for i in range(4):
                     c8 = arith.addi(k(4 * g), arith.xori(k(i), rot))  # column within 8
                     off = arith.addi(arith.shli(c8, k(6)), arith.shli(
