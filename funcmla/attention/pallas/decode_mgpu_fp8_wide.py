@@ -55,6 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from funcmla.attention.pallas import fp8_transpose
 from funcmla.attention.pallas.decode_common import (
     FP8_PRODUCTS,
     KVRows,
@@ -62,7 +63,6 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
-from funcmla.attention.pallas import fp8_transpose
 from funcmla.attention.pallas.fp8_q_split import (
     Q8_SWIZZLE,
     fp8_operands_unsupported,
@@ -369,7 +369,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 2)
     def _producer():
-        # a stage is released by consumer 0's q k^T and consumer 1's conversion
+        # a stage is released by consumer 0's q k^T and consumer 1's conversion (or transpose)
         def prepare():  # q's e4m3 parts, then the registers go to the consumers
             prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo,
                            sm_scale=sm_scale, interpret=interpret,
