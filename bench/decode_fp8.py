@@ -5,9 +5,9 @@ over the dequantized cache.
 
 Cases (the fp8 targets in docs/decode_kernel.md, H200): H16 B128 ctx 16k <= 300 us, H16 B32
 ctx 4k <= 28 us, H128 B128 ctx 16k (and B32 ctx 4k) no slower than bf16; pages 1 and 64;
-error < 1e-2. Each fp8 case also runs the all-fp8 matrix path
-(`DecodeKernelConfig.fp8_products="fp8"`) against the same time targets, and H128 B128 ctx 16k
-<= 600 us, its error within its documented bound (`FP8_PRODUCTS_ERR`).
+error < 1e-2. At 128 heads the grid also times the all-fp8 matrix path
+(`DecodeKernelConfig.fp8_products="fp8"`): H128 B128 ctx 16k <= 600 us, error within its
+documented bound (`FP8_PRODUCTS_ERR`).
 `--fp8-variants` also times the fp8 cases at the variants of `FP8_VARIANTS` (16 heads: the
 fp8 Mosaic GPU kernel, and Triton at 4 warps instead of `FP8_NARROW_TILING`'s 8; 128 heads:
 the Triton kernel, which the 64-row fp8 Mosaic GPU kernel replaced).
@@ -38,12 +38,12 @@ FP8_VARIANTS = {16: (dict(num_warps=4), dict(kernel="mgpu")),
 # Targets in us, device time per call (None: no slower than the case's bf16 time).
 FP8_TARGET_US = {(16, 32, 4096): 28.0, (16, 128, 16384): 300.0, (128, 32, 4096): None,
                  (128, 128, 16384): None}
-# The all-fp8 matrix path: its targets (#23's fp8 ones, and 600 us at H128 B128 16k; None: no
-# slower than bf16) and its error bound (q and P rounded once to e4m3; docs/decode_kernel.md,
-# "fp8 products"), where the default products keep < 1e-2.
+# The all-fp8 matrix path, timed wherever its kernel applies (64-row multiples): its targets
+# (absent: no slower than bf16) and its error bound (q and P rounded once to e4m3;
+# docs/decode_kernel.md, "fp8 products"), where the default products keep < 1e-2.
 FP8_PRODUCTS = dict(fp8_products="fp8")
-FP8_PRODUCTS_TARGET_US = {**FP8_TARGET_US, (128, 128, 16384): 600.0}
-FP8_PRODUCTS_ERR = 6e-2
+FP8_PRODUCTS_TARGET_US = {(128, 128, 16384): 600.0}
+FP8_PRODUCTS_ERR = 1e-1
 
 
 def _log(*a):
@@ -96,7 +96,8 @@ def fp8_grid(key, ceiling, args, results, deadline, bench_case, fmt_case) -> boo
             if only is not None and not only.search(case_label(h, b, ctx, page_size)):
                 continue
             runs = [("bf16", None, None), ("fp8", KV_SCALE, None)]
-            runs.append(("fp8", KV_SCALE, FP8_PRODUCTS))
+            if h % 64 == 0:  # s_q 1: the 64-row fp8 kernel, which has the fp8 products
+                runs.append(("fp8", KV_SCALE, FP8_PRODUCTS))
             if args.fp8_variants:
                 runs += [("fp8", KV_SCALE, v) for v in FP8_VARIANTS.get(h, ())]
             for dtype, scale, variant in runs:

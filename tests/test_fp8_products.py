@@ -1,14 +1,13 @@
-"""The all-fp8 matrix path (`DecodeKernelConfig.fp8_products="fp8"`) of both fp8 Mosaic GPU
-decode kernels: q and P rounded once to e4m3, q k^T and P V on fp8 `wgmma`s, V's bytes
-transposed by `prmt` with no conversion (16 folded rows: `fp8_register_pv.v_operand8`, a
-register operand; 64-row blocks: `decode_mgpu_fp8_wide._transpose_v`, into shared memory).
+"""The all-fp8 matrix path (`DecodeKernelConfig.fp8_products="fp8"`) of the 64-row fp8 Mosaic
+GPU decode kernel: q and P rounded once to e4m3, q k^T and P V on fp8 `wgmma`s, V's bytes
+transposed by `prmt` into shared memory with no conversion (`decode_mgpu_fp8_wide._transpose_v`).
 
-Checked against independent restatements: the dispatch rule; both transposes' byte moves and
-bank slots, emulated thread by thread with PTX `prmt`, Hopper's 64-byte swizzle and the 8-bit
-wgmma register fragment restated; in interpret mode on CPU an exact case (equal scores: every
-weight is 1, exact in e4m3) against float64, and random cases against float64 with q rounded
-as the kernels round it (lse tight; out within P's e4m3 rounding) and with q unrounded (the
-documented error). GPU tests are marked `gpu`.
+Checked against independent restatements: the dispatch rule; the transpose's byte moves and
+bank slots, emulated thread by thread with PTX `prmt` and Hopper's 64-byte swizzle restated;
+in interpret mode on CPU an exact case (equal scores: every weight is 1, exact in e4m3)
+against float64, and random cases against float64 with q rounded as the kernel rounds it (lse
+tight; out within P's e4m3 rounding) and with q unrounded (the documented error). GPU tests
+are marked `gpu`.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcmla.attention.pallas import (DecodeKernelConfig, decode_mgpu_fp8, decode_mgpu_fp8_wide,
-                                      kernel_choice)
+from funcmla.attention.pallas import DecodeKernelConfig, decode_mgpu_fp8_wide, kernel_choice
 from funcmla.attention.pallas import fp8_transpose, mla_decode
 from funcmla.attention.pallas.decode_common import (kv_rows_from_csr,
                                                     kv_rows_from_page_table)
@@ -44,11 +42,11 @@ def _sds(heads, s_q=1, seqs=2, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct((seqs * s_q, heads, D), dtype)
 
 
-def test_fp8_products_run_the_fp8_mosaic_kernels_even_in_interpret_mode():
-    """"auto" takes Triton in interpret mode and below its batch thresholds; fp8 products exist
-    only on the fp8 Mosaic GPU kernels, so with them those run (at one block or sequence)."""
-    config = dataclasses.replace(FP8_CONFIG, mgpu_min_blocks=99, fp8_mgpu_min_seqs=99)
-    for heads, s_q in ((64, 1), (128, 1), (32, 2), (16, 1), (8, 2)):
+def test_fp8_products_run_the_64_row_fp8_mosaic_kernel_even_in_interpret_mode():
+    """"auto" takes Triton in interpret mode; fp8 products exist only on the 64-row fp8 Mosaic
+    GPU kernel, so with them that kernel runs (also at one block, below mgpu_min_blocks)."""
+    config = dataclasses.replace(FP8_CONFIG, mgpu_min_blocks=99)
+    for heads, s_q in ((64, 1), (128, 1), (32, 2)):
         pick, why = kernel_choice(config, _sds(heads, s_q), 64, s_q, interpret=True,
                                   kv_dtype=FP8)
         assert pick == "mgpu" and "fp8_products" in why
@@ -59,7 +57,7 @@ def test_fp8_products_run_the_fp8_mosaic_kernels_even_in_interpret_mode():
 
 
 @pytest.mark.parametrize("config,heads,page,match", [
-    (FP8_CONFIG, 32, 64, "nor a multiple of 64"),
+    (FP8_CONFIG, 16, 64, "is not a multiple of 64"),
     (dataclasses.replace(FP8_CONFIG, kernel="triton"), 128, 64, "kernel='triton'"),
     (FP8_CONFIG, 128, 48, "page"),
 ])
@@ -145,85 +143,6 @@ def test_v_transpose_moves_every_byte_once_without_bank_conflicts():
         assert len({(a % 128) // 16 for a in addrs}) == 8, addrs
 
 
-def _wgmma_a8_owner(m: int, k: int) -> tuple[int, int, int, int]:
-    """(warp, lane, row block, half) holding element (m, k) of an 8-bit wgmma A operand of 64-row
-    blocks (PTX's fragment for .e4m3 A, K = 32 an instruction): rows 16 w + 8 h + l // 4 of
-    block m // 64, columns 4 (l % 4) .. + 3 of each 16 (the register's bytes in order)."""
-    mb, r = divmod(m, 64)
-    w, r16 = divmod(r, 16)
-    h, g = divmod(r16, 8)
-    return w, 4 * g + (k % 16) // 4, mb, h
-
-
-def test_register_v_operand_holds_v_transposed_without_bank_conflicts():
-    """`fp8_register_pv.v_operand8` thread by thread (its 16-byte loads with the lane-flipped
-    token order, the selectors, `fp8_transpose.transpose_4x4` over PTX `prmt` restated): each
-    thread's bytes are exactly the A fragment of V^T with rows in `latent_column` order, and each
-    8-lane load phase reads 8 distinct 16-byte bank groups of the swizzled stage."""
-    rng = np.random.default_rng(1)
-    v = rng.integers(0, 256, (64, 576), dtype=np.uint8)
-    stage = np.zeros(64 * 576, np.uint8)
-    for r in range(64):
-        for c in range(576):
-            stage[_swizzled64(r, c, 576)] = v[r, c]
-    got = np.full((512, 64), -1)
-    for t in range(128):
-        w, lane = divmod(t, 32)
-        g, q4 = divmod(lane, 4)
-        flip = (lane >> 1) & 1
-        sels = [fp8_transpose.pair_select(x, x + 1, flip) for x in (0, 2)]
-        for tg in range(4):
-            loads = []
-            for kk in range(4):
-                tok = 16 * tg + 4 * q4 + (kk ^ flip)
-                addr = _swizzled64(tok, 128 * w + 16 * g, 576)
-                x = stage[addr:addr + 16].tobytes()
-                loads.append([int.from_bytes(x[4 * j:4 * j + 4], "little") for j in range(4)])
-            for j in range(4):
-                cols = fp8_transpose.transpose_4x4(_prmt, [loads[kk][j] for kk in range(4)],
-                                                   sels[0], sels[1], int)
-                for i, word in enumerate(cols):
-                    c = 4 * j + i
-                    m = 64 * (c // 2) + 16 * w + 8 * (c % 2) + g  # register (mb, tg, h)
-                    for byte in range(4):
-                        k = 16 * tg + 4 * q4 + byte
-                        assert _wgmma_a8_owner(m, k) == (w, lane, c // 2, c % 2)
-                        assert got[m, k] == -1
-                        got[m, k] = (word >> (8 * byte)) & 0xFF
-    cols = [decode_mgpu_fp8.latent_column(m) for m in range(512)]
-    np.testing.assert_array_equal(got, v[:, cols].T)
-    for w in range(4):
-        for tg in range(4):
-            for kk in range(4):
-                for phase in range(4):
-                    slots = set()
-                    for lane in range(8 * phase, 8 * phase + 8):
-                        g, q4 = divmod(lane, 4)
-                        tok = 16 * tg + 4 * q4 + (kk ^ ((lane >> 1) & 1))
-                        slots.add((_swizzled64(tok, 128 * w + 16 * g, 576) % 128) // 16)
-                    assert len(slots) == 8
-
-
-def test_p_transpose_stores_cover_every_byte_once():
-    """`fp8_register_pv.store_pt8`'s byte offsets (restated from the kernel) from the WGMMA
-    layout of S^T [64 tokens, 16 rows] (thread (w, l): tokens 16 w + 8 h + l // 4, rows 8 kc
-    + 2 (l % 4) + e) land on P^T [16, 64] in the 64-byte swizzle, each byte once."""
-    seen = set()
-    for t in range(128):
-        w, lane = divmod(t, 32)
-        g, q4 = divmod(lane, 4)
-        for kc in range(2):
-            for h in range(2):
-                tok = 16 * w + 8 * h + g
-                for e in range(2):
-                    r = 8 * kc + 2 * q4 + e
-                    r8 = r & 7
-                    off = ((r >> 3) << 9) + (r8 << 6) + (((tok >> 4) ^ (r8 >> 1)) << 4) + (tok & 15)
-                    assert off == _swizzled64(r, tok, 64)
-                    seen.add(off)
-    assert seen == set(range(16 * 64))
-
-
 # ------------------------------------------------------------------------------- interpret
 
 def _decode(p, page_size, s_q, num_splits, ks, vs, interpret, config=FP8_CONFIG):
@@ -296,9 +215,7 @@ OUT_TOL, LSE_ATOL = 6e-2, 0.25
 
 @pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
     (64, 1, 64, [70, 0, 20], 2),
-    (64, 1, 16, [70, 0, 20], 2),
     pytest.param(1, 2, 32, [130, 3], 1, marks=_SLOW),
-    pytest.param(1, 2, 8, [130, 3], 1, marks=_SLOW),
     pytest.param(16, 1, 128, [200, 64], None, marks=_SLOW)])
 def test_interpret_fp8_products_exact_on_equal_scores(page_size, s_q, heads, lens, num_splits):
     """Every weight 1: no rounding anywhere but the bf16 output, so the V^T path, masking,
@@ -312,9 +229,7 @@ def test_interpret_fp8_products_exact_on_equal_scores(page_size, s_q, heads, len
 
 @pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
     (1, 1, 64, [200, 1, 0], 1),
-    (4, 1, 16, [200, 1, 0], 1),
     pytest.param(64, 2, 32, [150, 2], 3, marks=_SLOW),
-    pytest.param(16, 2, 8, [150, 2], 3, marks=_SLOW),
     pytest.param(8, 1, 64, [77, 129], 2, marks=_SLOW)])
 def test_interpret_fp8_products_within_e4m3_error(page_size, s_q, heads, lens, num_splits):
     rng = np.random.default_rng(page_size * 3 + heads)
@@ -324,19 +239,17 @@ def test_interpret_fp8_products_within_e4m3_error(page_size, s_q, heads, lens, n
 
 
 @_SLOW
-@pytest.mark.parametrize("kernel,heads", [(decode_mgpu_fp8_wide, 64), (decode_mgpu_fp8, 16)])
-def test_interpret_fp8_products_have_no_data_race(kernel, heads):
-    """The interpreter's race detector over 5 tiles of each kernel's fp8 products: the V^T,
-    P8 / P^T hand-offs and the refills are ordered (private jax API: skip if moved)."""
+def test_interpret_fp8_products_have_no_data_race():
+    """The interpreter's race detector over 5 tiles and 3 stages of the fp8-products kernel:
+    the V^T and P8 hand-offs and the refills are ordered (private jax API: skip if moved)."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as e:  # pragma: no cover - depends on the jax version
         pytest.skip(f"Mosaic GPU interpreter's race detector not importable: {e}")
-    p = _problem(np.random.default_rng(5), batch=1, heads=heads, s_q=1, page_size=64,
-                 lens=[300])
+    p = _problem(np.random.default_rng(5), batch=1, heads=64, s_q=1, page_size=64, lens=[300])
     kv = kv_rows_from_page_table(PageTable(p["table"], p["lens"], 64))
-    o, _ = kernel.decode_call(
+    o, _ = decode_mgpu_fp8_wide.decode_call(
         p["q"], p["pool"], kv, sm_scale=SCALE, s_q=1, num_splits=1,
         k_scale=jnp.asarray([0.37], jnp.float32), v_scale=jnp.asarray([1.9], jnp.float32),
         products="fp8", interpret=InterpretGPUParams(detect_races=True))
@@ -344,14 +257,10 @@ def test_interpret_fp8_products_have_no_data_race(kernel, heads):
     assert not interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("page_size,s_q,heads,splits", [
-    (64, 1, 128, 1), (1, 2, 32, 3), (64, 1, 16, 1), (4, 2, 8, 3)])
+@pytest.mark.parametrize("page_size,s_q,heads,splits", [(64, 1, 128, 1), (1, 2, 32, 3)])
 def test_fp8_products_lower_for_cuda(page_size, s_q, heads, splits):
-    """The compiled forms lower for CUDA on any host: the P8 / P^T stores, the inline V^T
-    transposes, the fp8 wgmmas (V^T from registers at 16 rows, from shared memory at 64),
-    shared memory in budget."""
-    kernel, name = ((decode_mgpu_fp8_wide, "mla_decode_mgpu_fp8wa") if heads * s_q % 64 == 0
-                    else (decode_mgpu_fp8, "mla_decode_mgpu_fp8a"))
+    """The compiled form lowers for CUDA on any host: the fp8 P store, the inline V^T
+    transpose, the fp8 wgmmas with P8 and V^T from shared memory, three stages in budget."""
     b = 2
     q = jax.ShapeDtypeStruct((b * s_q, heads, D), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((64 * 64, D), FP8)
@@ -361,18 +270,17 @@ def test_fp8_products_lower_for_cuda(page_size, s_q, heads, splits):
         kv = kv_rows_from_page_table(PageTable(jnp.zeros((b, 1024 // page_size), jnp.int32),
                                                jnp.zeros((b,), jnp.int32), page_size))
     one = jnp.ones((1,), jnp.float32)
-    fn = jax.jit(lambda q, pool, kv: kernel.decode_call(
+    fn = jax.jit(lambda q, pool, kv: decode_mgpu_fp8_wide.decode_call(
         q, pool, kv, sm_scale=SCALE, s_q=s_q, num_splits=splits, k_scale=one, v_scale=one,
         products="fp8"))
     text = jax.export.export(fn, platforms=["cuda"])(q, pool, kv).mlir_module()
-    assert f"{name}_ps{page_size}" in text
+    assert f"mla_decode_mgpu_fp8wa_ps{page_size}" in text
 
 
 # ------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,heads", [(1, 128), (16, 128), (64, 128), (1, 16),
-                                             (64, 16)])
+@pytest.mark.parametrize("page_size,heads", [(1, 128), (16, 128), (64, 128)])
 def test_gpu_fp8_products_exact_on_equal_scores(page_size, heads):
     """Compiled: the weights are exact, so what is left is the fp8 wgmma's accumulation of P V
     (its fp32 accumulator keeps ~13-14 bits a chain) and the bf16 output."""
@@ -383,8 +291,7 @@ def test_gpu_fp8_products_exact_on_equal_scores(page_size, heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,s_q,heads", [(1, 1, 128), (64, 1, 128), (64, 2, 32),
-                                                 (1, 1, 16), (64, 1, 16), (16, 2, 8)])
+@pytest.mark.parametrize("page_size,s_q,heads", [(1, 1, 128), (64, 1, 128), (64, 2, 32)])
 def test_gpu_fp8_products_within_e4m3_error(page_size, s_q, heads):
     p = _problem(np.random.default_rng(page_size + heads), batch=16, heads=heads, s_q=s_q,
                  page_size=page_size, lens=[1000, 0, 513, 7 * s_q] * 4)

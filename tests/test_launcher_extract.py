@@ -428,11 +428,11 @@ def test_fp8_plan_reads_the_fp8_mosaic_kernel_from_its_inputs(page_size, splits,
 
 
 @needs_lowering
-@pytest.mark.parametrize("heads,page_size", [(128, 1), (128, 64), (16, 64)])
+@pytest.mark.parametrize("heads,page_size", [(128, 1), (128, 64)])
 def test_fp8_products_plan_reads_the_all_fp8_kernel(heads, page_size, monkeypatch):
-    """`fp8_products="fp8"` reaches torch callers: the plan holds the fp8 Mosaic GPU kernel's
-    fp8-products form (its own kernel name), wired like the default products: the same
-    operands from the same launcher inputs and the same results."""
+    """`fp8_products="fp8"` reaches torch callers: the plan holds the 64-row fp8 Mosaic GPU
+    kernel's fp8-products form (its own kernel name), wired like the default products: the
+    same operands from the same launcher inputs and the same results."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     b, ctx = 16, 1024
     plans = {}
@@ -441,9 +441,8 @@ def test_fp8_products_plan_reads_the_all_fp8_kernel(heads, page_size, monkeypatc
         plans[products] = L.decode_plan(fp8_config(heads, page_size, b, ctx, kernel=kernel))
     mixed, fp8 = plans["mixed"], plans["fp8"]
     assert fp8.kernel == "mgpu" and isinstance(fp8.decode, L.MosaicCall)
-    stem = "mla_decode_mgpu_fp8" + ("w" if heads % 64 == 0 else "")
-    assert mixed.decode.name.startswith(f"{stem}_ps{page_size}")
-    assert fp8.decode.name.startswith(f"{stem}a_ps{page_size}")
+    assert mixed.decode.name.startswith(f"mla_decode_mgpu_fp8w_ps{page_size}")
+    assert fp8.decode.name.startswith(f"mla_decode_mgpu_fp8wa_ps{page_size}")
     assert fp8.decode_inputs == mixed.decode_inputs
     assert fp8.decode.operands == mixed.decode.operands
     assert fp8.decode.results == mixed.decode.results

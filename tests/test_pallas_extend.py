@@ -242,8 +242,8 @@ def test_pseudo_sequence_bound_and_lengths(q_lens, chunk):
 
 def test_extend_kernel_rule(monkeypatch):
     """On a GPU, "auto" runs the Mosaic GPU kernel from `mgpu_min_blocks` 64-row blocks (the
-    decode rule) where it takes the shape; explicit choices and interpret mode keep theirs;
-    fp8 pools at 64-row blocks run Triton."""
+    decode rule) where it takes the shape, fp8 pools alike; explicit choices and interpret mode
+    keep theirs."""
     from funcmla.attention.pallas.extend import extend_kernel_config
 
     auto = DecodeKernelConfig(mgpu_min_blocks=16)
@@ -255,9 +255,12 @@ def test_extend_kernel_rule(monkeypatch):
     assert extend_kernel_config(auto, 16, 4, n, 1).kernel == "mgpu"
     assert extend_kernel_config(auto, 16, 4, n - 1, 1) is auto
     assert extend_kernel_config(auto, 24, 2, 1000, 1) is auto  # 48 rows: not a 64-row block
-    for h, c in ((128, 1), (16, 4)):  # fp8 pools at 64-row blocks: Triton
+    for h, c in ((128, 1), (16, 4)):  # fp8 pools at 64-row blocks: the 64-row fp8 kernel
         fp8 = extend_kernel_config(auto, h, c, 1000, 1, kv_dtype=jnp.float8_e4m3fn)
-        assert fp8.kernel == "triton"
+        assert fp8.kernel == "mgpu"
+        few = extend_kernel_config(auto, h, c, n // (h * c // 64) - 1, 1,
+                                   kv_dtype=jnp.float8_e4m3fn)
+        assert few is auto  # under mgpu_min_blocks
     # 16 rows (not causal: one token a pseudo-sequence): the decode's rule, the 16-row kernel
     assert extend_kernel_config(auto, 16, 1, 1000, 1, kv_dtype=jnp.float8_e4m3fn).kernel == "mgpu"
     assert extend_kernel_config(auto, 128, 1, 1000, 1, interpret=True) is auto
@@ -366,8 +369,8 @@ def test_interpret_fp8_extend_on_the_64_row_fp8_kernel(heads, page_size):
 @pytest.mark.parametrize("heads,page_size", [(128, 1), (128, 64), (16, 16), (16, 64)])
 def test_gpu_fp8_extend_on_the_64_row_fp8_kernel(heads, page_size):
     """fp8 extends at 64-row blocks (128 heads, one token a pseudo-sequence; 16 heads, four)
-    compiled (`extend_kernel_config` keeps auto on Triton there until this passes on a GPU),
-    with prefixes and empty requests."""
+    compiled on the 64-row fp8 Mosaic GPU kernel (what `extend_kernel_config`'s auto runs
+    there), with prefixes and empty requests."""
     _fp8_extend_on_the_64_row_kernel(heads, page_size, [300, 0, 1, 77, 129, 64],
                                      [1000, 5, 1, 77, 1500, 64], interpret=False)
 

@@ -164,9 +164,9 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     Triton kernel's time (`python -m bench.decode --kv-dtype fp8 --fp8-variants`). "auto" runs
     an fp8 pool at 16 folded rows on `decode_mgpu_fp8` from `config.fp8_mgpu_min_seqs`
     sequences (0.48-0.75x of the Triton kernel's time at batch 32 and 128), other fp8 shapes
-    and smaller batches on Triton. `config.fp8_products="fp8"` with an fp8 pool runs the fp8
-    Mosaic GPU kernel of the shape wherever it applies (any batch, interpret mode included)
-    and raises elsewhere: Triton has no fp8 products.
+    and smaller batches on Triton. `config.fp8_products="fp8"` with an fp8 pool runs
+    `decode_mgpu_fp8_wide` wherever it applies (interpret mode included) and raises elsewhere:
+    no other kernel has those products.
     """
     rows = s_q * q.shape[1]
     dtype = q.dtype if kv_dtype is None else kv_dtype
@@ -211,20 +211,24 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
 
 def _fp8_products_choice(config: DecodeKernelConfig, rows: int, page_size: int, q, v_head_dim,
                          kv_dtype, interpret: bool) -> tuple[str, str]:
-    """`kernel_choice` for an fp8 pool with fp8_products="fp8": an fp8 Mosaic GPU kernel, or
-    ValueError naming why none can run."""
+    """`kernel_choice` for an fp8 pool with fp8_products="fp8": the 64-row fp8 Mosaic GPU
+    kernel, or ValueError naming why it cannot run."""
+    why = None
     if config.kernel == "triton":
         why = "kernel='triton' has no fp8 products"
+    elif not _fp8_mgpu_wide(rows):
+        why = f"folded rows s_q*H = {rows} is not a multiple of {MGPU_BLOCK_M}"
     else:
-        why = fp8_mgpu_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype, kv_dtype)
+        why = decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, q.shape[2], v_head_dim,
+                                                      q.dtype, kv_dtype)
         if why is None and interpret:
             why = interpreter_unsupported()
         if why is None and not interpret and jax.default_backend() != "gpu":
             why = f"JAX's default backend is {jax.default_backend()}, not a GPU"
     if why is not None:
-        raise ValueError("DecodeKernelConfig.fp8_products='fp8' runs only on the fp8 Mosaic GPU "
-                         f"kernels: {why}")
-    return "mgpu", "DecodeKernelConfig.fp8_products='fp8': the fp8 Mosaic GPU kernel"
+        raise ValueError("DecodeKernelConfig.fp8_products='fp8' runs only on the 64-row fp8 "
+                         f"Mosaic GPU kernel: {why}")
+    return "mgpu", "DecodeKernelConfig.fp8_products='fp8': the 64-row fp8 Mosaic GPU kernel"
 
 
 def uses_mgpu(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
@@ -326,10 +330,11 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits,
     if mgpu and scales is not None:
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
         kernel = decode_mgpu_fp8_wide if _fp8_mgpu_wide(rows) else decode_mgpu_fp8
+        products = {} if kernel is decode_mgpu_fp8 else {"products": config.fp8_products}
         o, lse = kernel.decode_call(
             q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=ns, k_scale=scales[0],
             v_scale=scales[1], v_head_dim=v_head_dim, partial_dtype=config.partial_dtype,
-            products=config.fp8_products, interpret=interpret)
+            interpret=interpret, **products)
     elif mgpu:
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
         o, lse = mla_decode_rows_mgpu(q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q,

@@ -98,12 +98,13 @@ class DecodeKernelConfig:
     fp8_products: the products of a decode over an fp8 pool. "mixed" (default): q k^T with q
                 as two e4m3 parts and P V with P in f16, the bf16 kernels' error (< 3e-3
                 against float32 over the dequantized cache). "fp8": the all-fp8 matrix path,
-                q and P each rounded once to e4m3 and both products on fp8 `wgmma`s, with
-                e4m3's error: ~3e-2 on the output and ~0.1 on lse (docs/decode_kernel.md, "fp8
-                products"). Only the fp8 Mosaic GPU kernels have it (16 folded rows or a
-                multiple of 64), so "fp8" runs them wherever they apply, at any batch and
-                under "auto" too, and raises elsewhere (`api.kernel_choice`). A bf16 pool
-                ignores it; extends (`mla_extend`) run "mixed".
+                q and P each rounded once to e4m3 and both products on fp8 `wgmma`s: on the
+                H200 0.68-0.80x the time of "mixed" at 128 heads, with e4m3's error, 5.7-5.8e-2
+                on the output (`python -m bench.decode --kv-dtype fp8`; docs/decode_kernel.md,
+                "fp8 products"). Only the 64-row fp8 Mosaic GPU kernel has it (s_q * H a multiple of
+                64), so "fp8" runs that kernel wherever it applies, also under "auto", and
+                raises elsewhere (`api.kernel_choice`). A bf16 pool ignores it; extends
+                (`mla_extend`) run "mixed".
     """
 
     block_m: int | None = None

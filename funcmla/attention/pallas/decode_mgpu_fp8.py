@@ -62,12 +62,6 @@ multiplies s - max by the column scale, so scores of any finite size stay finite
 `mla_decode`'s auto dispatch runs it from `fp8_mgpu_min_seqs` sequences. Why this design and
 what it measures: docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8
 --fp8-variants`.
-
-`products="fp8"` (`DecodeKernelConfig.fp8_products`) is the all-fp8 matrix path: q's high
-parts alone (B of q k^T, N = 16), P^T rounded to e4m3 after a 2^8 scale, and O^T += V^T P^T
-on fp8 `wgmma`s with V^T the register operand in the 8-bit fragment, its bytes transposed by
-`prmt` and never converted (`fp8_register_pv`). Its error is e4m3's (~3e-2 on the
-output against float32; docs/decode_kernel.md, "fp8 products").
 """
 
 from __future__ import annotations
@@ -81,7 +75,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.decode_common import (
-    FP8_PRODUCTS,
     KVRows,
     causal_limit,
     seq_start_and_len,
@@ -92,7 +85,6 @@ from funcmla.attention.pallas.fp8_q_split import (
     fp8_operands_unsupported,
     prepare_q_smem,
 )
-from funcmla.attention.pallas.fp8_register_pv import pv8, store_pt8
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
     arrivals_per_tile,
@@ -134,9 +126,6 @@ _D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
 _INT_SCALE = 256.0
 INT_PAIR_SELECT = (0x1404, 0x3424)
 INT_SIGN_MASK, INT_MAG_MASK = 0x80008000, 0x7F007F00
-# fp8 products: P in [0, 1] is scaled by 2^8 before its e4m3 rounding (weights down to 2^-17
-# of the column's largest survive, as subnormals), the output by 2^-8 at the end.
-_P8_SCALE = 256.0
 # Per-consumer scratch of a cross-warp column reduction of [64, N] fp32: 4 warps x 32 lanes
 # x 2 values, enough for one register of the result at a time (shared memory is tight).
 _RED_BYTES = 4 * 32 * 2 * 4
@@ -265,8 +254,7 @@ def _store_transposed(o_ref, x, b, split, interpret: bool):
 
 
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
-            s_q: int, num_heads: int, d_v: int, sm_scale: float, final: bool, products: str,
-            interpret: bool):
+            s_q: int, num_heads: int, d_v: int, sm_scale: float, final: bool, interpret: bool):
     n_meta = len(refs) - 8
     meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
         refs[:n_meta], refs[n_meta:])
@@ -280,8 +268,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     rows = s_q * num_heads
     d = kv_ref.shape[1]
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
-    fp8_pv = products == "fp8"  # q8 the high parts alone, P^T e4m3, V^T fp8 (`fp8_register_pv`)
-    parts = 1 if fp8_pv else 2  # q's e4m3 parts: B of q k^T is [parts rows, 576]
 
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
@@ -292,7 +278,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         # a stage is released once its consumer's P V has its last bytes in registers
         def prepare():  # q's rows, then the registers go to the consumers
             prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
-                           jnp.int32(0), sm_scale=sm_scale, interpret=interpret, parts=parts)
+                           jnp.int32(0), sm_scale=sm_scale, interpret=interpret)
             plgpu.commit_smem()
             plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(40, action="decrease")
@@ -319,20 +305,20 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         def scores(slot):
             """S^T of stage `slot`'s tile [64, rows] fp32 (unscaled): fp8 `wgmma`s of the
-            stage (A, K-major) by q's (high, low) e4m3 parts (B, N = 2 rows; fp8 products: the
-            high parts alone, N = rows), `_PROMOTE` columns each into a fresh accumulator,
-            summed in fp32 registers while the next runs; then the halves summed. Tokens past
-            kv_len are left to the caller's mask (selected to -inf)."""
+            stage (A, K-major) by q's (high, low) e4m3 parts (B, N = 2 rows), `_PROMOTE`
+            columns each into a fresh accumulator, summed in fp32 registers while the next
+            runs; then the halves summed. Tokens past kv_len are left to the caller's mask
+            (selected to -inf)."""
             stage = stages.at[slot]
             plgpu.barrier_wait(k_full.at[slot])
             if interpret:
                 s2 = lax.dot_general(stage[...].astype(jnp.float32),
                                      q_smem[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
-                return s2 if parts == 1 else _fold(s2, rows, interpret)
+                return _fold(s2, rows, interpret)
             n_groups = -(-d // _PROMOTE)  # the last group takes what is left
-            zeros = in_layout(jnp.zeros((BLOCK_KV, parts * rows), jnp.float32),
-                              plgpu.Layout.WGMMA, interpret)
+            zeros = in_layout(jnp.zeros((BLOCK_KV, 2 * rows), jnp.float32), plgpu.Layout.WGMMA,
+                              interpret)
 
             def body(acc_a, acc_b):
                 accs = (acc_a, acc_b)
@@ -354,9 +340,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                         accs[g % 2][...] = zeros
                 return total
 
-            s2 = pl.run_scoped(body, plgpu.ACC((BLOCK_KV, parts * rows), jnp.float32),
-                               plgpu.ACC((BLOCK_KV, parts * rows), jnp.float32))
-            return s2 if parts == 1 else _fold(s2, rows, interpret)
+            s2 = pl.run_scoped(body, plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32),
+                               plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32))
+            return _fold(s2, rows, interpret)
 
         def step(j, carry, masked: bool):
             acc, m_i, l_i = carry
@@ -375,18 +361,12 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
                          * lax.broadcast_in_dim(col_scale, s.shape, [1]))
             l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-            if fp8_pv:
-                store_pt8(p_ref, p * _P8_SCALE, interpret)
-            else:
-                _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
+            _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
             plgpu.commit_smem()
             warpgroup_sync(interpret)  # every thread's P stores, before P V reads them
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-            release = lambda: plgpu.barrier_arrive(k_empty.at[slot])  # noqa: E731
-            if fp8_pv:
-                acc = pv8(acc, stages, slot, p_ref, release, valid, masked, interpret)
-            else:
-                acc = _pv(acc, stages, slot, p_ref, release, valid, masked, interpret)
+            acc = _pv(acc, stages, slot, p_ref, lambda: plgpu.barrier_arrive(k_empty.at[slot]),
+                      valid, masked, interpret)
             return acc, m_new, l_i
 
         n_mine = jnp.maximum((count - c + 1) // 2, 0)
@@ -419,13 +399,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def bc(x):
             return lax.broadcast_in_dim(x, acc.shape, [1])
 
-        if fp8_pv:  # P^T holds p * _P8_SCALE
-            fix = 1.0 / _P8_SCALE
-        else:  # the odd row blocks hold V times 2^-8 (`_INT_SCALE`)
-            o_rows = iota(acc.shape, 0, interpret)
-            fix = jnp.where(_int_block(o_rows // 64), _INT_SCALE, 1.0)
-            if interpret:  # rows there are latent columns in order: scaled in `_v_operand` alike
-                fix = jnp.where(_int_block(latent_row_block(o_rows)), _INT_SCALE, 1.0)
+        # the odd row blocks hold V times 2^-8 (`_INT_SCALE`)
+        o_rows = iota(acc.shape, 0, interpret)
+        fix = jnp.where(_int_block(o_rows // 64), _INT_SCALE, 1.0)
+        if interpret:  # rows there are latent columns in order: scaled in `_v_operand` alike
+            fix = jnp.where(_int_block(latent_row_block(o_rows)), _INT_SCALE, 1.0)
         out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe) * fix
         empty = jnp.inf if final else -jnp.inf
         _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, interpret)
@@ -590,16 +568,11 @@ def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool)
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
                 num_splits: int, k_scale: jax.Array, v_scale: jax.Array,
-                v_head_dim: int = 512, partial_dtype="bfloat16", products: str = "mixed",
+                v_head_dim: int = 512, partial_dtype="bfloat16",
                 interpret=False) -> tuple[jax.Array, jax.Array]:
     """The pallas call on checked arguments (`api.check_decode_args` and
     `fp8_narrow_supported`): o [B, S, rows, 512] and lse [B, S, rows], the contract of
-    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]. products: "mixed" (q as two
-    e4m3 parts, P f16) or "fp8" (q and P rounded once to e4m3, P V on fp8 `wgmma`s;
-    `DecodeKernelConfig.fp8_products`)."""
-    if products not in FP8_PRODUCTS:
-        raise ValueError(f"products must be one of {FP8_PRODUCTS}, got {products!r}")
-    fp8_pv = products == "fp8"
+    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]."""
     t, h, d = q.shape
     rows = s_q * h
     b = t // s_q
@@ -608,8 +581,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
     copies = arrivals_per_tile(kv.page_size)
     scratch = [
-        plgpu.SMEM(((1 if fp8_pv else 2) * rows, d), jnp.float8_e4m3fn,
-                   transforms=swizzled(_FP8_SWIZZLE, 1)),  # q's e4m3 parts
+        plgpu.SMEM((2 * rows, d), jnp.float8_e4m3fn, transforms=swizzled(_FP8_SWIZZLE, 1)),
         plgpu.SMEM((2, rows), jnp.float32),
         plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=swizzled(_FP8_SWIZZLE, 1)),
         plgpu.SMEM((rows,), jnp.float32),  # lse staging
@@ -617,10 +589,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((v_head_dim, rows), jnp.float32),
         plgpu.SMEM((rows,), jnp.float32),
         plgpu.SMEM((rows,), jnp.float32),
-        (plgpu.SMEM((_CONSUMERS, rows, BLOCK_KV), jnp.float8_e4m3fn,
-                    transforms=swizzled(_FP8_SWIZZLE, 1)) if fp8_pv  # P^T e4m3, K-major
-         else plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16,
-                         transforms=swizzled(pv_swizzle, 2))),  # P^T f16
+        plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=swizzled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
         plgpu.Barrier(),  # q and the scales prepared
         plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
@@ -631,7 +600,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     kernel = functools.partial(
         _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
         num_splits=num_splits, s_q=s_q, num_heads=h, d_v=v_head_dim, sm_scale=float(sm_scale),
-        final=final, products=products, interpret=interpret)
+        final=final, interpret=interpret)
     n_io = len(meta) + 7  # meta, table, q, k_scale, v_scale, pool; o, lse
     call = plgpu.kernel(
         lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
@@ -645,7 +614,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=mgpu_params(interpret),
-        kernel_name=f"mla_decode_mgpu_fp8{'a' if fp8_pv else ''}_ps{kv.page_size}",
+        kernel_name=f"mla_decode_mgpu_fp8_ps{kv.page_size}",
     )
     return call(*meta, kv.table, q.reshape(b, rows, d), k_scale.reshape(1).astype(jnp.float32),
                 v_scale.reshape(1).astype(jnp.float32), kv_pool)

@@ -1,4 +1,4 @@
-"""4 x 4 byte-block transposes by PTX `prmt`: how the fp8-products decode paths turn V's
+"""4 x 4 byte-block transposes by PTX `prmt`: how the fp8-products decode path turns V's
 token-major fp8 rows into the token-contiguous words an 8-bit `wgmma` operand needs (V's K axis
 is the token axis; 8-bit operands must be K-major), with no conversion.
 
@@ -12,8 +12,8 @@ per thread (to spread them over shared-memory banks) at no cost in the loop: onl
 selectors differ between threads.
 
 `transpose_4x4` is written over a `prmt(a, b, selector)` and a `const(int)` it is given: MLIR
-emitters inside the kernels (`decode_mgpu_fp8_wide._transpose_v`,
-`fp8_register_pv.v_operand8`), Python ints in the tests that emulate them byte for byte.
+emitters inside the kernel (`decode_mgpu_fp8_wide._transpose_v`), Python ints in the test that
+emulates it byte for byte.
 """
 
 from __future__ import annotations
