@@ -21,13 +21,12 @@ import pytest
 
 from funcmla.attention.pallas import DecodeKernelConfig, decode_mgpu_fp8_wide, kernel_choice
 from funcmla.attention.pallas import fp8_transpose, mla_decode
-from funcmla.attention.pallas.decode_common import (kv_rows_from_csr,
-                                                    kv_rows_from_page_table)
+from funcmla.attention.pallas.decode_common import kv_rows_from_page_table
 from funcmla.attention.pallas.extend import extend_kernel_config
 from funcmla.attention.pallas.fp8_q_split import prepare_q
 from funcmla.layout import PageTable
 from tests.pools import rel_err
-from tests.test_fp8_decode import D, FP8, SCALE, _csr, _problem, oracle
+from tests.test_fp8_decode import D, FP8, SCALE, _csr, _problem, lowered_for_cuda, oracle
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
@@ -261,19 +260,7 @@ def test_interpret_fp8_products_have_no_data_race():
 def test_fp8_products_lower_for_cuda(page_size, s_q, heads, splits):
     """The compiled form lowers for CUDA on any host: the fp8 P store, the inline V^T
     transpose, the fp8 wgmmas with P8 and V^T from shared memory, three stages in budget."""
-    b = 2
-    q = jax.ShapeDtypeStruct((b * s_q, heads, D), jnp.bfloat16)
-    pool = jax.ShapeDtypeStruct((64 * 64, D), FP8)
-    if page_size == 1:
-        kv = kv_rows_from_csr(jnp.zeros((b + 1,), jnp.int32), jnp.zeros((b * 1024,), jnp.int32))
-    else:
-        kv = kv_rows_from_page_table(PageTable(jnp.zeros((b, 1024 // page_size), jnp.int32),
-                                               jnp.zeros((b,), jnp.int32), page_size))
-    one = jnp.ones((1,), jnp.float32)
-    fn = jax.jit(lambda q, pool, kv: decode_mgpu_fp8_wide.decode_call(
-        q, pool, kv, sm_scale=SCALE, s_q=s_q, num_splits=splits, k_scale=one, v_scale=one,
-        products="fp8"))
-    text = jax.export.export(fn, platforms=["cuda"])(q, pool, kv).mlir_module()
+    text = lowered_for_cuda(decode_mgpu_fp8_wide, page_size, s_q, heads, splits, products="fp8")
     assert f"mla_decode_mgpu_fp8wa_ps{page_size}" in text
 
 

@@ -150,6 +150,14 @@ def _scores(q8_smem, stage, interpret: bool):
     return pl.run_scoped(body, plgpu.ACC((BLOCK_M, BLOCK_KV), jnp.float32))
 
 
+def _valid_v(stages, slot, valid):
+    """V [64, 512] of stage `slot` with tokens at or past `valid` zeroed: what `_convert_v` and
+    `_transpose_v` read, as the interpreter's plain ops."""
+    v = stages[slot, :, pl.ds(0, _DV)]
+    tok = lax.broadcasted_iota(jnp.int32, v.shape, 0)
+    return jnp.where(tok < valid, v, jnp.zeros_like(v))
+
+
 def _convert_v(stages, slot, v_smem, valid, interpret: bool):
     """v_smem [64, 512] f16 = V of stage `slot` (its first 512 columns), tokens at or past
     `valid` as zeros. Thread t converts 16-byte vectors j * 128 + t in the stage's physical
@@ -157,9 +165,7 @@ def _convert_v(stages, slot, v_smem, valid, interpret: bool):
     f16 vectors of the same row (128-byte swizzle; the 8 lanes of a store phase land in 8
     distinct bank groups)."""
     if interpret:
-        v = stages[slot, :, pl.ds(0, _DV)]
-        tok = lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v_smem[...] = jnp.where(tok < valid, v, jnp.zeros_like(v)).astype(jnp.float16)
+        v_smem[...] = _valid_v(stages, slot, valid).astype(jnp.float16)
         return
     splat = plgpu.Layout.WG_SPLAT(())
 
@@ -239,9 +245,7 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
     of each 4-token, 4-column block, 16-byte stores of a column's 16 tokens; no bank conflicts
     either way."""
     if interpret:
-        v = stages[slot, :, pl.ds(0, _DV)]
-        tok = lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        vt_smem[...] = jnp.where(tok < valid, v, jnp.zeros_like(v)).T
+        vt_smem[...] = _valid_v(stages, slot, valid).T
         return
     splat = plgpu.Layout.WG_SPLAT(())
 
