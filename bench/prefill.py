@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import time
 
@@ -53,11 +54,12 @@ MHA_CASES = [
     ("causal 16x1k H128", 128, [1024] * 16, True),
 ]
 SWEEP = [MgpuPrefillConfig(),
-         MgpuPrefillConfig(pingpong=False),
-         MgpuPrefillConfig(block_kv=64, num_stages=3),
-         MgpuPrefillConfig(block_kv=64, num_stages=4),
-         MgpuPrefillConfig(block_kv=64, num_stages=4, pingpong=False),
-         MgpuPrefillConfig(block_kv=64, num_stages=2)]
+         *(MgpuPrefillConfig(block_kv=bkv, num_stages=ns, tiles_per_block=g)
+           for bkv, ns, g in ((128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 2, 2), (64, 2, 4),
+                              (64, 2, 8), (64, 3, 1), (64, 3, 2), (64, 4, 1), (64, 4, 2))
+           if MgpuPrefillConfig(block_kv=bkv, num_stages=ns, tiles_per_block=g)
+           != MgpuPrefillConfig()),
+         MgpuPrefillConfig(pingpong=False)]
 
 
 def log(*a):
@@ -78,7 +80,8 @@ def past_deadline(args) -> bool:
 
 
 def cfg_name(c: MgpuPrefillConfig) -> str:
-    return f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
+    return (f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
+            + (f"_g{c.tiles_per_block}_q{c.q_buffers()}" if c.tiles_per_block > 1 else ""))
 
 
 # The targets per case: (min TFLOP/s or None, min ratio to the baseline or None).
@@ -249,6 +252,8 @@ def mha_rows(args) -> list[dict]:
     rows = []
     key = jax.random.PRNGKey(0)
     configs = SWEEP if args.sweep else [MgpuPrefillConfig()]
+    if args.configs:
+        configs = [c for c in configs if cfg_name(c) in args.configs.split(",")]
     for name, heads, lens, causal in MHA_CASES:
         if args.only and args.only not in name:
             continue
@@ -266,6 +271,9 @@ def mha_rows(args) -> list[dict]:
         base = {n: t for n, t in base.items() if t}
         best = min(base, key=base.get) if base else None
         idx, ref = head_subset_reference(q, k, v, qo, kv, causal)
+        # Each config compiled and checked first, then timed in `--rounds` alternating rounds
+        # (the median of its rounds), so configs compare on the same machine state.
+        runs, times = {}, {}
         for cfg in configs:
             if past_deadline(args):
                 log(f"   time limit: {name} {cfg_name(cfg)} not run")
@@ -276,18 +284,23 @@ def mha_rows(args) -> list[dict]:
                 q_, k_, v_, qo, kv, sm_scale=SM_SCALE, causal=causal, config=c))
             try:
                 out, _ = f(q, k, v)
-                us = device_us(lambda: jax.block_until_ready(f(q, k, v)), args.reps)
-                err = rel_err(out[:, idx], ref)
+                runs[cfg] = (f, out, rel_err(out[:, idx], ref))
             except Exception as e:  # noqa: BLE001 - a config that fails is a row, not a stop
                 log(f"   {name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:300]}")
                 rows.append(dict(group="mha", case=name, config=cfg_name(cfg),
                                  error=f"{type(e).__name__}: {str(e)[:300]}"))
-                continue
+        for _ in range(args.rounds):
+            for cfg, (f, _, _) in runs.items():
+                times.setdefault(cfg, []).append(
+                    device_us(lambda f=f: jax.block_until_ready(f(q, k, v)), args.reps))
+        for cfg, (f, out, err) in runs.items():
+            valid = [t for t in times.get(cfg, []) if t]
+            us = statistics.median(valid) if valid else None
             row = dict(group="mha", case=name, config=cfg_name(cfg), heads=heads,
                        requests=len(lens), tokens=int(sum(lens)), causal=causal, us=us,
                        tflops=flops / (us * 1e-6) / 1e12 if us else None,
                        baselines_us=base, baseline=best,
-                       baseline_us=base.get(best), rel_err=err)
+                       baseline_us=base.get(best), rel_err=err, rounds_us=times.get(cfg))
             row["baseline_tflops"] = (flops / (row["baseline_us"] * 1e-6) / 1e12
                                       if row["baseline_us"] else None)
             row["ratio"] = row["baseline_us"] / us if us and row["baseline_us"] else None
@@ -434,6 +447,10 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="every tile config of SWEEP")
     ap.add_argument("--torch", action="store_true",
                     help="torch SDPA baselines and the torch launcher's times too")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternating timing rounds per config (the median is reported)")
+    ap.add_argument("--configs", default=None,
+                    help="with --sweep: comma-separated config names of SWEEP (cfg_name)")
     ap.add_argument("--only", default=None, help="substring of the case names to run")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds after which no further config is started")
