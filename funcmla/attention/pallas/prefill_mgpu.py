@@ -2,7 +2,9 @@
 
 q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (bf16), requests given by the token CSRs
 `qo_indptr` / `kv_indptr`. One CUDA block handles 128 query rows of one request and one head
-(a q tile of the static tile schedule, `tile_schedule`), with three warpgroups:
+(a q tile of the static tile schedule, `tile_schedule`; with `tiles_per_block` G > 1, G such
+tiles one after another: G / 2 tiles with their causal mirrors, `_items`), with three
+warpgroups:
 
 * warpgroup 2 (producer, `producer_registers`): TMA-copies each consumer's 64 q rows once,
   then each `block_kv`-token K tile and V tile of the request into a ring of `num_stages`
