@@ -24,6 +24,8 @@ error of out against `mha_attention_reference` (float32) on two heads.
 
     python -m bench.prefill --out docs/results/            # the cases, JSON prefill_h200.json
     python -m bench.prefill --check --sweep --out out/     # + correctness shapes, tile sweep
+    python -m bench.prefill --sweep --rounds 3 --only causal --configs kv128_s2_pp,kv64_s4_pp
+                                                           # configs in alternating rounds
 """
 
 from __future__ import annotations
@@ -54,12 +56,11 @@ MHA_CASES = [
     ("causal 16x1k H128", 128, [1024] * 16, True),
 ]
 SWEEP = [MgpuPrefillConfig(),
-         *(MgpuPrefillConfig(block_kv=bkv, num_stages=ns, tiles_per_block=g)
-           for bkv, ns, g in ((128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 2, 2), (64, 2, 4),
-                              (64, 2, 8), (64, 3, 1), (64, 3, 2), (64, 4, 1), (64, 4, 2))
-           if MgpuPrefillConfig(block_kv=bkv, num_stages=ns, tiles_per_block=g)
-           != MgpuPrefillConfig()),
-         MgpuPrefillConfig(pingpong=False)]
+         MgpuPrefillConfig(pingpong=False),
+         MgpuPrefillConfig(block_kv=64, num_stages=3),
+         MgpuPrefillConfig(block_kv=64, num_stages=4),
+         MgpuPrefillConfig(block_kv=64, num_stages=4, pingpong=False),
+         MgpuPrefillConfig(block_kv=64, num_stages=2)]
 
 
 def log(*a):
@@ -80,8 +81,7 @@ def past_deadline(args) -> bool:
 
 
 def cfg_name(c: MgpuPrefillConfig) -> str:
-    return (f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
-            + (f"_g{c.tiles_per_block}_q{c.q_buffers()}" if c.tiles_per_block > 1 else ""))
+    return f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
 
 
 # The issue's targets per case: (min TFLOP/s or None, min ratio to the baseline or None).

@@ -2,9 +2,7 @@
 
 q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (bf16), requests given by the token CSRs
 `qo_indptr` / `kv_indptr`. One CUDA block handles 128 query rows of one request and one head
-(a q tile of the static tile schedule, `tile_schedule`; with `tiles_per_block` G > 1, G such
-tiles one after another: G / 2 tiles with their causal mirrors, `_items`), with three
-warpgroups:
+(a q tile of the static tile schedule, `tile_schedule`), with three warpgroups:
 
 * warpgroup 2 (producer, `producer_registers`): TMA-copies each consumer's 64 q rows once,
   then each `block_kv`-token K tile and V tile of the request into a ring of `num_stages`
@@ -37,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,10 +80,6 @@ class MgpuPrefillConfig:
         inter-warpgroup schedule): each one's P V waits until the other has issued its next
         q k^T, so one's softmax runs under the other's products. Both meet on a two-arrival
         barrier twice a tile.
-    tiles_per_block: 1, or an even number G of q tiles one block runs: G / 2 consecutive
-        tiles t of a request of n tiles with their mirrors n - 1 - t, so every block of a
-        causal request has the same work, and each tile after the first loads its K/V (and
-        its q, with a second q buffer, `q_buffers`) under the previous tile's work.
     Defaults and the sweep that chose them: docs/prefill_kernel.md (`python -m bench.prefill
     --sweep`).
     """
@@ -96,15 +89,10 @@ class MgpuPrefillConfig:
     consumer_registers: int = 232
     producer_registers: int = 40
     pingpong: bool = True
-    tiles_per_block: int = 1
 
     def __post_init__(self):
         if not isinstance(self.pingpong, bool):
             raise ValueError(f"MgpuPrefillConfig.pingpong must be a bool, got {self.pingpong!r}")
-        g = self.tiles_per_block
-        if not isinstance(g, int) or not (g == 1 or (g % 2 == 0 and 2 <= g <= 16)):
-            raise ValueError(f"MgpuPrefillConfig.tiles_per_block must be 1 or an even int in "
-                             f"[2, 16], got {g!r}")
         if self.block_kv not in (64, 128):
             raise ValueError(f"MgpuPrefillConfig.block_kv must be 64 or 128, got "
                              f"{self.block_kv!r}")
@@ -127,18 +115,12 @@ class MgpuPrefillConfig:
                 f"producer_registers={self.producer_registers} exceeds 512 (64K registers / "
                 "128 threads)")
 
-    def smem_bytes(self, q_buffers: int = 1) -> int:
-        """Shared memory of one block with `q_buffers` q tiles: q (two 64-row halves each,
-        reused for the output) and the K/V ring, plus the lse staging and barriers (1 KB)."""
-        q = q_buffers * BLOCK_Q * HEAD_DIM * 2
+    def smem_bytes(self) -> int:
+        """Shared memory of one block: q (two 64-row halves, reused for the output) and the
+        K/V ring, plus the lse staging and barriers (1 KB)."""
+        q = BLOCK_Q * HEAD_DIM * 2
         ring = self.num_stages * self.block_kv * (HEAD_DIM + V_HEAD_DIM) * 2
         return q + ring + 1024
-
-    def q_buffers(self) -> int:
-        """q tiles held at once: 2 with several `tiles_per_block` where they fit beside the
-        ring (a tile's q loads under the previous tile's work), else 1 (it loads once the
-        previous tile's output has left the buffer)."""
-        return 2 if self.tiles_per_block > 1 and self.smem_bytes(2) <= SMEM_BYTES else 1
 
 
 def first_slots(qo_indptr: jax.Array) -> jax.Array:
@@ -206,256 +188,166 @@ def _store_rows(o_stage, o_dst_rows, n):
             off = off + jnp.where(take, size, 0)
 
 
-class _Item(NamedTuple):
-    """One 128-row q tile of a block: its slot, rows and K/V tiles (traced int32 scalars)."""
-
-    live: jax.Array     # the tile runs (a live slot, and not a pair's mirror)
-    slot: jax.Array     # its tile slot (the lse tile it writes)
-    first: jax.Array    # its first query row within the request
-    count: jax.Array    # K/V tiles it loads: up to its last live row's causal limit
-
-
-def _items(slot_id, q_len, kv_len, req, first_ref, *, causal: bool, block_kv: int,
-           tiles: int) -> tuple[_Item, ...]:
-    """The q tiles block `slot_id` runs. With tiles = G > 1 and half = G / 2: the block of
-    tile t (of the request's n) leads when t % half == 0 and t <= n - 1 - t, and runs tiles
-    n - 1 - k and k for k in [t, t + half) (k = n - 1 - k: once; k past the middle: none);
-    every other block runs none (its tile is a leader's)."""
-
-    def item(live, tile):
-        first = tile * BLOCK_Q
-        if causal:
-            last_row = jnp.minimum(first + BLOCK_Q, q_len) - 1
-            limit = jnp.clip(kv_len - q_len + 1 + last_row, 0, kv_len)
-        else:
-            limit = kv_len
-        return _Item(live, slot_id + tile - t, first,
-                     jnp.where(live, (limit + block_kv - 1) // block_kv, 0))
-
-    live = req >= 0
-    t = first_ref[slot_id] // BLOCK_Q
-    if tiles == 1:
-        return (item(live, t),)
-    n = (q_len + BLOCK_Q - 1) // BLOCK_Q
-    half = tiles // 2
-    lead = live & (t % half == 0)
-    out = []
-    for i in range(half):
-        k = t + i
-        out.append(item(lead & (k <= n - 1 - k), n - 1 - k))
-        out.append(item(lead & (k < n - 1 - k), k))
-    return tuple(out)
-
-
 def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
-            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
-            num_stages: int, num_slots: int, scale_log2: float, cfg: MgpuPrefillConfig,
-            interpret: bool):
-    (*q_or_out, lse0, lse1, k_smem, v_smem, q_bar, q_free, k_full, v_full, k_empty, v_empty,
+            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
+            scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
+    (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
      v_clean, turn) = scratch
-    q_buffers = cfg.q_buffers()
-    # q buffer b, consumer w: q_smems[b][w] (its 64 q rows), o_stages[b][w] (the same memory,
-    # its output staging once its last q k^T is done)
-    q_smems = [(q_or_out[2 * b][0], q_or_out[2 * b + 1][0]) for b in range(q_buffers)]
-    o_stages = [(q_or_out[2 * b][1], q_or_out[2 * b + 1][1]) for b in range(q_buffers)]
-    lse_stages = (lse0, lse1)
+    q_smems, o_stages, lse_stages = (qo0[0], qo1[0]), (qo0[1], qo1[1]), (lse0, lse1)
 
     h = lax.axis_index("h")
     slot_id = num_slots - 1 - lax.axis_index("tile")  # last slots first: long causal tiles
     wg = lax.axis_index("wg")
     req = req_ref[slot_id]
+    live = req >= 0
     reqc = jnp.maximum(req, 0)
     q_start = qo_indptr_ref[reqc]
     q_len = q_lens_ref[reqc]
     kv_start = kv_indptr_ref[reqc]
     kv_len = kv_lens_ref[reqc]
-    items = _items(slot_id, q_len, kv_len, req, first_ref, causal=causal, block_kv=block_kv,
-                   tiles=cfg.tiles_per_block)
-    # Item j's q goes to buffer j % q_buffers, once item j - q_buffers's output has left it.
-    buf = [j % q_buffers for j in range(len(items))]
-    # The global K/V tile index of each item's first tile (the ring runs on across items).
-    g_first = [0]
-    for it in items[:-1]:
-        g_first.append(g_first[-1] + it.count)
+    qb0 = first_ref[slot_id]  # the block's first query row within the request
 
-    @pl.when(items[0].live & (wg == 2))
+    # Tiles of the block: up to the last live row's causal limit (all of the KV otherwise).
+    if causal:
+        last_row = jnp.minimum(qb0 + BLOCK_Q, q_len) - 1
+        limit_max = jnp.clip(kv_len - q_len + 1 + last_row, 0, kv_len)
+    else:
+        limit_max = kv_len
+    count = jnp.where(live, (limit_max + block_kv - 1) // block_kv, 0)
+
+    @pl.when(live & (wg == 2))
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        for w in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + qb0 + w * ROWS, ROWS), h],
+                                    q_smems[w], q_bar.at[w])
 
-        def load_q(it, b):
-            for w in range(2):
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[pl.ds(q_start + it.first + w * ROWS, ROWS), h], q_smems[b][w],
-                    q_bar.at[2 * b + w])
+        def load_tile(i, carry):
+            st = lax.rem(i, num_stages)
+            rows = pl.ds(kv_start + i * block_kv, block_kv)
 
-        def load_tiles(lo, hi, g):
-            """K/V tiles [lo, hi) of a tile's request into the ring from global tile g on."""
-            def body(i, g):
-                st = lax.rem(g, num_stages)
-                rows = pl.ds(kv_start + i * block_kv, block_kv)
-
-                @pl.when(g >= num_stages)
-                def _():
-                    plgpu.barrier_wait(k_empty.at[st])
-
-                plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[st], k_full.at[st])
-
-                @pl.when(g >= num_stages)
-                def _():
-                    plgpu.barrier_wait(v_empty.at[st])
-
-                plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[st], v_full.at[st])
-                return g + 1
-
-            return lax.fori_loop(lo, hi, body, g)
-
-        for j in range(min(q_buffers, len(items))):
-            pl.when(items[j].live)(functools.partial(load_q, items[j], buf[j]))
-        g = 0
-        for j, it in enumerate(items):
-            if j < q_buffers:
-                g = load_tiles(0, it.count, g)
-                continue
-            # Item j's q waits for item j - q_buffers's output to leave the buffer. With one
-            # buffer, the K/V tiles that fit the ring go first (they land while the consumers
-            # finish the previous item); with two, that item finished an item ago.
-            k0 = jnp.minimum(it.count, num_stages) if q_buffers == 1 else 0
-            g = load_tiles(0, k0, g)
-
-            @pl.when(it.live)
+            @pl.when(i >= num_stages)
             def _():
-                for w in range(2):
-                    plgpu.barrier_wait(q_free.at[2 * buf[j] + w])
-                load_q(it, buf[j])
+                plgpu.barrier_wait(k_empty.at[st])
 
-            g = load_tiles(k0, it.count, g)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[st], k_full.at[st])
+
+            @pl.when(i >= num_stages)
+            def _():
+                plgpu.barrier_wait(v_empty.at[st])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[st], v_full.at[st])
+            return carry
+
+        lax.fori_loop(0, count, load_tile, 0)
         # Observe each stage's last release (every wait sees every phase; the block's shared
         # memory is not left while a consumer may still read it).
         for st in range(num_stages):
-            @pl.when(g > st)
+            @pl.when(count > st)
             def _():
-                last = lax.rem(g - 1 - st, num_stages)
-                plgpu.barrier_wait(k_empty.at[last])
-                plgpu.barrier_wait(v_empty.at[last])
+                plgpu.barrier_wait(k_empty.at[st])
+                plgpu.barrier_wait(v_empty.at[st])
 
     def consumer(w: int):
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
+        q_smem = q_smems[w]
+        row0 = qb0 + w * ROWS  # this consumer's first query row within the request
+        # Keys visible to row r of this consumer: < diag + r (causal), < kv_len always.
+        diag = kv_len - q_len + 1 + row0 if causal else kv_len
+        first_limit = jnp.clip(diag, 0, kv_len)
+        n_plain = jnp.minimum(first_limit // block_kv, count)
 
         def meet():
             """Both consumers at the turn barrier (`MgpuPrefillConfig.pingpong`)."""
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        def run_item(j: int):
-            it, b, g0 = items[j], buf[j], g_first[j]
-            q_smem = q_smems[b][w]
-            row0 = it.first + w * ROWS  # this consumer's first query row within the request
-            # Keys visible to row r of this consumer: < diag + r (causal), < kv_len always.
-            diag = kv_len - q_len + 1 + row0 if causal else kv_len
-            first_limit = jnp.clip(diag, 0, kv_len)
-            n_plain = jnp.minimum(first_limit // block_kv, it.count)
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            st = lax.rem(i, num_stages)
+            plgpu.barrier_wait(k_full.at[st])
+            s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
+                    meet if cfg.pingpong else None)
+            plgpu.barrier_arrive(k_empty.at[st])
+            if masked:
+                # The iotas are built here, in the masked tiles only: a [64, 128] int32 array
+                # is 64 registers a thread, which the unmasked loop need not hold.
+                rows_iota = iota((ROWS, block_kv), 0, interpret)
+                cols_iota = iota((ROWS, block_kv), 1, interpret)
+                base = i * block_kv
+                keep = cols_iota < kv_len - base
+                if causal:
+                    keep = keep & (cols_iota - rows_iota < diag - base)
+                s = jnp.where(keep, s, -jnp.inf)
+            # The max is over raw scores and the scale (> 0) multiplies s - max: a multiply-add
+            # s * scale - max would leave exp2 a rounding residual of up to half an ulp of the
+            # scaled max (+inf past ~2^31; tests/test_pallas_large_scores.py).
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2((m_i - m_safe) * scale_log2)
+            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
+            p16 = p.astype(q_smem.dtype)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_full.at[st])
+            if masked:
+                valid = kv_len - i * block_kv
 
-            def step(i, carry, masked: bool):
-                acc, m_i, l_i = carry
-                st = lax.rem(g0 + i, num_stages)
-                plgpu.barrier_wait(k_full.at[st])
-                s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
-                        meet if cfg.pingpong else None)
-                plgpu.barrier_arrive(k_empty.at[st])
-                if masked:
-                    # The iotas are built here, in the masked tiles only: a [64, 128] int32
-                    # array is 64 registers a thread, which the unmasked loop need not hold.
-                    rows_iota = iota((ROWS, block_kv), 0, interpret)
-                    cols_iota = iota((ROWS, block_kv), 1, interpret)
-                    base = i * block_kv
-                    keep = cols_iota < kv_len - base
-                    if causal:
-                        keep = keep & (cols_iota - rows_iota < diag - base)
-                    s = jnp.where(keep, s, -jnp.inf)
-                # The max is over raw scores and the scale (> 0) multiplies s - max: a
-                # multiply-add s * scale - max would leave exp2 a rounding residual of up to
-                # half an ulp of the scaled max (+inf past ~2^31;
-                # tests/test_pallas_large_scores.py).
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2((m_i - m_safe) * scale_log2)
-                p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
-                p16 = p.astype(q_smem.dtype)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
-                    plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_full.at[st])
-                if masked:
-                    valid = kv_len - i * block_kv
+                # The KV tail tile: V rows past kv_len (the next request, or zero fill) are
+                # zeroed before P V (a select: a NaN there is never multiplied by a zero
+                # weight). Consumer 0 zeroes them and signals; consumer 1 waits for that.
+                @pl.when(valid < block_kv)
+                def _():
+                    if w == 0:
+                        for c in range(V_HEAD_DIM // 64):
+                            ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
+                            chunk = load(ref, plgpu.Layout.WGMMA, interpret)
+                            ref[...] = jnp.where(iota((block_kv, 64), 0, interpret) < valid,
+                                                 chunk, jnp.zeros_like(chunk))
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(v_clean.at[st])
+                    else:
+                        plgpu.barrier_wait(v_clean.at[st])
 
-                    # The KV tail tile: V rows past kv_len (the next request, or zero fill)
-                    # are zeroed before P V (a select: a NaN there is never multiplied by a
-                    # zero weight). Consumer 0 zeroes them and signals; consumer 1 waits.
-                    @pl.when(valid < block_kv)
-                    def _():
-                        if w == 0:
-                            for c in range(V_HEAD_DIM // 64):
-                                ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
-                                chunk = load(ref, plgpu.Layout.WGMMA, interpret)
-                                ref[...] = jnp.where(
-                                    iota((block_kv, 64), 0, interpret) < valid, chunk,
-                                    jnp.zeros_like(chunk))
-                            plgpu.commit_smem()
-                            plgpu.barrier_arrive(v_clean.at[st])
-                        else:
-                            plgpu.barrier_wait(v_clean.at[st])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+            acc, l_i = mma_acc_and(acc, p16, v_smem.at[st], l_i,
+                                    lambda l_prev: l_prev * alpha + p.sum(axis=1), interpret)
+            plgpu.barrier_arrive(v_empty.at[st])
+            return acc, m_new, l_i
 
-                if cfg.pingpong:
-                    plgpu.barrier_wait(turn)
-                acc, l_i = mma_acc_and(acc, p16, v_smem.at[st], l_i,
-                                       lambda l_prev: l_prev * alpha + p.sum(axis=1),
-                                       interpret)
-                plgpu.barrier_arrive(v_empty.at[st])
-                return acc, m_new, l_i
+        acc = in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA,
+                         interpret)
+        m_i = in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l_i = in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
+        plgpu.barrier_wait(q_bar.at[w])
+        if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
+            meet()
+        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
+                              (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
+                                      carry)
+        if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
+            meet()
 
-            acc = in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA,
-                            interpret)
-            m_i = in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
-            l_i = in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
-            plgpu.barrier_wait(q_bar.at[2 * b + w])
-            if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
-                meet()
-            carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
-                                  (acc, m_i, l_i))
-            acc, m_i, l_i = lax.fori_loop(n_plain, it.count,
-                                          functools.partial(step, masked=True), carry)
-            if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
-                meet()
-
-            has = l_i > 0.0
-            l_safe = jnp.where(has, l_i, 1.0)
-            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
-            if j > 0:  # the lse staging (and any staging reused) has been read by its copies
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            # q is dead (its last q k^T was waited for): the output staging reuses its memory.
-            o_stage = o_stages[b][w]
-            store(o_stage, out.astype(o_stage.dtype), interpret)
-            lse_stages[w][...] = lse
-            plgpu.commit_smem()
-            n_rows = jnp.clip(q_len - row0, 0, ROWS)
-            _store_rows(o_stage,
-                        lambda off, size: o_ref.at[pl.ds(q_start + row0 + off, size), h],
-                        n_rows)
-            plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, it.slot, w])
-            if j + q_buffers < len(items):
-                @pl.when(items[j + q_buffers].live)
-                def _():  # the staging is free for a later tile's q
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.barrier_arrive(q_free.at[2 * b + w])
-
-        for j in range(len(items)):
-            pl.when(items[j].live)(functools.partial(run_item, j))
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
+        # q is dead (its last q k^T was waited for): the output staging reuses its memory.
+        store(o_stages[w], out.astype(o_stages[w].dtype), interpret)
+        lse_stages[w][...] = lse
+        plgpu.commit_smem()
+        n_rows = jnp.clip(q_len - row0, 0, ROWS)
+        _store_rows(o_stages[w],
+                    lambda off, size: o_ref.at[pl.ds(q_start + row0 + off, size), h], n_rows)
+        plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
         plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):
-        pl.when(items[0].live & (wg == w))(functools.partial(consumer, w))
+        pl.when(live & (wg == w))(functools.partial(consumer, w))
 
 
 def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
@@ -478,21 +370,19 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
     q_half = plgpu.SMEM((ROWS, HEAD_DIM), dtype, transforms=transforms)
     o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype)
     lse_half = plgpu.SMEM((ROWS,), jnp.float32)
-    n_halves = 2 * config.q_buffers()
     if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
-        q_or_out = [(q_half, o_half) for _ in range(n_halves)]
+        q_or_out = [(q_half, o_half) for _ in range(2)]
     else:
         # Each consumer's q half and its output staging share memory (q is dead once the
         # consumer's last q k^T is done); the lse staging is apart (256 bytes).
-        q_or_out = [plgpu.RefUnion(q_half, o_half) for _ in range(n_halves)]
+        q_or_out = [plgpu.RefUnion(q_half, o_half) for _ in range(2)]
     scratch = [
         *q_or_out,
         lse_half,
         lse_half,
         plgpu.SMEM((ns, bkv, HEAD_DIM), dtype, transforms=transforms),
         plgpu.SMEM((ns, bkv, V_HEAD_DIM), dtype, transforms=transforms),
-        plgpu.Barrier(num_barriers=n_halves),             # q buffer b's half w landed
-        plgpu.Barrier(num_barriers=n_halves),             # buffer b's half w staging read
+        plgpu.Barrier(num_barriers=2),                    # q half w landed
         plgpu.Barrier(num_barriers=ns),                   # K stage filled
         plgpu.Barrier(num_barriers=ns),                   # V stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # K stage released by both
@@ -518,9 +408,7 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=mgpu_params(interpret),
         kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
-                     + ("_pingpong" if config.pingpong else "")
-                     + (f"_g{config.tiles_per_block}_q{config.q_buffers()}"
-                        if config.tiles_per_block > 1 else "")),
+                     + ("_pingpong" if config.pingpong else "")),
     )
 
 
