@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from funcmla.attention.pallas.mgpu_ops import swizzled
+from funcmla.attention.pallas.mgpu_ops import release_seen, swizzled
 
 __all__ = ["BLOCK_KV", "page_size_unsupported", "gathers", "arrivals_per_tile", "gather_rows",
            "gather_tile", "copy_tile", "fill_stage", "produce_tiles"]
@@ -271,11 +271,8 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
     def _():
         with jax.named_scope("wait_free"):
             plgpu.barrier_wait(empty.at[slot])
-            if interpret and not gathers(page_size):
-                # The interpreter (jax >= 0.12) orders the consumers' plain reads of the stage
-                # before this TMA write only through a proxy fence. On the GPU the barrier
-                # orders them (the reads completed before the release), so no fence there.
-                plgpu.commit_smem()
+            if not gathers(page_size):  # a TMA copy follows (the gather writes generic)
+                release_seen(interpret)
 
     if gathers(page_size):  # the next tile's rows load while this one's copies land
         return gather_tile(kv_ref, table_ref, stages, slot, rows, full.at[slot], start_entry,

@@ -18,9 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "swizzled",
-           "warpgroup_sync", "mgpu_params", "interpreter_unsupported", "xla_cpu_threads",
-           "WARPGROUPS"]
+__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "release_seen",
+           "swizzled", "warpgroup_sync", "mgpu_params", "interpreter_unsupported",
+           "xla_cpu_threads", "WARPGROUPS"]
 
 
 # jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
@@ -99,6 +99,15 @@ def mma_acc_and(acc, a, b, x, under, interpret: bool):
         x_ref[...] = under(x_ref[...])
 
     return pl.run_state(body)((plgpu.ACC.init(acc), x))
+
+
+def release_seen(interpret: bool) -> None:
+    """A producer's step after waiting for a stage's release and before its TMA copy into the
+    stage. The interpreter (jax >= 0.12) orders the consumers' plain reads of the stage
+    before that async-proxy write only through a proxy fence; on the GPU the barrier orders
+    them (the reads completed before the release), so compiled kernels carry no fence."""
+    if interpret:
+        plgpu.commit_smem()
 
 
 def swizzled(swizzle: int, itemsize: int) -> tuple:

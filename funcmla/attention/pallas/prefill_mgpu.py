@@ -48,6 +48,7 @@ from funcmla.attention.pallas.mgpu_ops import (
     load,
     mgpu_params,
     mma_acc_and,
+    release_seen,
     store,
     swizzled,
 )
@@ -229,12 +230,14 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             @pl.when(i >= num_stages)
             def _():
                 plgpu.barrier_wait(k_empty.at[st])
+                release_seen(interpret)
 
             plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[st], k_full.at[st])
 
             @pl.when(i >= num_stages)
             def _():
                 plgpu.barrier_wait(v_empty.at[st])
+                release_seen(interpret)
 
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[st], v_full.at[st])
             return carry
