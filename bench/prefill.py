@@ -26,12 +26,20 @@ error of out against `mha_attention_reference` (float32) on two heads.
     python -m bench.prefill --check --sweep --out out/     # + correctness shapes, tile sweep
     python -m bench.prefill --sweep --rounds 3 --only causal --configs kv128_s2_pp,kv64_s4_pp
                                                            # configs in alternating rounds
+    python -m bench.prefill --profile out/trace --only 16x1k  # in-kernel phase profile
+
+--profile DIR runs each selected case once per config with Mosaic GPU's in-kernel profiler
+(`MgpuPrefillConfig.profile_space`) instead of timing it, and prints `bench.kernel_trace`'s
+summary (phase cycles per block and warpgroup, SM time inside blocks, gaps between blocks);
+cases whose blocks hold more tiles than the profiler's shared memory takes are skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import os
 import statistics
 import sys
 import time
@@ -45,6 +53,7 @@ from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, 
 from funcmla.attention.reference import mha_attention_reference
 from funcmla.config import MLADims
 
+from .kernel_trace import format_summary, load_events, summarize
 from .timing import device_kernel_times, environment, torch_host_us, torch_queued_us, write_json
 
 SM_SCALE = MLADims().sm_scale
@@ -313,6 +322,45 @@ def mha_rows(args) -> list[dict]:
     return rows
 
 
+def profile_rows(args) -> list[dict]:
+    """Each selected MHA case once per config with the in-kernel profiler (`--profile DIR`):
+    `bench.kernel_trace.summarize` of the call's trace, one row per (case, config)."""
+    rows = []
+    key = jax.random.PRNGKey(0)
+    configs = SWEEP if args.sweep else [MgpuPrefillConfig()]
+    if args.configs:
+        configs = [c for c in configs if cfg_name(c) in args.configs.split(",")]
+    for name, heads, lens, causal in MHA_CASES:
+        if args.only and args.only not in name:
+            continue
+        q, k, v, qo, kv = make_inputs(key, heads, lens, lens)
+        for cfg in configs:
+            tiles = -(-max(lens) // cfg.block_kv)
+            # per consumer: wait_q, finish, store_wait, and per tile wait_k, qk, softmax,
+            # wait_v, turn, pv (the producer records fewer)
+            space = 6 * tiles + 8
+            trace_dir = os.path.join(args.profile, f"{name}_{cfg_name(cfg)}".replace(" ", "_"))
+            try:
+                pcfg = dataclasses.replace(cfg, profile_space=space, profile_dir=trace_dir)
+            except ValueError as e:
+                log(f"   {name} {cfg_name(cfg)}: not profiled ({e})")
+                continue
+            os.makedirs(trace_dir, exist_ok=True)
+            f = jax.jit(lambda q_, k_, v_, c=pcfg: mha_prefill(
+                q_, k_, v_, qo, kv, sm_scale=SM_SCALE, causal=causal, config=c))
+            jax.block_until_ready(f(q, k, v))
+            jax.effects_barrier()
+            traces = sorted(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
+            if not traces:
+                log(f"   {name} {cfg_name(cfg)}: no trace written")
+                continue
+            summary = summarize(load_events(traces[-1]), warpgroups=3,
+                                clock_ghz=args.clock_ghz)
+            log(f"{name} {cfg_name(cfg)}:\n{format_summary(summary)}")
+            rows.append(dict(group="profile", case=name, config=cfg_name(cfg), **summary))
+    return rows
+
+
 def extend_group_rows(args) -> list[dict]:
     """The absorbed MLA extend cases (`bench.extend.extend_rows`) as rows of this table: the
     baseline is the decode kernel on the same keys, timed in the same run (ratio: its TFLOP/s
@@ -455,6 +503,10 @@ def main(argv=None):
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds after which no further config is started")
     ap.add_argument("--quick", action="store_true", help="3 repetitions (`funcmla bench`)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="in-kernel profile of the MHA cases (traces under DIR), no timing")
+    ap.add_argument("--clock-ghz", type=float, default=1.755,
+                    help="SM clock for --profile's block ends (cycles to ns)")
     args = ap.parse_args(argv)
     if args.quick:
         args.reps = 3
@@ -465,6 +517,11 @@ def main(argv=None):
                    default_config=dataclasses.asdict(MgpuPrefillConfig()))
     path = f"{args.out.rstrip('/')}/{args.name}"
     _SINK.update(path=path, payload=payload, t0=t0)
+    if args.profile:
+        payload["profiles"] = profile_rows(args)
+        write_json(path, payload)
+        log(f"wrote {path}")
+        return payload
     if args.check:
         payload["checks"] = check_rows(args)
         save_partial()

@@ -314,6 +314,35 @@ def test_gpu_matches_reference(heads, q_lens, kv_lens, causal, config):
     run_case(heads, q_lens, kv_lens, causal, config=config, interpret=False)
 
 
+@pytest.mark.gpu
+def test_gpu_profile_names_every_phase(tmp_path):
+    """`MgpuPrefillConfig.profile_space` writes Mosaic GPU's per-warpgroup trace with the
+    kernel's named phases (summarized by `bench.kernel_trace`) and leaves out and lse as they
+    are without the profiler."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU")
+    import json
+
+    from bench.kernel_trace import summarize
+
+    q, k, v, qo, kv = make(np.random.default_rng(3), 16, [300, 129], [1000, 129])
+    cfg = MgpuPrefillConfig(profile_space=64, profile_dir=str(tmp_path))
+    profiled = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=cfg)
+    plain = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True)
+    jax.effects_barrier()
+    for a, b in zip(profiled, plain):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    traces = list(tmp_path.glob("*.json"))
+    assert traces, "no trace written"
+    events = json.load(open(traces[0]))["traceEvents"]
+    summary = summarize(events)
+    names = set(summary["warpgroups"][0]["phases"]) | set(summary["warpgroups"][2]["phases"])
+    assert {"wait_q", "wait_k", "qk", "softmax", "wait_v", "turn", "pv", "finish",
+            "store_wait", "copy_q", "copy"} <= names
+    assert summary["blocks"] == 16 * 5  # 16 heads x (3 + 2) live q tiles; empty slots record
+    # nothing
+
+
 def _kernel_inputs(monkeypatch, run) -> tuple[dict, object]:
     """(what `run()`, an `mha_prefill` call, hands the kernel: its nine operands by name,
     "qo_a" ... "vp", run()'s result). The kernel is replaced by zeros of its output shapes (these

@@ -81,6 +81,11 @@ class MgpuPrefillConfig:
         inter-warpgroup schedule): each one's P V waits until the other has issued its next
         q k^T, so one's softmax runs under the other's products. Both meet on a two-arrival
         barrier twice a tile.
+    profile_space / profile_dir: Mosaic GPU's in-kernel profiler (per-warpgroup traces of the
+        named phases: wait_q, wait_k, qk, softmax, wait_v, turn, pv, finish, store_wait;
+        the producer's copy_q, wait_free, copy), written as a Perfetto trace per call to
+        `profile_dir` and summarized by `python -m bench.prefill --profile DIR`; 0 (default):
+        off. 16 bytes of shared memory per region and warpgroup.
     Defaults and the sweep that chose them: docs/prefill_kernel.md (`python -m bench.prefill
     --sweep`).
     """
@@ -90,8 +95,16 @@ class MgpuPrefillConfig:
     consumer_registers: int = 232
     producer_registers: int = 40
     pingpong: bool = True
+    profile_space: int = 0
+    profile_dir: str = ""
 
     def __post_init__(self):
+        if not isinstance(self.profile_space, int) or self.profile_space < 0:
+            raise ValueError(f"MgpuPrefillConfig.profile_space={self.profile_space!r} must be "
+                             "an int >= 0")
+        if self.profile_space and not self.profile_dir:
+            raise ValueError("MgpuPrefillConfig.profile_space > 0 needs a profile_dir for the "
+                             "traces")
         if not isinstance(self.pingpong, bool):
             raise ValueError(f"MgpuPrefillConfig.pingpong must be a bool, got {self.pingpong!r}")
         if self.block_kv not in (64, 128):
@@ -103,8 +116,8 @@ class MgpuPrefillConfig:
         if self.smem_bytes() > SMEM_BYTES:
             raise ValueError(
                 f"MgpuPrefillConfig: block_kv={self.block_kv} x num_stages={self.num_stages} "
-                f"needs {self.smem_bytes()} bytes of shared memory, over the {SMEM_BYTES} of "
-                "an SM")
+                f"(profile_space={self.profile_space}) needs {self.smem_bytes()} bytes of "
+                f"shared memory, over the {SMEM_BYTES} of an SM")
         for name in ("consumer_registers", "producer_registers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
@@ -118,10 +131,10 @@ class MgpuPrefillConfig:
 
     def smem_bytes(self) -> int:
         """Shared memory of one block: q (two 64-row halves, reused for the output) and the
-        K/V ring, plus the lse staging and barriers (1 KB)."""
+        K/V ring, plus the lse staging and barriers (1 KB) and the profiler's buffer."""
         q = BLOCK_Q * HEAD_DIM * 2
         ring = self.num_stages * self.block_kv * (HEAD_DIM + V_HEAD_DIM) * 2
-        return q + ring + 1024
+        return q + ring + 1024 + 3 * 16 * self.profile_space
 
 
 def first_slots(qo_indptr: jax.Array) -> jax.Array:
@@ -190,8 +203,9 @@ def _store_rows(o_stage, o_dst_rows, n):
 
 
 def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
-            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int, num_stages: int, num_slots: int,
-            scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
+            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
+            num_stages: int, num_slots: int, scale_log2: float, cfg: MgpuPrefillConfig,
+            interpret: bool):
     (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
      v_clean, turn) = scratch
     q_smems, o_stages, lse_stages = (qo0[0], qo1[0]), (qo0[1], qo1[1]), (lse0, lse1)
@@ -219,27 +233,25 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
     @pl.when(live & (wg == 2))
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-        for w in range(2):
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + qb0 + w * ROWS, ROWS), h],
-                                    q_smems[w], q_bar.at[w])
+        with jax.named_scope("copy_q"):
+            for w in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + qb0 + w * ROWS, ROWS), h],
+                                        q_smems[w], q_bar.at[w])
 
         def load_tile(i, carry):
             st = lax.rem(i, num_stages)
             rows = pl.ds(kv_start + i * block_kv, block_kv)
 
-            @pl.when(i >= num_stages)
-            def _():
-                plgpu.barrier_wait(k_empty.at[st])
-                release_seen(interpret)
+            for free, full, src, dst in ((k_empty, k_full, k_ref, k_smem),
+                                         (v_empty, v_full, v_ref, v_smem)):
+                @pl.when(i >= num_stages)
+                def _():
+                    with jax.named_scope("wait_free"):
+                        plgpu.barrier_wait(free.at[st])
+                    release_seen(interpret)
 
-            plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[st], k_full.at[st])
-
-            @pl.when(i >= num_stages)
-            def _():
-                plgpu.barrier_wait(v_empty.at[st])
-                release_seen(interpret)
-
-            plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[st], v_full.at[st])
+                with jax.named_scope("copy"):
+                    plgpu.copy_gmem_to_smem(src.at[rows, h], dst.at[st], full.at[st])
             return carry
 
         lax.fori_loop(0, count, load_tile, 0)
@@ -269,32 +281,37 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
             st = lax.rem(i, num_stages)
-            plgpu.barrier_wait(k_full.at[st])
-            s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
-                    meet if cfg.pingpong else None)
+            with jax.named_scope("wait_k"):
+                plgpu.barrier_wait(k_full.at[st])
+            with jax.named_scope("qk"):
+                s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
+                        meet if cfg.pingpong else None)
             plgpu.barrier_arrive(k_empty.at[st])
-            if masked:
-                # The iotas are built here, in the masked tiles only: a [64, 128] int32 array
-                # is 64 registers a thread, which the unmasked loop need not hold.
-                rows_iota = iota((ROWS, block_kv), 0, interpret)
-                cols_iota = iota((ROWS, block_kv), 1, interpret)
-                base = i * block_kv
-                keep = cols_iota < kv_len - base
-                if causal:
-                    keep = keep & (cols_iota - rows_iota < diag - base)
-                s = jnp.where(keep, s, -jnp.inf)
-            # The max is over raw scores and the scale (> 0) multiplies s - max: a multiply-add
-            # s * scale - max would leave exp2 a rounding residual of up to half an ulp of the
-            # scaled max (+inf past ~2^31; tests/test_pallas_large_scores.py).
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2((m_i - m_safe) * scale_log2)
-            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
-            p16 = p.astype(q_smem.dtype)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            with jax.named_scope("softmax"):
+                if masked:
+                    # The iotas are built here, in the masked tiles only: a [64, 128] int32
+                    # array is 64 registers a thread, which the unmasked loop need not hold.
+                    rows_iota = iota((ROWS, block_kv), 0, interpret)
+                    cols_iota = iota((ROWS, block_kv), 1, interpret)
+                    base = i * block_kv
+                    keep = cols_iota < kv_len - base
+                    if causal:
+                        keep = keep & (cols_iota - rows_iota < diag - base)
+                    s = jnp.where(keep, s, -jnp.inf)
+                # The max is over raw scores and the scale (> 0) multiplies s - max: a
+                # multiply-add s * scale - max would leave exp2 a rounding residual of up to
+                # half an ulp of the scaled max (+inf past ~2^31;
+                # tests/test_pallas_large_scores.py).
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2((m_i - m_safe) * scale_log2)
+                p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
+                p16 = p.astype(q_smem.dtype)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
                 plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(v_full.at[st])
+            with jax.named_scope("wait_v"):
+                plgpu.barrier_wait(v_full.at[st])
             if masked:
                 valid = kv_len - i * block_kv
 
@@ -315,9 +332,12 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                         plgpu.barrier_wait(v_clean.at[st])
 
             if cfg.pingpong:
-                plgpu.barrier_wait(turn)
-            acc, l_i = mma_acc_and(acc, p16, v_smem.at[st], l_i,
-                                    lambda l_prev: l_prev * alpha + p.sum(axis=1), interpret)
+                with jax.named_scope("turn"):
+                    plgpu.barrier_wait(turn)
+            with jax.named_scope("pv"):
+                acc, l_i = mma_acc_and(acc, p16, v_smem.at[st], l_i,
+                                        lambda l_prev: l_prev * alpha + p.sum(axis=1),
+                                        interpret)
             plgpu.barrier_arrive(v_empty.at[st])
             return acc, m_new, l_i
 
@@ -325,7 +345,8 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                          interpret)
         m_i = in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
         l_i = in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
-        plgpu.barrier_wait(q_bar.at[w])
+        with jax.named_scope("wait_q"):
+            plgpu.barrier_wait(q_bar.at[w])
         if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
             meet()
         carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
@@ -335,19 +356,22 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
             meet()
 
-        has = l_i > 0.0
-        l_safe = jnp.where(has, l_i, 1.0)
-        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
-        # q is dead (its last q k^T was waited for): the output staging reuses its memory.
-        store(o_stages[w], out.astype(o_stages[w].dtype), interpret)
-        lse_stages[w][...] = lse
-        plgpu.commit_smem()
-        n_rows = jnp.clip(q_len - row0, 0, ROWS)
-        _store_rows(o_stages[w],
-                    lambda off, size: o_ref.at[pl.ds(q_start + row0 + off, size), h], n_rows)
-        plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("finish"):
+            has = l_i > 0.0
+            l_safe = jnp.where(has, l_i, 1.0)
+            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
+            # q is dead (its last q k^T was waited for): the output staging reuses its memory.
+            store(o_stages[w], out.astype(o_stages[w].dtype), interpret)
+            lse_stages[w][...] = lse
+            plgpu.commit_smem()
+            n_rows = jnp.clip(q_len - row0, 0, ROWS)
+            _store_rows(o_stages[w],
+                        lambda off, size: o_ref.at[pl.ds(q_start + row0 + off, size), h],
+                        n_rows)
+            plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
+        with jax.named_scope("store_wait"):
+            plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):
         pl.when(live & (wg == w))(functools.partial(consumer, w))
@@ -408,7 +432,9 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             profile_space=config.profile_space,
+                                             profile_dir=config.profile_dir),
         interpret=mgpu_params(interpret),
         kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
                      + ("_pingpong" if config.pingpong else "")),
