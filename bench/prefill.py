@@ -255,17 +255,26 @@ def launcher_us(q, k, v, qo, kv, causal: bool, jax_out, reps: int, calls: int = 
 
 # ----------------------------------------------------------------------------- groups
 
+def selected_configs(args) -> list[MgpuPrefillConfig]:
+    """The default config, or with --sweep every SWEEP config (those named by --configs)."""
+    configs = SWEEP if args.sweep else [MgpuPrefillConfig()]
+    if args.configs:
+        configs = [c for c in configs if cfg_name(c) in args.configs.split(",")]
+    return configs
+
+
+def selected_cases(args) -> list[tuple]:
+    """MHA_CASES whose name contains --only."""
+    return [c for c in MHA_CASES if not args.only or args.only in c[0]]
+
+
 def mha_rows(args) -> list[dict]:
     """The MHA prefill cases (MHA_CASES) with the default config, and with every SWEEP config
     when --sweep."""
     rows = []
     key = jax.random.PRNGKey(0)
-    configs = SWEEP if args.sweep else [MgpuPrefillConfig()]
-    if args.configs:
-        configs = [c for c in configs if cfg_name(c) in args.configs.split(",")]
-    for name, heads, lens, causal in MHA_CASES:
-        if args.only and args.only not in name:
-            continue
+    configs = selected_configs(args)
+    for name, heads, lens, causal in selected_cases(args):
         q, k, v, qo, kv = make_inputs(key, heads, lens, lens)
         flops = useful_flops(heads, lens, lens, causal)
         base = {}
@@ -327,12 +336,8 @@ def profile_rows(args) -> list[dict]:
     `bench.kernel_trace.summarize` of the call's trace, one row per (case, config)."""
     rows = []
     key = jax.random.PRNGKey(0)
-    configs = SWEEP if args.sweep else [MgpuPrefillConfig()]
-    if args.configs:
-        configs = [c for c in configs if cfg_name(c) in args.configs.split(",")]
-    for name, heads, lens, causal in MHA_CASES:
-        if args.only and args.only not in name:
-            continue
+    configs = selected_configs(args)
+    for name, heads, lens, causal in selected_cases(args):
         q, k, v, qo, kv = make_inputs(key, heads, lens, lens)
         for cfg in configs:
             tiles = -(-max(lens) // cfg.block_kv)

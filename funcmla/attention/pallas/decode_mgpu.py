@@ -50,6 +50,7 @@ from funcmla.attention.pallas.mgpu_kv_copy import (
     produce_tiles,
 )
 from funcmla.attention.pallas.mgpu_ops import (
+    compiler_params,
     in_layout,
     iota,
     load,
@@ -388,10 +389,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         grid_names=("blk",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                             profile_space=config.profile_space,
-                                             profile_dir=config.profile_dir),
+        compiler_params=compiler_params(config.profile_space, config.profile_dir),
         interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_ps{kv.page_size}",
     )

@@ -75,6 +75,7 @@ from funcmla.attention.pallas.mgpu_kv_copy import (
     produce_tiles,
 )
 from funcmla.attention.pallas.mgpu_ops import (
+    compiler_params,
     in_layout,
     iota,
     load,
@@ -569,8 +570,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         grid_names=("blk",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=compiler_params(),
         interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_fp8w{'a' if fp8_pv else ''}_ps{kv.page_size}",
     )

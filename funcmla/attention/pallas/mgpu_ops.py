@@ -1,8 +1,9 @@
 """Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
 jax 0.10.2): a load in a layout, a store of registers, a layout cast, an iota, accumulating
-`wgmma`s, a warpgroup barrier, the transforms of a swizzled shared-memory operand, and the
-interpreter parameters with the rule for where the interpreter can run. Used by
+`wgmma`s, a warpgroup barrier, the transforms of a swizzled shared-memory operand, the
+compiler parameters every kernel here uses, and the interpreter parameters with the rule for
+where the interpreter can run. Used by
 `decode_mgpu`, `decode_mgpu_fp8`, `decode_mgpu_fp8_wide`, `mgpu_kv_copy` and `prefill_mgpu`.
 """
 
@@ -19,8 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "release_seen",
-           "swizzled", "warpgroup_sync", "mgpu_params", "interpreter_unsupported",
-           "xla_cpu_threads", "WARPGROUPS"]
+           "swizzled", "warpgroup_sync", "compiler_params", "mgpu_params",
+           "interpreter_unsupported", "xla_cpu_threads", "WARPGROUPS"]
 
 
 # jax 0.10.2's `plgpu.load(src, idx, ...)` needs the index; 0.11 deprecates passing it (the ref
@@ -163,6 +164,16 @@ def interpreter_unsupported() -> str | None:
             f"worker threads, one each, and this process has {threads} (PJRT_NPROC, else "
             f"NPROC, else its CPUs), so it could hang: set PJRT_NPROC={WARPGROUPS} or more "
             "before JAX starts")
+
+
+def compiler_params(profile_space: int = 0, profile_dir: str = "") -> plgpu.CompilerParams:
+    """Mosaic GPU compiler parameters of every kernel here: approximate `ex2` / `lg2` (the
+    softmax's exponentials, the lse's log), no built-in reduction scratch (the kernels reduce
+    across threads through their own shared memory), lane semantics (register layouts
+    explicit); `profile_space` / `profile_dir`: the in-kernel profiler (off at 0)."""
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                profile_space=profile_space, profile_dir=profile_dir)
 
 
 def mgpu_params(interpret):

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.mgpu_ops import (
+    compiler_params,
     in_layout,
     iota,
     load,
@@ -431,10 +432,7 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
         grid_names=("h", "tile"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                             profile_space=config.profile_space,
-                                             profile_dir=config.profile_dir),
+        compiler_params=compiler_params(config.profile_space, config.profile_dir),
         interpret=mgpu_params(interpret),
         kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
                      + ("_pingpong" if config.pingpong else "")),
