@@ -147,8 +147,16 @@ def head_subset_reference(q, k, v, qo, kv, causal: bool):
 
 
 def device_us(fn, reps: int) -> float | None:
-    stats = device_kernel_times(fn, reps=reps, primed=True)
+    stats = device_stats(fn, reps)
     return None if stats is None else stats["span_us"]
+
+
+def device_stats(fn, reps: int) -> dict | None:
+    """`timing.device_kernel_times` of `fn` (blocking), each call queued behind a spin kernel:
+    span_us (the headline: first kernel start to last kernel end of a call), busy_us_per_call
+    (the kernels' summed durations; a span well above it means gaps inside a call, e.g. the
+    host still queueing its kernels) and the kernels by name."""
+    return device_kernel_times(fn, reps=reps, primed=True)
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -307,18 +315,23 @@ def mha_rows(args) -> list[dict]:
                 log(f"   {name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:300]}")
                 rows.append(dict(group="mha", case=name, config=cfg_name(cfg),
                                  error=f"{type(e).__name__}: {str(e)[:300]}"))
+        stats = {}
         for _ in range(args.rounds):
             for cfg, (f, _, _) in runs.items():
-                times.setdefault(cfg, []).append(
-                    device_us(lambda f=f: jax.block_until_ready(f(q, k, v)), args.reps))
+                st = device_stats(lambda f=f: jax.block_until_ready(f(q, k, v)), args.reps)
+                stats.setdefault(cfg, []).append(st)
+                times.setdefault(cfg, []).append(st and st["span_us"])
         for cfg, (f, out, err) in runs.items():
             valid = [t for t in times.get(cfg, []) if t]
             us = statistics.median(valid) if valid else None
+            done = [st for st in stats.get(cfg, []) if st]
             row = dict(group="mha", case=name, config=cfg_name(cfg), heads=heads,
                        requests=len(lens), tokens=int(sum(lens)), causal=causal, us=us,
                        tflops=flops / (us * 1e-6) / 1e12 if us else None,
                        baselines_us=base, baseline=best,
-                       baseline_us=base.get(best), rel_err=err, rounds_us=times.get(cfg))
+                       baseline_us=base.get(best), rel_err=err, rounds_us=times.get(cfg),
+                       rounds_busy_us=[st["busy_us_per_call"] for st in done],
+                       kernels=done[-1]["kernels"] if done else None)
             row["baseline_tflops"] = (flops / (row["baseline_us"] * 1e-6) / 1e12
                                       if row["baseline_us"] else None)
             row["ratio"] = row["baseline_us"] / us if us and row["baseline_us"] else None
@@ -456,6 +469,8 @@ def fmt(r: dict) -> str:
     ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
     base = (f"{r['baseline']} {r['baseline_us']:.1f} us" if r.get("baseline_us") else "none")
     us = f"{r['us']:10.1f} us {r['tflops']:7.1f} TFLOP/s" if r.get("us") else "no device time"
+    if r.get("rounds_busy_us"):  # kernel time summed, against the span: gaps inside a call
+        us += f" (busy {statistics.median(r['rounds_busy_us']):.1f})"
     torch_path = (f"  via torch {r['via_torch_us']:.1f} us (host {r['via_torch_host_us']:.0f} "
                   f"us, bitwise {r['via_torch_bitwise']})" if r.get("via_torch_us") else "")
     return (f"{r['group']:6s} {r['case']:22s} {r.get('config', ''):10s} {us}  baseline {base}  "
