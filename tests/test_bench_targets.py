@@ -1,4 +1,5 @@
-"""bench.decode_targets: issue #5's targets judged from benchmark rows (restated by hand here)."""
+"""Benchmark verdicts: bench.decode_targets (issue #5's targets judged from benchmark rows,
+restated by hand here) and bench.prefill's choice of the ratio's baseline."""
 
 import json
 
@@ -129,3 +130,17 @@ def test_fp8_verdicts_judge_both_products_against_their_own_targets():
     assert (small["target_us"], small["time_ok"], small["err_ok"]) == (71.0, True, False)
     h16 = got[("H16 B128 L16384 p64", "mixed")]
     assert (h16["target_us"], h16["time_ok"], h16["err_bound"]) == (300.0, True, 1e-2)
+
+
+def test_prefill_ratio_baseline_reads_the_kernels_own_layout():
+    """bench.prefill: the ratio's baseline is the fastest that reads the kernel's token-major
+    inputs; a faster one on head-major copies (a layout change the caller would pay for) is
+    only reported beside it."""
+    from bench.prefill import HEAD_MAJOR, fastest_baselines
+
+    base = {"cudnn_batched": 2045.4, "cudnn_per_request": 2554.1, "torch_cudnn": 2101.0,
+            "torch_flash": 3209.6, "torch_cudnn" + HEAD_MAJOR: 1537.2,
+            "torch_flash" + HEAD_MAJOR: 3000.0}
+    assert fastest_baselines(base) == ("cudnn_batched", "torch_cudnn" + HEAD_MAJOR)
+    assert fastest_baselines({"torch_cudnn": 1.0}) == ("torch_cudnn", None)
+    assert fastest_baselines({}) == (None, None)
