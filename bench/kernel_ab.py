@@ -7,18 +7,21 @@ change is measured against a baseline of the same run (same machine state, same 
         --cases h128_b128_ctx16k_p64,h128_b32_ctx4k_p1
 
     python -m bench.kernel_ab --base-file base.py --label e75e8f7 --kv-dtype fp8   # no git
+    python -m bench.kernel_ab --rev main --module funcmla.attention.pallas.prefill_mgpu \
+        --cases prefill_h16_16x1k,prefill_h128_16x1k                         # MHA prefill
 
 Only the named module comes from REV: its source (`git show REV:path`, or the file given by
 `--base-file` where the checkout has no git history, as on a copy of the working tree) is
 imported under
 another name, and what it imports resolves to the working tree. Its public names (`__all__`)
-replace the live module's for REV's rounds, so callers must reach them through the module, as
-`funcmla.attention.pallas.api` calls `decode_mgpu.decode_call` and `decode_mgpu_fp8
-.decode_call`. jax's caches are cleared at every switch (`mla_decode` is jitted: a cached
-program would run the other kernel). Each case runs through `mla_decode` with
+replace the live module's, and those of every funcmla module that imported them by name, for
+REV's rounds. jax's caches are cleared at every switch (`mla_decode` is jitted: a cached
+program would run the other kernel). A decode case runs through `mla_decode` with
 `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span per
 call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
-dequantized cache for fp8). Writes out/kernel_ab.json: per case and variant the time of every
+dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
+equal length through `mha_prefill` with the default config, timed and checked as
+`bench.prefill` does (device span per call; error against float32 on two heads). Writes out/kernel_ab.json: per case and variant the time of every
 round, their median, and the working tree's median over REV's.
 """
 
@@ -34,13 +37,27 @@ import subprocess
 import sys
 import types
 
-__all__ = ["module_at_revision", "module_from_file", "swapped", "parse_case", "main"]
+__all__ = ["module_at_revision", "module_from_file", "swapped", "parse_case",
+           "parse_prefill_case", "main"]
 
 _CASE = re.compile(r"h(\d+)_b(\d+)_ctx(\d+)k_p(\d+)")
+_PREFILL_CASE = re.compile(r"prefill_h(\d+)_(\d+)x(\d+)k")
+PREFILL_MODULE = "funcmla.attention.pallas.prefill_mgpu"
 DEFAULT_CASES = {
     "fp8": "h16_b32_ctx4k_p64,h16_b32_ctx4k_p1,h16_b128_ctx16k_p64,h16_b128_ctx16k_p1",
     "bf16": "h128_b32_ctx4k_p64,h128_b128_ctx16k_p64,h128_b128_ctx16k_p1,h16_b128_ctx16k_p64",
+    "prefill": "prefill_h128_1x16k,prefill_h16_16x1k,prefill_h128_16x1k",
 }
+
+
+def parse_prefill_case(name: str) -> tuple[int, int, int]:
+    """(heads, requests, tokens a request) of a prefill case name such as prefill_h16_16x1k."""
+    m = _PREFILL_CASE.fullmatch(name)
+    if m is None:
+        raise ValueError(f"case {name!r} is not of the form prefill_h<heads>_<requests>x<k>k, "
+                         "e.g. prefill_h16_16x1k")
+    h, n, k = (int(x) for x in m.groups())
+    return h, n, 1024 * k
 
 
 def parse_case(name: str) -> tuple[int, int, int, int]:
@@ -93,23 +110,72 @@ def _load(module: str, source: str, label: str, file: str) -> types.ModuleType:
 
 @contextlib.contextmanager
 def swapped(live: types.ModuleType, base: types.ModuleType):
-    """Within the block, `live`'s public names (`base.__all__`) are `base`'s; jax's caches are
-    cleared on entry and exit, so no program traced with the other module runs."""
+    """Within the block, `live`'s public names (`base.__all__`) are `base`'s, in `live` and in
+    every loaded funcmla module that imported them by name; jax's caches are cleared on entry
+    and exit, so no program traced with the other module runs."""
     import jax
 
     names = [n for n in getattr(base, "__all__", ()) if hasattr(live, n)]
     if not names:
         raise ValueError(f"{base.__name__} shares no name of its __all__ with {live.__name__}")
-    saved = {n: getattr(live, n) for n in names}
+    # every funcmla module holding one of those objects (`from live import name`) too
+    holders = [(m, n) for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("funcmla") for n in names
+               if getattr(m, n, None) is getattr(live, n)]
+    saved = [(m, n, getattr(m, n)) for m, n in holders]
     jax.clear_caches()
     try:
-        for n in names:
-            setattr(live, n, getattr(base, n))
+        for m, n in holders:
+            setattr(m, n, getattr(base, n))
         yield names
     finally:
-        for n, v in saved.items():
-            setattr(live, n, v)
+        for m, n, v in saved:
+            setattr(m, n, v)
         jax.clear_caches()
+
+
+def decode_runner(args, h: int, b: int, ctx: int, page: int):
+    """A decode case through `mla_decode` (`bench_case`): () -> (us, rel_err, kernel)."""
+    import jax
+
+    from funcmla.attention.pallas import DecodeKernelConfig
+
+    from . import decode_case
+    from .decode_fp8 import KV_SCALE
+
+    config = DecodeKernelConfig(kernel=args.kernel)
+    kv_scale = KV_SCALE if args.kv_dtype == "fp8" else None
+
+    def run():
+        r = decode_case.bench_case(jax.random.key(1), h, b, ctx, page, float("inf"), args.reps,
+                                   config, baseline=False, kv_scale=kv_scale)
+        return r["time_us"], r["rel_err"], f"{r['kernel']} ns={r['num_splits']}"
+    return run
+
+
+def prefill_runner(args, h: int, n: int, length: int):
+    """A causal MHA prefill case of n requests of `length` tokens through `mha_prefill` (the
+    default config; inputs and the float32 reference on two heads made once): () -> (us,
+    rel_err, config name)."""
+    import jax
+
+    from funcmla.attention.pallas import prefill
+
+    from . import prefill as bp
+
+    lens = [length] * n
+    q, k, v, qo, kv = bp.make_inputs(jax.random.PRNGKey(0), h, lens, lens)
+    idx, ref = bp.head_subset_reference(q, k, v, qo, kv, True)
+
+    def run():
+        # the config class of the module in use (REV's while swapped: `prefill` checks it)
+        config = prefill.MgpuPrefillConfig()
+        f = jax.jit(lambda q_, k_, v_: prefill.mha_prefill(
+            q_, k_, v_, qo, kv, sm_scale=bp.SM_SCALE, causal=True, config=config))
+        err = bp.rel_err(f(q, k, v)[0][:, idx], ref)
+        return (bp.device_us(lambda: jax.block_until_ready(f(q, k, v)), args.reps), err,
+                bp.cfg_name(config))
+    return run
 
 
 def main(argv=None) -> int:
@@ -122,19 +188,22 @@ def main(argv=None) -> int:
     ap.add_argument("--module", default="funcmla.attention.pallas.decode_mgpu_fp8")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--kernel", choices=("auto", "mgpu", "triton"), default="mgpu")
-    ap.add_argument("--cases", default=None, help="comma-separated h<H>_b<B>_ctx<k>k_p<page>")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated h<H>_b<B>_ctx<k>k_p<page> (decode modules) or "
+                         "prefill_h<H>_<requests>x<k>k (the prefill kernel's module)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of (tree, REV) per case")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="out/")
     args = ap.parse_args(argv)
-    cases = [parse_case(c) for c in (args.cases or DEFAULT_CASES[args.kv_dtype]).split(",")]
+    is_prefill = args.module == PREFILL_MODULE
+    names = (args.cases or DEFAULT_CASES["prefill" if is_prefill else args.kv_dtype]).split(",")
+    if is_prefill:
+        cases = [(n, dict(zip(("heads", "requests", "tokens"), parse_prefill_case(n))))
+                 for n in names]
+    else:
+        cases = [(n, dict(zip(("heads", "batch", "ctx", "page_size"), parse_case(n))))
+                 for n in names]
 
-    import jax
-
-    from funcmla.attention.pallas import DecodeKernelConfig
-
-    from .decode_case import bench_case
-    from .decode_fp8 import KV_SCALE
     from .report import log
     from .timing import environment, print_table, write_json
 
@@ -142,38 +211,30 @@ def main(argv=None) -> int:
     label = args.label or args.rev or args.base_file
     base = (module_at_revision(args.module, args.rev) if args.rev
             else module_from_file(args.module, args.base_file, label))
-    config = DecodeKernelConfig(kernel=args.kernel)
-    kv_scale = KV_SCALE if args.kv_dtype == "fp8" else None
     rows, table = [], []
-
-    def run(h, b, ctx, page):
-        r = bench_case(jax.random.key(1), h, b, ctx, page, float("inf"), args.reps, config,
-                       baseline=False, kv_scale=kv_scale)
-        return r["time_us"], r["rel_err"], r["kernel"], r["num_splits"]
-
-    for h, b, ctx, page in cases:
-        name = f"h{h}_b{b}_ctx{ctx // 1024}k_p{page}"
+    for name, fields in cases:
+        run = (prefill_runner(args, *fields.values()) if is_prefill
+               else decode_runner(args, *fields.values()))
         times = {"tree": [], "rev": []}
         errs, kernels = {}, {}
         for _ in range(args.rounds):
             for variant in ("tree", "rev"):
                 ctxm = swapped(live, base) if variant == "rev" else contextlib.nullcontext()
                 with ctxm:
-                    t, err, kernel, splits = run(h, b, ctx, page)
+                    t, err, kernel = run()
                 times[variant].append(t)
-                errs[variant], kernels[variant] = err, f"{kernel} ns={splits}"
-                log(f"{name} {variant}: {t:.1f} us, err {err:.1e} [{kernels[variant]}]")
+                errs[variant], kernels[variant] = err, kernel
+                log(f"{name} {variant}: {t:.1f} us, err {err:.1e} [{kernel}]")
         med = {v: statistics.median(ts) for v, ts in times.items()}
-        rows.append(dict(case=name, heads=h, batch=b, ctx=ctx, page_size=page, times_us=times,
-                         median_us=med, ratio=med["tree"] / med["rev"], rel_err=errs,
-                         kernel=kernels))
+        rows.append(dict(case=name, **fields, times_us=times, median_us=med,
+                         ratio=med["tree"] / med["rev"], rel_err=errs, kernel=kernels))
         table.append([name, kernels["tree"], med["rev"], med["tree"], med["tree"] / med["rev"],
                       errs["tree"]])
     print_table(f"{args.module}: working tree vs {label} (device us per call, medians)",
                 ["case", "kernel", label, "tree", "tree / rev", "tree err"], table)
     path = write_json(os.path.join(args.out, "kernel_ab.json"), dict(
         info=dict(environment(), module=args.module, rev=label, kv_dtype=args.kv_dtype,
-                  kernel=args.kernel, rounds=args.rounds, reps=args.reps, kv_scale=kv_scale),
+                  kernel=args.kernel, rounds=args.rounds, reps=args.reps),
         cases=rows))
     log(f"wrote {path}")
     return 0

@@ -100,3 +100,47 @@ def test_main_times_each_variant_with_its_own_module(monkeypatch, tmp_path):
     (case,) = json.loads((tmp_path / "kernel_ab.json").read_text())["cases"]
     assert case["times_us"] == {"tree": [10.0, 10.0], "rev": [20.0, 20.0]}
     assert case["ratio"] == 0.5
+
+
+def test_prefill_case_names():
+    assert kernel_ab.parse_prefill_case("prefill_h16_16x1k") == (16, 16, 1024)
+    assert kernel_ab.parse_prefill_case("prefill_h128_1x16k") == (128, 1, 16384)
+    with pytest.raises(ValueError, match="prefill_h16_16x1000"):
+        kernel_ab.parse_prefill_case("prefill_h16_16x1000")
+
+
+@needs_git
+def test_swap_reaches_the_modules_that_imported_a_name(monkeypatch, tmp_path):
+    """`prefill` imports `prefill_kernel` by name: swapping `prefill_mgpu` must reach it there
+    (and put it back), and main() must time REV's rounds with REV's kernel."""
+    import json
+
+    from funcmla.attention.pallas import prefill, prefill_mgpu
+
+    live = prefill_mgpu.prefill_kernel
+    assert prefill.prefill_kernel is live
+    base = kernel_ab.module_at_revision(kernel_ab.PREFILL_MODULE, "HEAD")
+    with kernel_ab.swapped(prefill_mgpu, base):
+        assert prefill.prefill_kernel is base.prefill_kernel is prefill_mgpu.prefill_kernel
+        assert prefill.MgpuPrefillConfig is base.MgpuPrefillConfig
+    assert prefill.prefill_kernel is live and prefill_mgpu.prefill_kernel is live
+
+    seen = []
+
+    def fake_runner(args, h, n, tokens):
+        assert (h, n, tokens) == (16, 16, 1024)
+
+        def run():
+            tree = prefill.prefill_kernel is live
+            seen.append(tree)
+            return (100.0 if tree else 80.0), 2e-3, "kv128_s2_pp"
+        return run
+
+    monkeypatch.setattr(kernel_ab, "prefill_runner", fake_runner)
+    assert kernel_ab.main(["--rev", "HEAD", "--module", kernel_ab.PREFILL_MODULE,
+                           "--cases", "prefill_h16_16x1k", "--rounds", "2",
+                           "--out", str(tmp_path)]) == 0
+    assert seen == [True, False, True, False]
+    (case,) = json.loads((tmp_path / "kernel_ab.json").read_text())["cases"]
+    assert (case["heads"], case["requests"], case["tokens"]) == (16, 16, 1024)
+    assert case["ratio"] == 1.25
