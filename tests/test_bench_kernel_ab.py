@@ -130,8 +130,9 @@ def test_swap_reaches_the_modules_that_imported_a_name(monkeypatch, tmp_path):
     def fake_runner(args, h, n, tokens):
         assert (h, n, tokens) == (16, 16, 1024)
 
-        def run():
+        def run(variant):
             tree = prefill.prefill_kernel is live
+            assert tree == (variant == "tree")
             seen.append(tree)
             return (100.0 if tree else 80.0), 2e-3, "kv128_s2_pp"
         return run
