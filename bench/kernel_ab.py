@@ -110,18 +110,21 @@ def _load(module: str, source: str, label: str, file: str) -> types.ModuleType:
 
 @contextlib.contextmanager
 def swapped(live: types.ModuleType, base: types.ModuleType):
-    """Within the block, `live`'s public names (`base.__all__`) are `base`'s, in `live` and in
-    every loaded funcmla module that imported them by name; jax's caches are cleared on entry
-    and exit, so no program traced with the other module runs."""
+    """Within the block, `live`'s public names (`base.__all__`) are `base`'s, in `live` and,
+    for functions and classes, in every loaded funcmla module that imported them by name;
+    jax's caches are cleared on entry and exit, so no program traced with the other module
+    runs."""
     import jax
 
     names = [n for n in getattr(base, "__all__", ()) if hasattr(live, n)]
     if not names:
         raise ValueError(f"{base.__name__} shares no name of its __all__ with {live.__name__}")
-    # every funcmla module holding one of those objects (`from live import name`) too
-    holders = [(m, n) for m in list(sys.modules.values())
-               if getattr(m, "__name__", "").startswith("funcmla") for n in names
-               if getattr(m, n, None) is getattr(live, n)]
+    # every funcmla module holding one of those functions or classes (`from live import
+    # name`) too; constants only in `live` (a small int is the same object everywhere)
+    holders = [(live, n) for n in names] + [
+        (m, n) for m in list(sys.modules.values()) if m is not live
+        and getattr(m, "__name__", "").startswith("funcmla") for n in names
+        if callable(getattr(live, n)) and getattr(m, n, None) is getattr(live, n)]
     saved = [(m, n, getattr(m, n)) for m, n in holders]
     jax.clear_caches()
     try:
