@@ -50,6 +50,8 @@ from funcmla.attention.pallas.mgpu_kv_copy import (
     produce_tiles,
 )
 from funcmla.attention.pallas.mgpu_ops import (
+    check_profile,
+    check_warpgroup_registers,
     compiler_params,
     in_layout,
     iota,
@@ -100,23 +102,10 @@ class MgpuDecodeConfig:
     profile_dir: str = ""
 
     def __post_init__(self):
-        for name in ("consumer_registers", "producer_registers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
-                raise ValueError(f"MgpuDecodeConfig.{name} must be a multiple of 8 in "
-                                 f"[24, 256] (setmaxnreg), got {value!r}")
-        if 128 * (2 * self.consumer_registers + self.producer_registers) > 65536:
-            raise ValueError(
-                f"MgpuDecodeConfig: 2 x consumer_registers={self.consumer_registers} + "
-                f"producer_registers={self.producer_registers} exceeds 512 (64K registers / "
-                "128 threads)")
-        if not isinstance(self.profile_space, int) or not (
-                0 <= self.profile_space <= MAX_PROFILE_SPACE):
-            raise ValueError(f"MgpuDecodeConfig.profile_space={self.profile_space!r} must be in "
-                             f"[0, {MAX_PROFILE_SPACE}] (its trace buffer lives in shared memory)")
-        if self.profile_space and not self.profile_dir:
-            raise ValueError("MgpuDecodeConfig.profile_space > 0 needs a profile_dir for the "
-                             "traces")
+        check_warpgroup_registers("MgpuDecodeConfig", self.consumer_registers,
+                                  self.producer_registers)
+        check_profile("MgpuDecodeConfig", self.profile_space, self.profile_dir,
+                      MAX_PROFILE_SPACE)
 
 
 def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,

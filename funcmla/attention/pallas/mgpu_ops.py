@@ -20,7 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "release_seen",
-           "swizzled", "warpgroup_sync", "compiler_params", "mgpu_params",
+           "swizzled", "warpgroup_sync", "compiler_params", "check_warpgroup_registers",
+           "check_profile", "mgpu_params",
            "interpreter_unsupported", "xla_cpu_threads", "WARPGROUPS"]
 
 
@@ -174,6 +175,31 @@ def compiler_params(profile_space: int = 0, profile_dir: str = "") -> plgpu.Comp
     return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                 lowering_semantics=plgpu.LoweringSemantics.Lane,
                                 profile_space=profile_space, profile_dir=profile_dir)
+
+
+def check_warpgroup_registers(owner: str, consumer: int, producer: int) -> None:
+    """`setmaxnreg` budgets of a two-consumer, one-producer kernel: each a multiple of 8 in
+    [24, 256], and 2 x consumer + producer <= 512 (64K registers / 128 threads). Raises
+    ValueError naming `owner`'s field and value."""
+    for name, value in (("consumer_registers", consumer), ("producer_registers", producer)):
+        if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
+            raise ValueError(f"{owner}.{name} must be a multiple of 8 in [24, 256] "
+                             f"(setmaxnreg), got {value!r}")
+    if 2 * consumer + producer > 512:
+        raise ValueError(f"{owner}: 2 x consumer_registers={consumer} + producer_registers="
+                         f"{producer} exceeds 512 (64K registers / 128 threads)")
+
+
+def check_profile(owner: str, space, directory: str, limit: int | None = None) -> None:
+    """The in-kernel profiler's settings (`compiler_params`): space an int in [0, limit] (>= 0
+    without a limit), and a directory for the traces when space > 0. Raises ValueError naming
+    `owner`'s field."""
+    if not isinstance(space, int) or space < 0 or (limit is not None and space > limit):
+        bound = ("an int >= 0" if limit is None
+                 else f"in [0, {limit}] (its trace buffer lives in shared memory)")
+        raise ValueError(f"{owner}.profile_space={space!r} must be {bound}")
+    if space and not directory:
+        raise ValueError(f"{owner}.profile_space > 0 needs a profile_dir for the traces")
 
 
 def mgpu_params(interpret):

@@ -43,6 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.mgpu_ops import (
+    check_profile,
+    check_warpgroup_registers,
     compiler_params,
     in_layout,
     iota,
@@ -100,12 +102,8 @@ class MgpuPrefillConfig:
     profile_dir: str = ""
 
     def __post_init__(self):
-        if not isinstance(self.profile_space, int) or self.profile_space < 0:
-            raise ValueError(f"MgpuPrefillConfig.profile_space={self.profile_space!r} must be "
-                             "an int >= 0")
-        if self.profile_space and not self.profile_dir:
-            raise ValueError("MgpuPrefillConfig.profile_space > 0 needs a profile_dir for the "
-                             "traces")
+        # its limit is the shared-memory budget, checked below with the rest of the block's
+        check_profile("MgpuPrefillConfig", self.profile_space, self.profile_dir)
         if not isinstance(self.pingpong, bool):
             raise ValueError(f"MgpuPrefillConfig.pingpong must be a bool, got {self.pingpong!r}")
         if self.block_kv not in (64, 128):
@@ -119,16 +117,8 @@ class MgpuPrefillConfig:
                 f"MgpuPrefillConfig: block_kv={self.block_kv} x num_stages={self.num_stages} "
                 f"(profile_space={self.profile_space}) needs {self.smem_bytes()} bytes of "
                 f"shared memory, over the {SMEM_BYTES} of an SM")
-        for name in ("consumer_registers", "producer_registers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
-                raise ValueError(f"MgpuPrefillConfig.{name} must be a multiple of 8 in "
-                                 f"[24, 256] (setmaxnreg), got {value!r}")
-        if 2 * self.consumer_registers + self.producer_registers > 512:
-            raise ValueError(
-                f"MgpuPrefillConfig: 2 x consumer_registers={self.consumer_registers} + "
-                f"producer_registers={self.producer_registers} exceeds 512 (64K registers / "
-                "128 threads)")
+        check_warpgroup_registers("MgpuPrefillConfig", self.consumer_registers,
+                                  self.producer_registers)
 
     def smem_bytes(self) -> int:
         """Shared memory of one block: q (two 64-row halves, reused for the output) and the
