@@ -524,6 +524,45 @@ def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool(kernel, lse_tol):
     assert rel_err(np.asarray(out8, np.float32), np.asarray(out, np.float32)) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,heads,products,phases", [
+    ("narrow", 16, "mixed", {"qk", "wait_kv", "softmax", "p_store", "pv", "finish",
+                             "prepare_q", "copy"}),
+    ("wide", 128, "mixed", {"qk", "wait_kv", "softmax", "wait_v", "hand_off", "pv", "finish",
+                            "wait_free", "convert", "wait_p", "prepare_q", "copy"}),
+    ("wide", 128, "fp8", {"qk", "softmax", "wait_v", "hand_off", "pv", "transpose", "wait_p"}),
+])
+def test_gpu_fp8_profile_names_every_phase(tmp_path, kernel, heads, products, phases):
+    """`MgpuDecodeConfig.profile_space` reaches both fp8 Mosaic GPU kernels: Mosaic GPU's
+    per-warpgroup trace holds the kernel's named phases, and the output is the same bits as
+    without the profiler."""
+    import json
+
+    from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
+
+    rng = np.random.default_rng(7)
+    p = _problem(rng, batch=2, heads=heads, s_q=1, page_size=64, lens=[300, 130])
+    kv = kv_rows_from_page_table(PageTable(p["table"], p["lens"], 64))
+    module = {"narrow": decode_mgpu_fp8, "wide": decode_mgpu_fp8_wide}[kernel]
+    extra = {} if kernel == "narrow" else {"products": products}
+    one = jnp.ones((1,), jnp.float32)
+
+    def call(config):
+        return jax.jit(lambda q, pool: module.decode_call(
+            q, pool, kv, sm_scale=SCALE, s_q=1, num_splits=1, k_scale=one, v_scale=one,
+            config=config, **extra))(p["q"], p["pool"])
+
+    profiled = call(MgpuDecodeConfig(profile_space=64, profile_dir=str(tmp_path)))
+    plain = call(MgpuDecodeConfig())
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(profiled[0], np.float32),
+                                  np.asarray(plain[0], np.float32))
+    traces = list(tmp_path.glob("*.json"))
+    assert traces, "no trace written"
+    names = {e["name"] for e in json.load(open(traces[0]))["traceEvents"]}
+    assert phases <= names, phases - names
+
+
 def _query_rows_far_above_f16_range(heads, interpret):
     """Scores of ~2^45 in log2 units: the column scale multiplies s - max, so no multiply-add
     contraction leaves a rounding residual of ~2^21 in exp2's argument (which gave +inf). At

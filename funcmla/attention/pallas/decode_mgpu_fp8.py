@@ -80,6 +80,7 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
+from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
 from funcmla.attention.pallas.fp8_q_split import (
     Q8_SWIZZLE,
     fp8_operands_unsupported,
@@ -255,7 +256,8 @@ def _store_transposed(o_ref, x, b, split, interpret: bool):
 
 
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
-            s_q: int, num_heads: int, d_v: int, sm_scale: float, final: bool, interpret: bool):
+            s_q: int, num_heads: int, d_v: int, sm_scale: float, final: bool,
+            cfg: MgpuDecodeConfig, interpret: bool):
     n_meta = len(refs) - 8
     meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
         refs[:n_meta], refs[n_meta:])
@@ -278,11 +280,12 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     def _producer():
         # a stage is released once its consumer's P V has its last bytes in registers
         def prepare():  # q's rows, then the registers go to the consumers
-            prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
-                           jnp.int32(0), sm_scale=sm_scale, interpret=interpret)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(q_bar)
-            plgpu.set_max_registers(40, action="decrease")
+            with jax.named_scope("prepare_q"):
+                prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
+                               jnp.int32(0), sm_scale=sm_scale, interpret=interpret)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(q_bar)
+            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
@@ -293,7 +296,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     def consumer(c: int):
         """Consumer c: tiles c, c + 2, ... (step j's through stage (c + 2 j) % _STAGES)."""
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         p_ref = p_smem.at[c]
         plgpu.barrier_wait(q_bar)
         col_scale = load(scale_smem.at[0], col_layout, interpret)
@@ -311,7 +314,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             runs; then the halves summed. Tokens past kv_len are left to the caller's mask
             (selected to -inf)."""
             stage = stages.at[slot]
-            plgpu.barrier_wait(k_full.at[slot])
+            with jax.named_scope("wait_kv"):
+                plgpu.barrier_wait(k_full.at[slot])
             if interpret:
                 s2 = lax.dot_general(stage[...].astype(jnp.float32),
                                      q_smem[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
@@ -350,24 +354,29 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             tile = first + c + 2 * j
             slot = lax.rem(c + 2 * j, _STAGES)
             valid = kv_len - tile * BLOCK_KV
-            s = scores(slot)  # raw: the column scale multiplies s - max
-            if masked:  # the iotas live only here (registers)
-                tok_iota = iota((BLOCK_KV, rows), 0, interpret)
-                col_iota = iota((BLOCK_KV, rows), 1, interpret)
-                limit = causal_limit(kv_len, s_q, col_iota // num_heads)
-                s = jnp.where(tile * BLOCK_KV + tok_iota < limit, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, _col_reduce(s, "max", red.at[c], interpret))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2((m_i - m_safe) * col_scale)
-            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
-                         * lax.broadcast_in_dim(col_scale, s.shape, [1]))
-            l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-            _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
-            plgpu.commit_smem()
-            warpgroup_sync(interpret)  # every thread's P stores, before P V reads them
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-            acc = _pv(acc, stages, slot, p_ref, lambda: plgpu.barrier_arrive(k_empty.at[slot]),
-                      valid, masked, interpret)
+            with jax.named_scope("qk"):
+                s = scores(slot)  # raw: the column scale multiplies s - max
+            with jax.named_scope("softmax"):
+                if masked:  # the iotas live only here (registers)
+                    tok_iota = iota((BLOCK_KV, rows), 0, interpret)
+                    col_iota = iota((BLOCK_KV, rows), 1, interpret)
+                    limit = causal_limit(kv_len, s_q, col_iota // num_heads)
+                    s = jnp.where(tile * BLOCK_KV + tok_iota < limit, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, _col_reduce(s, "max", red.at[c], interpret))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2((m_i - m_safe) * col_scale)
+                p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+                             * lax.broadcast_in_dim(col_scale, s.shape, [1]))
+                l_i = l_i * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+            with jax.named_scope("p_store"):
+                _store_cols(p_ref, p.astype(jnp.float16), 0, pv_swizzle, interpret)
+                plgpu.commit_smem()
+                warpgroup_sync(interpret)  # every thread's P stores, before P V reads them
+            with jax.named_scope("pv"):
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                acc = _pv(acc, stages, slot, p_ref,
+                          lambda: plgpu.barrier_arrive(k_empty.at[slot]), valid, masked,
+                          interpret)
             return acc, m_new, l_i
 
         n_mine = jnp.maximum((count - c + 1) // 2, 0)
@@ -376,42 +385,43 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                               (acc0, m0, l0))
         acc, m_i, l_part = lax.fori_loop(n_plain_mine, n_mine,
                                          functools.partial(step, masked=True), carry)
-        l_i = _col_reduce(l_part, "add", red.at[c], interpret)
-        if c == 1:  # hand over
-            acc1_smem[...] = acc
-            m_smem[...] = m_i
-            l_smem[...] = l_i
+        with jax.named_scope("finish"):
+            l_i = _col_reduce(l_part, "add", red.at[c], interpret)
+            if c == 1:  # hand over
+                acc1_smem[...] = acc
+                m_smem[...] = m_i
+                l_smem[...] = l_i
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(handed)
+                return
+            plgpu.barrier_wait(handed)
+            acc1 = load(acc1_smem, plgpu.Layout.WGMMA, interpret)
+            m1 = load(m_smem, col_layout, interpret)
+            l1 = load(l_smem, col_layout, interpret)
+            m = jnp.maximum(m_i, m1)
+            m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+            a0 = jnp.exp2((m_i - m_safe) * col_scale)
+            a1 = jnp.exp2((m1 - m_safe) * col_scale)
+            l = l_i * a0 + l1 * a1
+            has = l > 0.0
+            l_safe = jnp.where(has, l, 1.0)
+            v_scale = load(scale_smem.at[1], col_layout, interpret)
+
+            def bc(x):
+                return lax.broadcast_in_dim(x, acc.shape, [1])
+
+            # the odd row blocks hold V times 2^-8 (`_INT_SCALE`)
+            o_rows = iota(acc.shape, 0, interpret)
+            fix = jnp.where(_int_block(o_rows // 64), _INT_SCALE, 1.0)
+            if interpret:  # rows there are latent columns in order: scaled in `_v_operand` alike
+                fix = jnp.where(_int_block(latent_row_block(o_rows)), _INT_SCALE, 1.0)
+            out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe) * fix
+            empty = jnp.inf if final else -jnp.inf
+            _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, interpret)
+            lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
             plgpu.commit_smem()
-            plgpu.barrier_arrive(handed)
-            return
-        plgpu.barrier_wait(handed)
-        acc1 = load(acc1_smem, plgpu.Layout.WGMMA, interpret)
-        m1 = load(m_smem, col_layout, interpret)
-        l1 = load(l_smem, col_layout, interpret)
-        m = jnp.maximum(m_i, m1)
-        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-        a0 = jnp.exp2((m_i - m_safe) * col_scale)
-        a1 = jnp.exp2((m1 - m_safe) * col_scale)
-        l = l_i * a0 + l1 * a1
-        has = l > 0.0
-        l_safe = jnp.where(has, l, 1.0)
-        v_scale = load(scale_smem.at[1], col_layout, interpret)
-
-        def bc(x):
-            return lax.broadcast_in_dim(x, acc.shape, [1])
-
-        # the odd row blocks hold V times 2^-8 (`_INT_SCALE`)
-        o_rows = iota(acc.shape, 0, interpret)
-        fix = jnp.where(_int_block(o_rows // 64), _INT_SCALE, 1.0)
-        if interpret:  # rows there are latent columns in order: scaled in `_v_operand` alike
-            fix = jnp.where(_int_block(latent_row_block(o_rows)), _INT_SCALE, 1.0)
-        out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe) * fix
-        empty = jnp.inf if final else -jnp.inf
-        _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, interpret)
-        lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split])
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split])
+            plgpu.wait_smem_to_gmem(0)
 
     for c in range(_CONSUMERS):
         pl.when(wg == c)(functools.partial(consumer, c))
@@ -570,10 +580,13 @@ def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool)
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
                 num_splits: int, k_scale: jax.Array, v_scale: jax.Array,
                 v_head_dim: int = 512, partial_dtype="bfloat16",
+                config: MgpuDecodeConfig = MgpuDecodeConfig(),
                 interpret=False) -> tuple[jax.Array, jax.Array]:
     """The pallas call on checked arguments (`api.check_decode_args` and
     `fp8_narrow_supported`): o [B, S, rows, 512] and lse [B, S, rows], the contract of
-    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]."""
+    `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]. config: the warpgroups'
+    registers and the in-kernel profiler (`MgpuDecodeConfig`; phases prepare_q, copy,
+    wait_free on the producer, qk, wait_kv, softmax, p_store, pv, finish on each consumer)."""
     t, h, d = q.shape
     rows = s_q * h
     b = t // s_q
@@ -601,7 +614,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     kernel = functools.partial(
         _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
         num_splits=num_splits, s_q=s_q, num_heads=h, d_v=v_head_dim, sm_scale=float(sm_scale),
-        final=final, interpret=interpret)
+        final=final, cfg=config, interpret=interpret)
     n_io = len(meta) + 7  # meta, table, q, k_scale, v_scale, pool; o, lse
     call = plgpu.kernel(
         lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
@@ -612,7 +625,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         grid_names=("blk",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=compiler_params(),
+        compiler_params=compiler_params(config.profile_space, config.profile_dir),
         interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_fp8_ps{kv.page_size}",
     )

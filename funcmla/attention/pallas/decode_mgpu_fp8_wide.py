@@ -63,6 +63,7 @@ from funcmla.attention.pallas.decode_common import (
     seq_start_and_len,
     split_tile_range,
 )
+from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
 from funcmla.attention.pallas.fp8_q_split import (
     Q8_SWIZZLE,
     fp8_operands_unsupported,
@@ -349,7 +350,7 @@ def _pv_and(acc, p_regs, p_smem, v_smem, half: int, fp8_pv: bool, x, under, inte
 
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
             s_q: int, num_heads: int, sm_scale: float, final: bool, products: str,
-            interpret: bool):
+            cfg: MgpuDecodeConfig, interpret: bool):
     n_meta = len(refs) - 8
     meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
         refs[:n_meta], refs[n_meta:])
@@ -376,12 +377,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     def _producer():
         # a stage is released by consumer 0's q k^T and consumer 1's conversion (or transpose)
         def prepare():  # q's e4m3 parts, then the registers go to the consumers
-            prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo,
-                           sm_scale=sm_scale, interpret=interpret,
-                           parts=q8_smem.shape[0] // BLOCK_M)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(q_bar)
-            plgpu.set_max_registers(40, action="decrease")
+            with jax.named_scope("prepare_q"):
+                prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo,
+                               sm_scale=sm_scale, interpret=interpret,
+                               parts=q8_smem.shape[0] // BLOCK_M)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(q_bar)
+            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=stages.shape[0],
@@ -394,34 +396,35 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         """Consumer `half` after its last P V: both meet (the output staging reuses the stages
         and V; consumer 0 hands over the row sums), then its output half is normalized and
         written, and consumer 0 writes the lse."""
-        if half == 0:
-            l_smem[...] = l_i
-        else:  # the factors' writes, ordered before consumer 1's reads
-            plgpu.barrier_wait(q_bar)
-        plgpu.barrier_arrive(l_ready)
-        plgpu.barrier_wait(l_ready)
-        l_i = load(l_smem, row_layout, interpret)
-        has = l_i > 0.0
-        l_safe = jnp.where(has, l_i, 1.0)
-        v_scale = load(scale_smem.at[1], row_layout, interpret)
-        if fp8_pv:  # P8 holds p * _P_SCALE
-            v_scale = v_scale * (1.0 / _P_SCALE)
-        out = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
-        store(o_stage.at[half], out.astype(o_stage.dtype), interpret)
-        if half == 0:
-            factor = load(scale_smem.at[0], row_layout, interpret)
-            empty = jnp.inf if final else -jnp.inf
-            lse_stage[...] = jnp.where(has, (m_i * factor + jnp.log2(l_safe)) * _LN2, empty)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_stage.at[half], o_ref.at[b, split, pl.ds(row_lo, BLOCK_M),
-                                                           pl.ds(half * _HALF, _HALF)])
-        if half == 0:
-            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row_lo, BLOCK_M)])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("finish"):
+            if half == 0:
+                l_smem[...] = l_i
+            else:  # the factors' writes, ordered before consumer 1's reads
+                plgpu.barrier_wait(q_bar)
+            plgpu.barrier_arrive(l_ready)
+            plgpu.barrier_wait(l_ready)
+            l_i = load(l_smem, row_layout, interpret)
+            has = l_i > 0.0
+            l_safe = jnp.where(has, l_i, 1.0)
+            v_scale = load(scale_smem.at[1], row_layout, interpret)
+            if fp8_pv:  # P8 holds p * _P_SCALE
+                v_scale = v_scale * (1.0 / _P_SCALE)
+            out = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
+            store(o_stage.at[half], out.astype(o_stage.dtype), interpret)
+            if half == 0:
+                factor = load(scale_smem.at[0], row_layout, interpret)
+                empty = jnp.inf if final else -jnp.inf
+                lse_stage[...] = jnp.where(has, (m_i * factor + jnp.log2(l_safe)) * _LN2, empty)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_stage.at[half], o_ref.at[b, split, pl.ds(row_lo, BLOCK_M),
+                                                               pl.ds(half * _HALF, _HALF)])
+            if half == 0:
+                plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row_lo, BLOCK_M)])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 0)
     def _consumer0():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         rows_iota = iota((BLOCK_M, BLOCK_KV), 0, interpret)
         cols_iota = iota((BLOCK_M, BLOCK_KV), 1, interpret)
         limit = causal_limit(kv_len, s_q, (row_lo + rows_iota) // num_heads)
@@ -437,33 +440,39 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             acc, m_i, l_i = carry
             slot = lax.rem(i, stages.shape[0])
             tile = first + i
-            plgpu.barrier_wait(k_full.at[slot])
-            s = _scores(q8_smem, stages.at[slot], interpret)
-            plgpu.barrier_arrive(k_empty.at[slot])
+            with jax.named_scope("qk"):
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(k_full.at[slot])
+                s = _scores(q8_smem, stages.at[slot], interpret)
+                plgpu.barrier_arrive(k_empty.at[slot])
             if masked:
                 s = jnp.where(tile * BLOCK_KV + cols_iota < limit, s, -jnp.inf)
-            # max over raw scores, the factor (> 0) multiplying s - max (`decode_mgpu`)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2((m_i - m_safe) * factor)
-            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                         * lax.broadcast_in_dim(factor, s.shape, [0]))
-            if fp8_pv:
-                p_op = (p * _P_SCALE).astype(jnp.float8_e4m3fn)
-            else:
-                p_op = p.astype(jnp.float16)
+            with jax.named_scope("softmax"):
+                # max over raw scores, the factor (> 0) multiplying s - max (`decode_mgpu`)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2((m_i - m_safe) * factor)
+                p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                             * lax.broadcast_in_dim(factor, s.shape, [0]))
+                if fp8_pv:
+                    p_op = (p * _P_SCALE).astype(jnp.float8_e4m3fn)
+                else:
+                    p_op = p.astype(jnp.float16)
             # V converted: consumer 1 is past its previous P V, so P and alpha are free
-            plgpu.barrier_wait(v_full)
-            p_smem[...] = p_op
-            alpha_smem[...] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_full)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if fp8_pv:  # every thread's P8 stores, before its wgmma reads them
-                warpgroup_sync(interpret)
-            acc, l_i = _pv_and(acc, p_op, p_smem, v_smem, 0, fp8_pv, l_i,
-                               lambda l: l * alpha + p.sum(axis=1), interpret)
-            plgpu.barrier_arrive(v_free)
+            with jax.named_scope("wait_v"):
+                plgpu.barrier_wait(v_full)
+            with jax.named_scope("hand_off"):
+                p_smem[...] = p_op
+                alpha_smem[...] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_full)
+            with jax.named_scope("pv"):
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if fp8_pv:  # every thread's P8 stores, before its wgmma reads them
+                    warpgroup_sync(interpret)
+                acc, l_i = _pv_and(acc, p_op, p_smem, v_smem, 0, fp8_pv, l_i,
+                                   lambda l: l * alpha + p.sum(axis=1), interpret)
+                plgpu.barrier_arrive(v_free)
             return acc, m_new, l_i
 
         carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
@@ -472,31 +481,36 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 1)
     def _consumer1():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         acc0 = in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA,
                          interpret)
 
         def step(i, acc):
             slot = lax.rem(i, stages.shape[0])
-            plgpu.barrier_wait(k_full.at[slot])
+            with jax.named_scope("wait_kv"):
+                plgpu.barrier_wait(k_full.at[slot])
 
             @pl.when(i > 0)  # consumer 0's previous P V has read V
             def _():
-                plgpu.barrier_wait(v_free)
+                with jax.named_scope("wait_free"):
+                    plgpu.barrier_wait(v_free)
 
             valid = kv_len - (first + i) * BLOCK_KV
-            if fp8_pv:
-                _transpose_v(stages, slot, v_smem, valid, interpret)
-            else:
-                _convert_v(stages, slot, v_smem, valid, interpret)
-            plgpu.commit_smem()
-            warpgroup_sync(interpret)  # every thread's V stores, before this P V reads them
-            plgpu.barrier_arrive(k_empty.at[slot])
-            plgpu.barrier_arrive(v_full)
-            plgpu.barrier_wait(p_full)
-            alpha = load(alpha_smem, row_layout, interpret)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            return _pv_and(acc, None, p_smem, v_smem, 1, fp8_pv, None, None, interpret)[0]
+            with jax.named_scope("transpose" if fp8_pv else "convert"):
+                if fp8_pv:
+                    _transpose_v(stages, slot, v_smem, valid, interpret)
+                else:
+                    _convert_v(stages, slot, v_smem, valid, interpret)
+                plgpu.commit_smem()
+                warpgroup_sync(interpret)  # every thread's V stores, before this P V reads them
+                plgpu.barrier_arrive(k_empty.at[slot])
+                plgpu.barrier_arrive(v_full)
+            with jax.named_scope("wait_p"):
+                plgpu.barrier_wait(p_full)
+                alpha = load(alpha_smem, row_layout, interpret)
+            with jax.named_scope("pv"):
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                return _pv_and(acc, None, p_smem, v_smem, 1, fp8_pv, None, None, interpret)[0]
 
         acc = lax.fori_loop(0, count, step, acc0)
 
@@ -510,12 +524,16 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,
                 num_splits: int, k_scale: jax.Array, v_scale: jax.Array,
                 v_head_dim: int = 512, partial_dtype="bfloat16", products: str = "mixed",
+                config: MgpuDecodeConfig = MgpuDecodeConfig(),
                 interpret=False) -> tuple[jax.Array, jax.Array]:
     """The pallas call on checked arguments (`api.check_decode_args` and
     `fp8_wide_supported`): o [B, S, rows, 512] and lse [B, S, rows], the contract of
     `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]. products: "mixed" (q as two
     e4m3 parts, P f16: the bf16 kernels' error) or "fp8" (q and P rounded once to e4m3, both
-    products on fp8 `wgmma`s; `DecodeKernelConfig.fp8_products`)."""
+    products on fp8 `wgmma`s; `DecodeKernelConfig.fp8_products`). config: the warpgroups'
+    registers and the in-kernel profiler (`MgpuDecodeConfig`; phases prepare_q, copy,
+    wait_free on the producer, qk, wait_kv, softmax, wait_v, hand_off, pv, finish on consumer
+    0, wait_kv, wait_free, convert or transpose, wait_p, pv, finish on consumer 1)."""
     if products not in FP8_PRODUCTS:
         raise ValueError(f"products must be one of {FP8_PRODUCTS}, got {products!r}")
     fp8_pv = products == "fp8"
@@ -559,7 +577,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     kernel = functools.partial(
         _kernel, form=kv.form, entries_per_seq=kv.entries_per_seq, page_size=kv.page_size,
         num_splits=num_splits, s_q=s_q, num_heads=h, sm_scale=float(sm_scale), final=final,
-        products=products, interpret=interpret)
+        products=products, cfg=config, interpret=interpret)
     n_io = len(meta) + 7  # meta, table, q, k_scale, v_scale, pool; o, lse
     call = plgpu.kernel(
         lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
@@ -570,7 +588,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         grid_names=("blk",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=compiler_params(),
+        compiler_params=compiler_params(config.profile_space, config.profile_dir),
         interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_fp8w{'a' if fp8_pv else ''}_ps{kv.page_size}",
     )
