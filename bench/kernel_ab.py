@@ -7,6 +7,8 @@ change is measured against a baseline of the same run (same machine state, same 
         --cases h128_b128_ctx16k_p64,h128_b32_ctx4k_p1
 
     python -m bench.kernel_ab --base-file base.py --label e75e8f7 --kv-dtype fp8   # no git
+    python -m bench.kernel_ab --rev main --module funcmla.attention.pallas.decode_mgpu_fp8_wide \
+        --kv-dtype fp8 --fp8-products fp8 --cases h128_b32_ctx4k_p64,h128_b128_ctx16k_p64
     python -m bench.kernel_ab --rev main --module funcmla.attention.pallas.prefill_mgpu \
         --cases prefill_h16_16x1k,prefill_h128_16x1k                         # MHA prefill
 
@@ -147,7 +149,7 @@ def decode_runner(args, h: int, b: int, ctx: int, page: int):
     from . import decode_case
     from .decode_fp8 import KV_SCALE
 
-    config = DecodeKernelConfig(kernel=args.kernel)
+    config = DecodeKernelConfig(kernel=args.kernel, fp8_products=args.fp8_products)
     kv_scale = KV_SCALE if args.kv_dtype == "fp8" else None
 
     def run(variant: str):
@@ -198,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--module", default="funcmla.attention.pallas.decode_mgpu_fp8")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--kernel", choices=("auto", "mgpu", "triton"), default="mgpu")
+    ap.add_argument("--fp8-products", choices=("mixed", "fp8"), default="mixed",
+                    help="DecodeKernelConfig.fp8_products of the fp8 decode cases")
     ap.add_argument("--cases", default=None,
                     help="comma-separated h<H>_b<B>_ctx<k>k_p<page> (decode modules) or "
                          "prefill_h<H>_<requests>x<k>k (the prefill kernel's module)")
@@ -244,7 +248,8 @@ def main(argv=None) -> int:
                 ["case", "kernel", label, "tree", "tree / rev", "tree err"], table)
     path = write_json(os.path.join(args.out, "kernel_ab.json"), dict(
         info=dict(environment(), module=args.module, rev=label, kv_dtype=args.kv_dtype,
-                  kernel=args.kernel, rounds=args.rounds, reps=args.reps),
+                  kernel=args.kernel, fp8_products=args.fp8_products, rounds=args.rounds,
+                  reps=args.reps),
         cases=rows))
     log(f"wrote {path}")
     return 0
