@@ -24,6 +24,7 @@ from funcmla.config import MLADims
 from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
 from funcmla.layout import PageTable
 from tests.pools import attention_oracle_f64, rel_err
+from tests.trace_checks import assert_profiled_like_plain
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Triton.*:DeprecationWarning")
 
@@ -536,8 +537,6 @@ def test_gpu_fp8_profile_names_every_phase(tmp_path, kernel, heads, products, ph
     """`MgpuDecodeConfig.profile_space` reaches both fp8 Mosaic GPU kernels: Mosaic GPU's
     per-warpgroup trace holds the kernel's named phases, and the output is the same bits as
     without the profiler."""
-    import json
-
     from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
 
     rng = np.random.default_rng(7)
@@ -552,15 +551,9 @@ def test_gpu_fp8_profile_names_every_phase(tmp_path, kernel, heads, products, ph
             q, pool, kv, sm_scale=SCALE, s_q=1, num_splits=1, k_scale=one, v_scale=one,
             config=config, **extra))(p["q"], p["pool"])
 
-    profiled = call(MgpuDecodeConfig(profile_space=64, profile_dir=str(tmp_path)))
-    plain = call(MgpuDecodeConfig())
-    jax.effects_barrier()
-    np.testing.assert_array_equal(np.asarray(profiled[0], np.float32),
-                                  np.asarray(plain[0], np.float32))
-    traces = list(tmp_path.glob("*.json"))
-    assert traces, "no trace written"
-    names = {e["name"] for e in json.load(open(traces[0]))["traceEvents"]}
-    assert phases <= names, phases - names
+    assert_profiled_like_plain(
+        call(MgpuDecodeConfig(profile_space=64, profile_dir=str(tmp_path))),
+        call(MgpuDecodeConfig()), tmp_path, phases)
 
 
 def _query_rows_far_above_f16_range(heads, interpret):

@@ -31,6 +31,7 @@ from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_fro
 from funcmla.attention.pallas.mgpu_ops import interpreter_unsupported, mgpu_params, xla_cpu_threads
 from funcmla.layout import PageTable
 from tests.test_pallas_decode import SCALE, check, make_problem, reference
+from tests.trace_checks import assert_profiled_like_plain
 
 
 def kv_rows(p, page_size):
@@ -212,8 +213,6 @@ def test_gpu_matches_reference(heads, s_q, page_size, lens, max_pages, splits):
 def test_gpu_profile_names_every_phase(tmp_path):
     """`MgpuDecodeConfig.profile_space` writes Mosaic GPU's per-warpgroup trace, with the
     kernel's named phases, and leaves the output as it is without the profiler."""
-    import json
-
     rng = np.random.default_rng(2)
     p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=64, lens=[300, 130], max_pages=5)
     kv = kv_rows(p, 64)
@@ -222,13 +221,8 @@ def test_gpu_profile_names_every_phase(tmp_path):
         q, pool, kv, sm_scale=SCALE, s_q=1, num_splits=1, config=cfg))(p["q"], p["pool"])
     plain = jax.jit(lambda q, pool: mla_decode_rows_mgpu(
         q, pool, kv, sm_scale=SCALE, s_q=1, num_splits=1))(p["q"], p["pool"])
-    jax.effects_barrier()
-    np.testing.assert_array_equal(np.asarray(profiled[0], np.float32),
-                                  np.asarray(plain[0], np.float32))
-    traces = list(tmp_path.glob("*.json"))
-    assert traces, "no trace written"
-    names = {e["name"] for e in json.load(open(traces[0]))["traceEvents"]}
-    assert {"qk", "wait_kv", "softmax", "hand_off", "pv", "wait_p", "finish"} <= names
+    assert_profiled_like_plain(profiled, plain, tmp_path,
+                               {"qk", "wait_kv", "softmax", "hand_off", "pv", "wait_p", "finish"})
 
 
 @pytest.mark.slow  # interpreter runs behind the dispatcher

@@ -26,6 +26,7 @@ from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, 
 from funcmla.attention.pallas.prefill import _mha_prefill
 from funcmla.attention.pallas.prefill_mgpu import tile_schedule
 from funcmla.attention.reference import mha_attention_reference
+from tests.trace_checks import assert_profiled_like_plain
 
 SCALE = 0.135234
 
@@ -321,21 +322,13 @@ def test_gpu_profile_names_every_phase(tmp_path):
     are without the profiler."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
-    import json
-
     from bench.kernel_trace import summarize
 
     q, k, v, qo, kv = make(np.random.default_rng(3), 16, [300, 129], [1000, 129])
     cfg = MgpuPrefillConfig(profile_space=64, profile_dir=str(tmp_path))
     profiled = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=cfg)
     plain = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True)
-    jax.effects_barrier()
-    for a, b in zip(profiled, plain):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    traces = list(tmp_path.glob("*.json"))
-    assert traces, "no trace written"
-    events = json.load(open(traces[0]))["traceEvents"]
-    summary = summarize(events)
+    summary = summarize(assert_profiled_like_plain(profiled, plain, tmp_path, set()))
     names = set(summary["warpgroups"][0]["phases"]) | set(summary["warpgroups"][2]["phases"])
     assert {"wait_q", "wait_k", "qk", "softmax", "wait_v", "turn", "pv", "finish",
             "store_wait", "copy_q", "copy"} <= names
