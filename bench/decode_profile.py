@@ -22,7 +22,6 @@ the traces under out/decode_profile/.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 
@@ -38,7 +37,7 @@ from funcmla.attention.pallas.mgpu_kv_copy import BLOCK_KV
 from .decode_data import D, DV, SM_SCALE, make_case
 from .decode_fp8 import KV_SCALE
 from .kernel_ab import parse_case
-from .kernel_trace import format_summary, load_events, summarize
+from .kernel_trace import format_summary, profiled_summary
 
 __all__ = ["KERNELS", "max_profiled_tiles", "profile_splits", "kernel_call", "unsupported",
            "main"]
@@ -99,22 +98,20 @@ def profile_case(case: str, kernel: str, out_dir: str, clock_ghz: float) -> dict
     rule = decode_num_splits(DecodeKernelConfig(), b, h, ctx, mgpu=True)
     splits = profile_splits(rule, ctx)
     trace_dir = os.path.join(out_dir, "decode_profile", f"{case}_{kernel}")
-    os.makedirs(trace_dir, exist_ok=True)
     config = MgpuDecodeConfig(profile_space=MAX_PROFILE_SPACE, profile_dir=trace_dir)
     if fp8:
         scale = jnp.full((1,), KV_SCALE, jnp.float32)
         extra = dict(extra, k_scale=scale, v_scale=scale)
     fn = jax.jit(lambda q, pool: module.decode_call(
         q, pool, kv, sm_scale=SM_SCALE, s_q=1, num_splits=splits, config=config, **extra))
-    jax.block_until_ready(fn(qs[0], pools[0]))
-    jax.effects_barrier()
-    traces = sorted(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
-    if not traces:
+    profiled = profiled_summary(lambda: jax.block_until_ready(fn(qs[0], pools[0])), trace_dir,
+                                clock_ghz=clock_ghz)
+    if profiled is None:
         raise RuntimeError(f"{case} {kernel}: no trace written under {trace_dir}")
-    summary = summarize(load_events(traces[-1]), warpgroups=3, clock_ghz=clock_ghz)
+    summary, trace = profiled
     tiles = -(-ctx // BLOCK_KV) / splits
     return dict(case=case, kernel=kernel, module=module.__name__.rsplit(".", 1)[1],
-                num_splits=splits, rule_splits=rule, tiles_per_block=tiles, trace=traces[-1],
+                num_splits=splits, rule_splits=rule, tiles_per_block=tiles, trace=trace,
                 **summary)
 
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import itertools
 import json
+import os
 import statistics
 
-__all__ = ["summarize", "format_summary", "load_events"]
+__all__ = ["summarize", "format_summary", "load_events", "profiled_summary"]
 
 
 def load_events(path: str) -> list[dict]:
@@ -105,6 +107,23 @@ def summarize(events: list[dict], *, warpgroups: int = 3, clock_ghz: float = 1.7
                        for name, v in sorted(phase[wg].items(), key=lambda kv: -sum(kv[1]))},
         }
     return out
+
+
+def profiled_summary(call, trace_dir: str, *, warpgroups: int = 3,
+                     clock_ghz: float = 1.755) -> tuple[dict, str] | None:
+    """Runs `call()` (a kernel call compiled with `profile_dir=trace_dir`, blocking) and
+    returns (`summarize` of the trace it wrote, the trace's path), or None if it wrote none.
+    The profiler writes its trace from a host callback: `jax.effects_barrier()` waits for it."""
+    import jax
+
+    os.makedirs(trace_dir, exist_ok=True)
+    call()
+    jax.effects_barrier()
+    traces = sorted(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
+    if not traces:
+        return None
+    return (summarize(load_events(traces[-1]), warpgroups=warpgroups, clock_ghz=clock_ghz),
+            traces[-1])
 
 
 def format_summary(s: dict) -> str:

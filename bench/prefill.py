@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import os
 import statistics
 import sys
@@ -57,7 +56,7 @@ from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, 
 from funcmla.attention.reference import mha_attention_reference
 from funcmla.config import MLADims
 
-from .kernel_trace import format_summary, load_events, summarize
+from .kernel_trace import format_summary, profiled_summary
 from .timing import device_kernel_times, environment, torch_host_us, torch_queued_us, write_json
 
 SM_SCALE = MLADims().sm_scale
@@ -389,17 +388,14 @@ def profile_rows(args) -> list[dict]:
             except ValueError as e:
                 log(f"   {name} {cfg_name(cfg)}: not profiled ({e})")
                 continue
-            os.makedirs(trace_dir, exist_ok=True)
             f = jax.jit(lambda q_, k_, v_, c=pcfg: mha_prefill(
                 q_, k_, v_, qo, kv, sm_scale=SM_SCALE, causal=causal, config=c))
-            jax.block_until_ready(f(q, k, v))
-            jax.effects_barrier()
-            traces = sorted(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
-            if not traces:
+            profiled = profiled_summary(lambda: jax.block_until_ready(f(q, k, v)), trace_dir,
+                                        clock_ghz=args.clock_ghz)
+            if profiled is None:
                 log(f"   {name} {cfg_name(cfg)}: no trace written")
                 continue
-            summary = summarize(load_events(traces[-1]), warpgroups=3,
-                                clock_ghz=args.clock_ghz)
+            summary = profiled[0]
             log(f"{name} {cfg_name(cfg)}:\n{format_summary(summary)}")
             rows.append(dict(group="profile", case=name, config=cfg_name(cfg), **summary))
     return rows

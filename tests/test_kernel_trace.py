@@ -80,3 +80,22 @@ def test_phases_spans_and_gaps_of_a_known_schedule():
     assert s["sm_busy_fraction"] == pytest.approx((busy0 + busy1) / 2)
     text = format_summary(s)
     assert "3 blocks on 2 SMs" in text and "wg0" in text and "qk 1000" in text
+
+
+def test_profiled_summary_reads_the_trace_the_call_wrote(tmp_path):
+    """The newest trace under the directory after the call, summarized; None without one (the
+    directory is made first, as the profiler needs it)."""
+    from bench.kernel_trace import profiled_summary
+
+    trace_dir = tmp_path / "traces"
+    assert profiled_summary(lambda: None, str(trace_dir)) is None
+    assert trace_dir.is_dir()
+
+    def write():
+        with open(trace_dir / "call-trace.json", "w") as f:
+            json.dump({"traceEvents": dumped([block(0, 0, 3), block(1, 0, 3)])}, f)
+
+    summary, path = profiled_summary(write, str(trace_dir), clock_ghz=GHZ)
+    assert path == str(trace_dir / "call-trace.json")
+    assert summary == summarize(dumped([block(0, 0, 3), block(1, 0, 3)]), clock_ghz=GHZ)
+    assert summary["blocks"] == 2
