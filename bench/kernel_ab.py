@@ -11,25 +11,32 @@ change is measured against a baseline of the same run (same machine state, same 
         --kv-dtype fp8 --fp8-products fp8 --cases h128_b32_ctx4k_p64,h128_b128_ctx16k_p64
     python -m bench.kernel_ab --rev main --module funcmla.attention.pallas.prefill_mgpu \
         --cases prefill_h16_16x1k,prefill_h128_16x1k                         # MHA prefill
+    python -m bench.kernel_ab --set _PROMOTE=576 --module \
+        funcmla.attention.pallas.decode_mgpu_fp8_wide --cases h128_b32_ctx4k_p64  # a knob
 
 Only the named module comes from REV: its source (`git show REV:path`, or the file given by
 `--base-file` where the checkout has no git history, as on a copy of the working tree) is
-imported under
-another name, and what it imports resolves to the working tree. Its public names (`__all__`)
-replace the live module's, and those of every funcmla module that imported them by name, for
-REV's rounds. jax's caches are cleared at every switch (`mla_decode` is jitted: a cached
-program would run the other kernel). A decode case runs through `mla_decode` with
+imported under another name, and what it imports resolves to the working tree. Its public
+names (`__all__`) replace the live module's, and those of every funcmla module that imported
+them by name, for REV's rounds. `--set NAME=VALUE` (repeatable) instead rebinds a module-level
+constant of the live module (a Python literal) for the working tree's rounds, against the
+module as it is (or against REV when given too): a knob the module's functions read at trace
+time, with no second copy of the source; a module that imported the constant by name keeps its
+own binding. jax's caches are cleared at every switch (`mla_decode` is jitted: a cached program
+would run the other kernel). A decode case runs through `mla_decode` with
 `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span per
 call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
 dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
 equal length through `mha_prefill` with the default config, timed and checked as
-`bench.prefill` does (device span per call; error against float32 on two heads). Writes out/kernel_ab.json: per case and variant the time of every
-round, their median, and the working tree's median over REV's.
+`bench.prefill` does (device span per call; error against float32 on two heads). Writes
+out/kernel_ab.json: per case and variant the time of every round, their median, and the
+working tree's median over the baseline's.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import os
@@ -39,8 +46,8 @@ import subprocess
 import sys
 import types
 
-__all__ = ["module_at_revision", "module_from_file", "swapped", "parse_case",
-           "parse_prefill_case", "main"]
+__all__ = ["module_at_revision", "module_from_file", "swapped", "parse_setting",
+           "settings_applied", "parse_case", "parse_prefill_case", "main"]
 
 _CASE = re.compile(r"h(\d+)_b(\d+)_ctx(\d+)k_p(\d+)")
 _PREFILL_CASE = re.compile(r"prefill_h(\d+)_(\d+)x(\d+)k")
@@ -139,6 +146,41 @@ def swapped(live: types.ModuleType, base: types.ModuleType):
         jax.clear_caches()
 
 
+def parse_setting(text: str) -> tuple[str, object]:
+    """(name, value) of a --set argument NAME=VALUE, VALUE a Python literal (`576`,
+    `(1, 3)`, `'x'`). Raises ValueError naming the argument if it is not of that form."""
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep or not name.isidentifier():
+        raise ValueError(f"--set {text!r}: expected NAME=VALUE, e.g. _PROMOTE=576")
+    try:
+        return name, ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--set {text!r}: VALUE must be a Python literal ({e})") from None
+
+
+@contextlib.contextmanager
+def settings_applied(live: types.ModuleType, settings: list[tuple[str, object]]):
+    """Within the block, each (name, value) of `settings` is bound in `live` (a name it must
+    already have: ValueError naming it otherwise, before anything changes); restored on exit,
+    jax's caches cleared on entry and exit."""
+    import jax
+
+    missing = [n for n, _ in settings if not hasattr(live, n)]
+    if missing:
+        raise ValueError(f"--set: {live.__name__} has no {', '.join(missing)}")
+    saved = [(n, getattr(live, n)) for n, _ in settings]
+    jax.clear_caches()
+    try:
+        for n, v in settings:
+            setattr(live, n, v)
+        yield
+    finally:
+        for n, v in saved:
+            setattr(live, n, v)
+        jax.clear_caches()
+
+
 def decode_runner(args, h: int, b: int, ctx: int, page: int):
     """A decode case through `mla_decode` (`bench_case`, traced afresh each round):
     (variant) -> (us, rel_err, kernel)."""
@@ -192,9 +234,12 @@ def prefill_runner(args, h: int, n: int, length: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--rev", help="git revision of the baseline module")
     src.add_argument("--base-file", help="a file holding the baseline module's source")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a module constant rebound for the working tree's rounds (repeatable); "
+                         "without --rev / --base-file the baseline is the module as it is")
     ap.add_argument("--label", default=None,
                     help="the baseline's name in the report (default: --rev or the file)")
     ap.add_argument("--module", default="funcmla.attention.pallas.decode_mgpu_fp8")
@@ -209,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="out/")
     args = ap.parse_args(argv)
+    if not (args.rev or args.base_file or args.set):
+        ap.error("one of --rev, --base-file or --set is required")
+    settings = [parse_setting(t) for t in args.set]
     is_prefill = args.module == PREFILL_MODULE
     names = (args.cases or DEFAULT_CASES["prefill" if is_prefill else args.kv_dtype]).split(",")
     if is_prefill:
@@ -222,9 +270,12 @@ def main(argv=None) -> int:
     from .timing import environment, print_table, write_json
 
     live = importlib.import_module(args.module)
-    label = args.label or args.rev or args.base_file
+    label = args.label or args.rev or args.base_file or "as is"
     base = (module_at_revision(args.module, args.rev) if args.rev
-            else module_from_file(args.module, args.base_file, label))
+            else module_from_file(args.module, args.base_file, label) if args.base_file
+            else None)
+    with settings_applied(live, settings):  # names checked before any case runs
+        pass
     rows, table = [], []
     for name, fields in cases:
         run = (prefill_runner(args, *fields.values()) if is_prefill
@@ -233,7 +284,9 @@ def main(argv=None) -> int:
         errs, kernels = {}, {}
         for _ in range(args.rounds):
             for variant in ("tree", "rev"):
-                ctxm = swapped(live, base) if variant == "rev" else contextlib.nullcontext()
+                ctxm = (settings_applied(live, settings) if variant == "tree"
+                        else swapped(live, base) if base is not None
+                        else contextlib.nullcontext())
                 with ctxm:
                     t, err, kernel = run(variant)
                 times[variant].append(t)
@@ -244,12 +297,13 @@ def main(argv=None) -> int:
                          ratio=med["tree"] / med["rev"], rel_err=errs, kernel=kernels))
         table.append([name, kernels["tree"], med["rev"], med["tree"], med["tree"] / med["rev"],
                       errs["tree"]])
-    print_table(f"{args.module}: working tree vs {label} (device us per call, medians)",
+    tree = "working tree" + (f" with {', '.join(args.set)}" if args.set else "")
+    print_table(f"{args.module}: {tree} vs {label} (device us per call, medians)",
                 ["case", "kernel", label, "tree", "tree / rev", "tree err"], table)
     path = write_json(os.path.join(args.out, "kernel_ab.json"), dict(
         info=dict(environment(), module=args.module, rev=label, kv_dtype=args.kv_dtype,
-                  kernel=args.kernel, fp8_products=args.fp8_products, rounds=args.rounds,
-                  reps=args.reps),
+                  set=args.set, kernel=args.kernel, fp8_products=args.fp8_products,
+                  rounds=args.rounds, reps=args.reps),
         cases=rows))
     log(f"wrote {path}")
     return 0

@@ -145,3 +145,62 @@ def test_swap_reaches_the_modules_that_imported_a_name(monkeypatch, tmp_path):
     (case,) = json.loads((tmp_path / "kernel_ab.json").read_text())["cases"]
     assert (case["heads"], case["requests"], case["tokens"]) == (16, 16, 1024)
     assert case["ratio"] == 1.25
+
+
+def test_parse_setting_reads_a_literal_and_names_a_bad_argument():
+    assert kernel_ab.parse_setting("_PROMOTE=576") == ("_PROMOTE", 576)
+    assert kernel_ab.parse_setting(" INT_BLOCKS = (1, 3) ") == ("INT_BLOCKS", (1, 3))
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        kernel_ab.parse_setting("_PROMOTE")
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        kernel_ab.parse_setting("1x=2")
+    with pytest.raises(ValueError, match="'_PROMOTE=big'.*Python literal"):
+        kernel_ab.parse_setting("_PROMOTE=big")
+
+
+def test_settings_applied_binds_and_restores_and_names_a_missing_constant():
+    rows = decode_mgpu_fp8.ROWS
+    with kernel_ab.settings_applied(decode_mgpu_fp8, [("ROWS", (3,))]):
+        assert decode_mgpu_fp8.ROWS == (3,)
+    assert decode_mgpu_fp8.ROWS is rows
+    with pytest.raises(RuntimeError):
+        with kernel_ab.settings_applied(decode_mgpu_fp8, [("ROWS", (3,))]):
+            raise RuntimeError("a failing case")
+    assert decode_mgpu_fp8.ROWS is rows
+    with pytest.raises(ValueError, match="decode_mgpu_fp8 has no NO_SUCH_KNOB"):
+        with kernel_ab.settings_applied(decode_mgpu_fp8, [("ROWS", (3,)),
+                                                          ("NO_SUCH_KNOB", 1)]):
+            pass
+    assert decode_mgpu_fp8.ROWS is rows  # nothing bound before the check
+
+
+def test_main_with_set_times_the_knob_against_the_module_as_it_is(monkeypatch, tmp_path):
+    """--set without a revision: the tree's rounds see the rebound constant, the baseline's
+    the module's own value; a constant the module lacks is refused before any case runs."""
+    import json
+
+    from bench import decode_case
+
+    rows = decode_mgpu_fp8.ROWS
+    seen = []
+
+    def fake_bench_case(key, h, b, ctx, page, ceiling, reps, config, **kw):
+        seen.append(decode_mgpu_fp8.ROWS)
+        return dict(time_us=9.0 if decode_mgpu_fp8.ROWS == (5,) else 10.0, rel_err=1e-3,
+                    kernel="mgpu", num_splits=1)
+
+    monkeypatch.setattr(decode_case, "bench_case", fake_bench_case)
+    assert kernel_ab.main(["--set", "ROWS=(5,)", "--cases", "h16_b32_ctx4k_p64",
+                           "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert seen == [(5,), rows, (5,), rows]
+    assert decode_mgpu_fp8.ROWS is rows
+    data = json.loads((tmp_path / "kernel_ab.json").read_text())
+    assert data["info"]["set"] == ["ROWS=(5,)"] and data["info"]["rev"] == "as is"
+    assert data["cases"][0]["ratio"] == 0.9
+    seen.clear()
+    with pytest.raises(ValueError, match="no NO_SUCH_KNOB"):
+        kernel_ab.main(["--set", "NO_SUCH_KNOB=1", "--cases", "h16_b32_ctx4k_p64",
+                        "--out", str(tmp_path)])
+    assert seen == []
+    with pytest.raises(SystemExit):
+        kernel_ab.main(["--cases", "h16_b32_ctx4k_p64", "--out", str(tmp_path)])
