@@ -13,6 +13,8 @@ change is measured against a baseline of the same run (same machine state, same 
         --cases prefill_h16_16x1k,prefill_h128_16x1k                         # MHA prefill
     python -m bench.kernel_ab --set _PROMOTE=576 --module \
         funcmla.attention.pallas.decode_mgpu_fp8_wide --cases h128_b32_ctx4k_p64  # a knob
+    python -m bench.kernel_ab --set _PROMOTE=576 --base-set _PROMOTE=192 --label p192 \
+        --module funcmla.attention.pallas.decode_mgpu_fp8_wide    # two values of a knob
 
 Only the named module comes from REV: its source (`git show REV:path`, or the file given by
 `--base-file` where the checkout has no git history, as on a copy of the working tree) is
@@ -22,8 +24,10 @@ them by name, for REV's rounds. `--set NAME=VALUE` (repeatable) instead rebinds 
 constant of the live module (a Python literal) for the working tree's rounds, against the
 module as it is (or against REV when given too): a knob the module's functions read at trace
 time, with no second copy of the source; a module that imported the constant by name keeps its
-own binding. jax's caches are cleared at every switch (`mla_decode` is jitted: a cached program
-would run the other kernel). A decode case runs through `mla_decode` with
+own binding. `--base-set NAME=VALUE` rebinds one for the baseline's rounds the same way
+(without --rev / --base-file), so two values of a knob are timed against each other. jax's
+caches are cleared at every switch (`mla_decode` is jitted: a cached program would run the
+other kernel). A decode case runs through `mla_decode` with
 `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span per
 call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
 dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
@@ -240,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a module constant rebound for the working tree's rounds (repeatable); "
                          "without --rev / --base-file the baseline is the module as it is")
+    ap.add_argument("--base-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a module constant rebound for the baseline's rounds (repeatable; "
+                         "not with --rev / --base-file)")
     ap.add_argument("--label", default=None,
                     help="the baseline's name in the report (default: --rev or the file)")
     ap.add_argument("--module", default="funcmla.attention.pallas.decode_mgpu_fp8")
@@ -254,9 +261,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="out/")
     args = ap.parse_args(argv)
-    if not (args.rev or args.base_file or args.set):
-        ap.error("one of --rev, --base-file or --set is required")
+    if not (args.rev or args.base_file or args.set or args.base_set):
+        ap.error("one of --rev, --base-file, --set or --base-set is required")
+    if args.base_set and (args.rev or args.base_file):
+        ap.error("--base-set rebinds the live module's constants: not with --rev / --base-file")
     settings = [parse_setting(t) for t in args.set]
+    base_settings = [parse_setting(t) for t in args.base_set]
     is_prefill = args.module == PREFILL_MODULE
     names = (args.cases or DEFAULT_CASES["prefill" if is_prefill else args.kv_dtype]).split(",")
     if is_prefill:
@@ -270,11 +280,12 @@ def main(argv=None) -> int:
     from .timing import environment, print_table, write_json
 
     live = importlib.import_module(args.module)
-    label = args.label or args.rev or args.base_file or "as is"
+    label = (args.label or args.rev or args.base_file
+             or (f"with {', '.join(args.base_set)}" if args.base_set else "as is"))
     base = (module_at_revision(args.module, args.rev) if args.rev
             else module_from_file(args.module, args.base_file, label) if args.base_file
             else None)
-    with settings_applied(live, settings):  # names checked before any case runs
+    with settings_applied(live, settings + base_settings):  # names checked before any case
         pass
     rows, table = [], []
     for name, fields in cases:
@@ -286,7 +297,7 @@ def main(argv=None) -> int:
             for variant in ("tree", "rev"):
                 ctxm = (settings_applied(live, settings) if variant == "tree"
                         else swapped(live, base) if base is not None
-                        else contextlib.nullcontext())
+                        else settings_applied(live, base_settings))
                 with ctxm:
                     t, err, kernel = run(variant)
                 times[variant].append(t)
@@ -302,8 +313,8 @@ def main(argv=None) -> int:
                 ["case", "kernel", label, "tree", "tree / rev", "tree err"], table)
     path = write_json(os.path.join(args.out, "kernel_ab.json"), dict(
         info=dict(environment(), module=args.module, rev=label, kv_dtype=args.kv_dtype,
-                  set=args.set, kernel=args.kernel, fp8_products=args.fp8_products,
-                  rounds=args.rounds, reps=args.reps),
+                  set=args.set, base_set=args.base_set, kernel=args.kernel,
+                  fp8_products=args.fp8_products, rounds=args.rounds, reps=args.reps),
         cases=rows))
     log(f"wrote {path}")
     return 0

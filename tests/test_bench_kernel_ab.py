@@ -176,7 +176,8 @@ def test_settings_applied_binds_and_restores_and_names_a_missing_constant():
 
 def test_main_with_set_times_the_knob_against_the_module_as_it_is(monkeypatch, tmp_path):
     """--set without a revision: the tree's rounds see the rebound constant, the baseline's
-    the module's own value; a constant the module lacks is refused before any case runs."""
+    the module's own value (or --base-set's); a constant the module lacks is refused before
+    any case runs."""
     import json
 
     from bench import decode_case
@@ -198,6 +199,17 @@ def test_main_with_set_times_the_knob_against_the_module_as_it_is(monkeypatch, t
     assert data["info"]["set"] == ["ROWS=(5,)"] and data["info"]["rev"] == "as is"
     assert data["cases"][0]["ratio"] == 0.9
     seen.clear()
+    assert kernel_ab.main(["--set", "ROWS=(5,)", "--base-set", "ROWS=(6,)", "--cases",
+                           "h16_b32_ctx4k_p64", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    assert seen == [(5,), (6,)] and decode_mgpu_fp8.ROWS is rows
+    data = json.loads((tmp_path / "kernel_ab.json").read_text())
+    assert data["info"]["rev"] == "with ROWS=(6,)" and data["info"]["base_set"] == ["ROWS=(6,)"]
+    seen.clear()
+    with pytest.raises(SystemExit):  # --base-set rebinds the live module: not with --rev
+        kernel_ab.main(["--rev", "HEAD", "--base-set", "ROWS=(6,)", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="no NO_SUCH_KNOB"):
+        kernel_ab.main(["--set", "ROWS=(5,)", "--base-set", "NO_SUCH_KNOB=1", "--cases",
+                        "h16_b32_ctx4k_p64", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="no NO_SUCH_KNOB"):
         kernel_ab.main(["--set", "NO_SUCH_KNOB=1", "--cases", "h16_b32_ctx4k_p64",
                         "--out", str(tmp_path)])
