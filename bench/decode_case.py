@@ -71,7 +71,7 @@ def bench_case(key: jax.Array, h: int, b: int, ctx: int, page_size: int, ceiling
     mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), page_size, s_q,
                      kv_dtype=pools[0].dtype)
     kernel = "mgpu" if mgpu else "triton"
-    ns = num_splits or decode_num_splits(cfg, b, rows, ctx, mgpu=mgpu)
+    ns = num_splits or decode_num_splits(cfg, b, rows, ctx, mgpu=mgpu, kv_fp8=fp8)
     t_kern = None
     if kernel_only and ns > 1:
         def parts(q, p, m):

@@ -9,6 +9,8 @@ read past a sequence's end shows up. GPU tests are marked `gpu`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,9 @@ from funcmla.attention.pallas import (DecodeKernelConfig, decode_mgpu_fp8,
                                       mla_decode)
 from funcmla.attention.reference import mla_attention_reference
 from funcmla.config import MLADims
-from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
+from funcmla.attention.pallas.decode_common import (choose_num_splits, kv_rows_from_csr,
+                                                    kv_rows_from_page_table)
+from funcmla.attention.pallas.decode_mgpu import mgpu_split_config
 from funcmla.layout import PageTable
 from tests.pools import attention_oracle_f64, rel_err
 from tests.trace_checks import assert_profiled_like_plain
@@ -193,7 +197,7 @@ def test_fp8_dispatch_runs_the_fp8_mosaic_kernel_where_it_applies(monkeypatch):
     assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1)[0] == "mgpu"
     q32 = jax.ShapeDtypeStruct((4, 32, D), jnp.bfloat16)  # 32 rows: neither fp8 kernel
     name, why = kernel_choice(DecodeKernelConfig(), q32, 64, 1, kv_dtype=FP8)
-    assert name == "triton" and "float8_e4m3fn" in why and "32 is neither one of" in why
+    assert name == "triton" and "float8_e4m3fn" in why and "32 is neither a multiple" in why
     with pytest.raises(ValueError, match="kernel='mgpu'.*float8_e4m3fn.*32"):
         kernel_choice(DecodeKernelConfig(kernel="mgpu"), q32, 64, 1, kv_dtype=FP8)
     q16 = jax.ShapeDtypeStruct((4, 16, D), jnp.bfloat16)
@@ -225,8 +229,8 @@ def test_fp8_dispatch_runs_the_fp8_mosaic_kernel_where_it_applies(monkeypatch):
 
 
 @pytest.mark.parametrize("rows,page,d,dv,qd,kd,match", [
-    (64, 64, 576, 512, jnp.bfloat16, FP8, "64 is not one of"),
-    (32, 64, 576, 512, jnp.bfloat16, FP8, "32 is not one of"),
+    (40, 64, 576, 512, jnp.bfloat16, FP8, "40 is not a multiple of 16"),
+    (8, 64, 576, 512, jnp.bfloat16, FP8, "8 is not a multiple of 16"),
     (16, 64, 576, 512, jnp.bfloat16, jnp.float8_e4m3fnuz, "float8_e4m3fnuz"),
     (16, 64, 576, 512, jnp.float32, FP8, "float32"),
     (16, 64, 320, 256, jnp.bfloat16, FP8, "head dims"),
@@ -260,7 +264,9 @@ def test_fp8_wide_mosaic_kernel_names_what_it_does_not_take(rows, page, d, dv, q
     ("narrow", 64, 1, 16, 1), ("narrow", 16, 1, 16, 2), ("narrow", 1, 1, 16, 2),
     ("narrow", 4, 2, 8, 1),
     # the 64-row kernel: q8 72 KB, two fp8 stages 72 KB, f16 V 64 KB, P 8 KB
-    ("wide", 64, 1, 128, 1), ("wide", 16, 1, 64, 2), ("wide", 1, 1, 128, 2), ("wide", 4, 2, 64, 1)])
+    ("wide", 64, 1, 128, 1), ("wide", 16, 1, 64, 2), ("wide", 1, 1, 128, 2), ("wide", 4, 2, 64, 1),
+    # the 16-row kernel in row groups (128 heads: 8 groups)
+    ("narrow", 64, 1, 128, 1), ("narrow", 1, 2, 24, 2)])
 def test_fp8_mosaic_kernel_lowers_for_cuda(kernel, page_size, s_q, heads, splits):
     """The compiled fp8 Mosaic GPU kernels lower for CUDA on any host: layouts, the inline
     Mosaic GPU pieces (q split, row gather, V conversion, column reductions, stores) and the
@@ -418,6 +424,52 @@ def test_interpret_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_
     _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
 
 
+@pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
+    (64, 1, 32, [70, 0, 20], 2),           # 2 row groups of 16 heads
+    pytest.param(16, 4, 16, [100, 5], 1, marks=_SLOW),  # 4 groups, one token each
+    pytest.param(1, 2, 24, [77, 3], 2, marks=_SLOW)])   # 3 groups, one straddling 2 tokens
+def test_interpret_fp8_narrow_kernel_in_row_groups(monkeypatch, page_size, s_q, heads, lens,
+                                                   num_splits):
+    """The 16-row fp8 kernel over s_q * H > 16 folded rows as row groups of 16 (the dispatch
+    allows it up to `api.FP8_NARROW_MAX_ROWS`): each group's q rows, causal limits, output rows
+    and lse land where the float64 oracle over the dequantized pool (NaN in unused rows) has
+    them, with splits, s_q 2 and 4 and a group whose rows belong to two tokens."""
+    from funcmla.attention.pallas import api
+
+    monkeypatch.setattr(api, "FP8_NARROW_MAX_ROWS", 128)
+    rows = s_q * heads
+    assert api.fp8_mgpu_kernel(rows, DecodeKernelConfig()) is decode_mgpu_fp8
+    rng = np.random.default_rng(page_size * 5 + s_q + heads)
+    p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
+    out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
+                           interpret=True)
+    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
+
+
+def test_fp8_row_groups_dispatch_and_split_rule(monkeypatch):
+    """Which fp8 kernel takes a row count, and the split rule's blocks: 16-row blocks for the
+    16-row kernel (one a group), 64-row ones for the 64-row kernel, fp8 products always on the
+    64-row kernel."""
+    from funcmla.attention.pallas import api
+
+    cfg = DecodeKernelConfig()
+    assert api.fp8_mgpu_kernel(16, cfg) is decode_mgpu_fp8
+    assert api.fp8_mgpu_kernel(128, cfg) is decode_mgpu_fp8_wide
+    assert api.fp8_mgpu_supported(32, 64, D, 512, jnp.bfloat16, FP8) is not None  # 32 > 16
+    wide = api.decode_num_splits(cfg, 8, 128, 4096, mgpu=True, kv_fp8=True)
+    monkeypatch.setattr(api, "FP8_NARROW_MAX_ROWS", 128)
+    assert api.fp8_mgpu_kernel(128, cfg) is decode_mgpu_fp8
+    assert api.fp8_mgpu_kernel(128, dataclasses.replace(cfg, fp8_products="fp8")) is (
+        decode_mgpu_fp8_wide)
+    assert api.fp8_mgpu_supported(32, 64, D, 512, jnp.bfloat16, FP8) is None
+    assert api.fp8_mgpu_supported(40, 64, D, 512, jnp.bfloat16, FP8) is not None
+    narrow = api.decode_num_splits(cfg, 8, 128, 4096, mgpu=True, kv_fp8=True)
+    # 8 sequences: 16 blocks of 64 rows want splits to fill 132 SMs; 64 blocks of 16 fewer
+    assert narrow == choose_num_splits(8, 8, 4096, mgpu_split_config(cfg), 64)
+    assert wide == choose_num_splits(8, 2, 4096, mgpu_split_config(cfg), 64)
+    assert narrow < wide
+
+
 @st.composite
 def _mosaic_fp8_cases(draw):
     """A shape either fp8 Mosaic GPU kernel takes: 16 folded rows or 64 (s_q 1, 2, 4), a page
@@ -455,7 +507,8 @@ def test_interpret_fp8_mosaic_kernels_on_drawn_shapes(case):
     pytest.param(decode_mgpu_fp8, 16, 64, 1, id="narrow-p64"),
     pytest.param(decode_mgpu_fp8_wide, 64, 64, 1, id="wide-p64"),
     pytest.param(decode_mgpu_fp8, 16, 1, 2, marks=_SLOW, id="narrow-p1-splits"),
-    pytest.param(decode_mgpu_fp8_wide, 64, 1, 2, marks=_SLOW, id="wide-p1-splits")])
+    pytest.param(decode_mgpu_fp8_wide, 64, 1, 2, marks=_SLOW, id="wide-p1-splits"),
+    pytest.param(decode_mgpu_fp8, 32, 64, 2, marks=_SLOW, id="narrow-row-groups")])
 def test_interpret_fp8_mosaic_kernel_has_no_data_race(kernel, heads, page_size, splits):
     """Mosaic GPU's interpreter with its happens-before race detector on finds no unordered
     shared-memory access in either fp8 kernel (5 tiles of 300 tokens over 2 stages: refills, the

@@ -117,23 +117,45 @@ def _check_triton_dims(d: int, v_head_dim: int) -> None:
 
 
 def decode_num_splits(config: DecodeKernelConfig, num_seqs: int, rows: int, max_kv_len: int,
-                      *, mgpu: bool) -> int:
+                      *, mgpu: bool, kv_fp8: bool = False) -> int:
     """The split rule's KV split count for `num_seqs` sequences of `rows` folded query rows
     (s_q * H) and up to `max_kv_len` tokens, for the kernel `mla_decode` runs: 64-row blocks
-    (one a sequence and split for the fp8 kernel's 16 rows; one block an SM either way) and
-    `mgpu_split_config` for the Mosaic GPU kernels, `config`'s block rows for Triton."""
+    (the 16-row fp8 kernel's blocks of 16 rows for an fp8 pool, `kv_fp8`; one block an SM
+    either way) and `mgpu_split_config` for the Mosaic GPU kernels, `config`'s block rows for
+    Triton."""
     if mgpu:
-        return choose_num_splits(num_seqs, max(1, rows // MGPU_BLOCK_M), max_kv_len,
+        block_rows = (decode_mgpu_fp8.BLOCK_ROWS
+                      if kv_fp8 and fp8_mgpu_kernel(rows, config) is decode_mgpu_fp8
+                      else MGPU_BLOCK_M)
+        return choose_num_splits(num_seqs, max(1, rows // block_rows), max_kv_len,
                                  mgpu_split_config(config), MGPU_BLOCK_M)
     block_m = config.resolved_block_m(rows)
     return choose_num_splits(num_seqs, num_row_blocks(rows, block_m), max_kv_len, config,
                              block_m)
 
 
+# The most folded query rows an fp8 pool runs on `decode_mgpu_fp8` (16-row blocks, transposed
+# products; a multiple of 16 as row groups of 16); more go to `decode_mgpu_fp8_wide` at a
+# multiple of 64. Experiment: 16 keeps 128 heads on the 64-row kernel; 128 runs them as 8 row
+# groups of the 16-row kernel (`bench.kernel_ab --module funcmla.attention.pallas.api --set
+# FP8_NARROW_MAX_ROWS=128`).
+FP8_NARROW_MAX_ROWS = 16
+
+
 def _fp8_mgpu_wide(rows: int) -> bool:
     """Whether an fp8 pool at `rows` folded query rows goes to `decode_mgpu_fp8_wide` (64-row
-    blocks, `decode_mgpu`'s products) rather than `decode_mgpu_fp8` (16 rows, transposed)."""
-    return rows % MGPU_BLOCK_M == 0
+    blocks, `decode_mgpu`'s products) rather than `decode_mgpu_fp8` (16-row blocks,
+    transposed)."""
+    return rows % MGPU_BLOCK_M == 0 and rows > FP8_NARROW_MAX_ROWS
+
+
+def fp8_mgpu_kernel(rows: int, config: DecodeKernelConfig):
+    """The fp8 Mosaic GPU kernel module for `rows` folded query rows: `decode_mgpu_fp8_wide`
+    for fp8 products or above `FP8_NARROW_MAX_ROWS` at a multiple of 64, else
+    `decode_mgpu_fp8`."""
+    if config.fp8_products == "fp8" or _fp8_mgpu_wide(rows):
+        return decode_mgpu_fp8_wide
+    return decode_mgpu_fp8
 
 
 def fp8_mgpu_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int, q_dtype,
@@ -142,9 +164,10 @@ def fp8_mgpu_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int
     if _fp8_mgpu_wide(rows):
         return decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, head_dim, v_head_dim,
                                                        q_dtype, kv_dtype)
-    if rows not in decode_mgpu_fp8.ROWS:
-        return (f"folded rows s_q*H = {rows} is neither one of {decode_mgpu_fp8.ROWS} nor a "
-                f"multiple of {MGPU_BLOCK_M}")
+    if rows % decode_mgpu_fp8.BLOCK_ROWS or rows > FP8_NARROW_MAX_ROWS:
+        return (f"folded rows s_q*H = {rows} is neither a multiple of "
+                f"{decode_mgpu_fp8.BLOCK_ROWS} up to {FP8_NARROW_MAX_ROWS} nor a multiple of "
+                f"{MGPU_BLOCK_M}")
     return decode_mgpu_fp8.fp8_narrow_supported(rows, page_size, head_dim, v_head_dim,
                                                 q_dtype, kv_dtype)
 
@@ -195,7 +218,7 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     if backend != "gpu":
         return "triton", f"JAX's default backend is {backend}, not a GPU (no GPU backend)"
     seqs = q.shape[0] // s_q
-    if fp8 and rows % MGPU_BLOCK_M:
+    if fp8 and not _fp8_mgpu_wide(rows):
         if seqs < config.fp8_mgpu_min_seqs:
             return "triton", (f"fp8 pool: {seqs} sequences < fp8_mgpu_min_seqs = "
                               f"{config.fp8_mgpu_min_seqs}")
@@ -216,7 +239,7 @@ def _fp8_products_choice(config: DecodeKernelConfig, rows: int, page_size: int, 
     why = None
     if config.kernel == "triton":
         why = "kernel='triton' has no fp8 products"
-    elif not _fp8_mgpu_wide(rows):
+    elif rows % MGPU_BLOCK_M:
         why = f"folded rows s_q*H = {rows} is not a multiple of {MGPU_BLOCK_M}"
     else:
         why = decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, q.shape[2], v_head_dim,
@@ -328,8 +351,9 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits,
     mgpu = uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret,
                      kv_dtype=kv_pool.dtype)
     if mgpu and scales is not None:
-        ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True)
-        kernel = decode_mgpu_fp8_wide if _fp8_mgpu_wide(rows) else decode_mgpu_fp8
+        kernel = fp8_mgpu_kernel(rows, config)
+        ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True,
+                                             kv_fp8=True)
         products = {} if kernel is decode_mgpu_fp8 else {"products": config.fp8_products}
         o, lse = kernel.decode_call(
             q, kv_pool, kv, sm_scale=sm_scale, s_q=s_q, num_splits=ns, k_scale=scales[0],

@@ -1,7 +1,9 @@
 """Absorbed MLA decode over an fp8 pool on Hopper's matrix units, for few query rows.
 
 For s_q * H = 16 folded query rows (16 heads, or 8 heads at s_q = 2), where decode is memory
-bound and fp8 halves the bytes. The products run transposed, so the narrow query side is
+bound and fp8 halves the bytes; a multiple of 16 rows runs as row groups of 16, G blocks a
+sequence and split (`BLOCK_ROWS`; `api.FP8_NARROW_MAX_ROWS` says up to which rows the dispatch
+sends an fp8 pool here). The products run transposed, so the narrow query side is
 wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
 
 * S^T = K q^T   [64 tokens, 2N]: an fp8 `wgmma` straight from the fp8 stage (K-major, A)
@@ -14,7 +16,7 @@ wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
   memory) is B. An 8-bit V could be neither operand as it is (fp8 wgmma operands must be
   K-major, and V's K is the token axis), and V never goes through shared memory as f16.
 
-One CUDA block handles one sequence and one KV split, with three warpgroups:
+One CUDA block handles 16 rows of one sequence and one KV split, with three warpgroups:
 
 * warpgroup 2 (producer): issues the first four 64-token fp8 tiles into the four landing
   stages (page >= 8: one TMA copy a tile or a page; page 1 to 4: a `cp.async` row gather),
@@ -106,9 +108,13 @@ __all__ = ["fp8_narrow_supported", "decode_call", "ROWS", "BLOCK_KV"]
 
 _LN2 = 0.6931471805599453
 
-# Folded query rows taken (wgmma N). 32 would fit the registers (O^T is 4 * N a thread) but
-# not shared memory: q and P double, 255 KB of the 227 an SM has.
+# Folded query rows a block takes (wgmma N). 32 would fit the registers (O^T is 4 * N a
+# thread) but not shared memory: q and P double, 255 KB of the 227 an SM has. A multiple of 16
+# rows runs as row groups: G = rows / 16 blocks a sequence and split, side by side in the grid
+# (g fastest), so the G blocks read each KV tile at about the same time and all but the first
+# from L2.
 ROWS = (16,)
+BLOCK_ROWS = 16
 _FP8_SWIZZLE = Q8_SWIZZLE  # bytes; 64 fp8 columns per swizzle tile (576 is 9): stages, q8
 # Columns of q k^T per fp8 accumulator: Hopper's fp8 wgmma adds into its accumulator with
 # truncated alignment (about 13-14 bits kept), so the error grows with the instructions
@@ -136,8 +142,8 @@ _RED_BYTES = 4 * 32 * 2 * 4
 def fp8_narrow_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
                          q_dtype, kv_dtype) -> str | None:
     """None when this kernel handles the shape, else the reason it does not."""
-    if rows not in ROWS:
-        return f"folded rows s_q*H = {rows} is not one of {ROWS}"
+    if rows % BLOCK_ROWS:
+        return f"folded rows s_q*H = {rows} is not a multiple of {BLOCK_ROWS}"
     return (fp8_operands_unsupported(head_dim, v_head_dim, q_dtype, kv_dtype)
             or page_size_unsupported(page_size))
 
@@ -206,18 +212,18 @@ def _fold(s2, rows: int, interpret: bool):
     return fold(s2)
 
 
-def _store_transposed(o_ref, x, b, split, interpret: bool):
-    """o_ref[b, split] = x.T: x [512, N] (WGMMA layout, rows in `latent_column` order) into
-    o_ref [B, S, N, 512] in global memory, no shared-memory staging (once a block). A thread's
-    16 rows of x are 16 contiguous latent columns (`_v_operand`), so each of its 4 query rows is
-    one 16-value vector store."""
+def _store_transposed(o_ref, x, b, split, row_lo, interpret: bool):
+    """o_ref[b, split, row_lo:row_lo + N] = x.T: x [512, N] (WGMMA layout, rows in
+    `latent_column` order) into o_ref [B, S, R, 512] in global memory, no shared-memory staging
+    (once a block). A thread's 16 rows of x are 16 contiguous latent columns (`_v_operand`), so
+    each of its 4 query rows is one 16-value vector store."""
     if interpret:
-        o_ref[b, split] = x.T
+        o_ref[b, split, pl.ds(row_lo, x.shape[1])] = x.T
         return
     splat = plgpu.Layout.WG_SPLAT(())
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), splat, splat))
-    def store(ctx, x, o, b, split):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), splat, splat, splat))
+    def store(ctx, x, o, b, split, row_lo):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -226,8 +232,9 @@ def _store_transposed(o_ref, x, b, split, interpret: bool):
         i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
         o_ty = ir.MemRefType(o.type)
         _, n_splits, n_rows, d_v = o_ty.shape
+        n_block = x.shape[1]
         itemsize = mu.bitwidth(o_ty.element_type) // 8
-        if x.registers.shape != (d_v // 64, n_rows // 8, 1, 1, 2, 1, 1, 1, 1):
+        if x.registers.shape != (d_v // 64, n_block // 8, 1, 1, 2, 1, 1, 1, 1):
             raise NotImplementedError(f"WGMMA layout registers {x.registers.shape}")
 
         def k(n, ty=i32):
@@ -240,9 +247,10 @@ def _store_transposed(o_ref, x, b, split, interpret: bool):
         blk = arith.addi(arith.muli(b.registers.item(), k(n_splits)), split.registers.item())
         gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(o))
         vec_ty = ir.VectorType.get((16,), o_ty.element_type)
-        for ng in range(n_rows // 8):
+        row0 = row_lo.registers.item()
+        for ng in range(n_block // 8):
             for e in range(2):
-                n = arith.addi(arith.shli(q4, k(1)), k(8 * ng + e))
+                n = arith.addi(arith.addi(arith.shli(q4, k(1)), k(8 * ng + e)), row0)
                 elem = arith.addi(arith.muli(arith.addi(arith.muli(blk, k(n_rows)), n),
                                              k(d_v)), col0)
                 vals = [vector.extract(x.registers[c // 2, ng, 0, 0, c % 2, 0, 0, 0, 0],
@@ -252,7 +260,7 @@ def _store_transposed(o_ref, x, b, split, interpret: bool):
                                                          k(itemsize, i64))], i8)
                 llvm.store(vector.from_elements(vec_ty, vals), dst, alignment=16)
 
-    store(x, o_ref, b, split)
+    store(x, o_ref, b, split, row_lo)
 
 
 def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_splits: int,
@@ -265,10 +273,17 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
      k_full, k_empty, handed) = scratch
 
     blk = lax.axis_index("blk")
-    split = lax.rem(blk, num_splits)
-    b = lax.div(blk, num_splits)
+    groups = s_q * num_heads // BLOCK_ROWS  # blocks of one sequence and split: g fastest
+    rows = BLOCK_ROWS
+    if groups == 1:
+        split = lax.rem(blk, num_splits)
+        b = lax.div(blk, num_splits)
+        row_lo = 0  # static: the block's rows are the sequence's
+    else:
+        row_lo = lax.rem(blk, groups) * BLOCK_ROWS
+        split = lax.rem(lax.div(blk, groups), num_splits)
+        b = lax.div(blk, groups * num_splits)
     wg = lax.axis_index("wg")
-    rows = s_q * num_heads
     d = kv_ref.shape[1]
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
 
@@ -282,7 +297,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def prepare():  # q's rows, then the registers go to the consumers
             with jax.named_scope("prepare_q"):
                 prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
-                               jnp.int32(0), sm_scale=sm_scale, interpret=interpret)
+                               jnp.int32(row_lo), sm_scale=sm_scale, interpret=interpret)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(cfg.producer_registers, action="decrease")
@@ -360,7 +375,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 if masked:  # the iotas live only here (registers)
                     tok_iota = iota((BLOCK_KV, rows), 0, interpret)
                     col_iota = iota((BLOCK_KV, rows), 1, interpret)
-                    limit = causal_limit(kv_len, s_q, col_iota // num_heads)
+                    limit = causal_limit(kv_len, s_q, (row_lo + col_iota) // num_heads)
                     s = jnp.where(tile * BLOCK_KV + tok_iota < limit, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, _col_reduce(s, "max", red.at[c], interpret))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -417,10 +432,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 fix = jnp.where(_int_block(latent_row_block(o_rows)), _INT_SCALE, 1.0)
             out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe) * fix
             empty = jnp.inf if final else -jnp.inf
-            _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, interpret)
+            _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, jnp.int32(row_lo),
+                              interpret)
             lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split])
+            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row_lo, rows)])
             plgpu.wait_smem_to_gmem(0)
 
     for c in range(_CONSUMERS):
@@ -588,7 +604,8 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     registers and the in-kernel profiler (`MgpuDecodeConfig`; phases prepare_q, copy,
     wait_free on the producer, qk, wait_kv, softmax, p_store, pv, finish on each consumer)."""
     t, h, d = q.shape
-    rows = s_q * h
+    total_rows = s_q * h
+    rows = BLOCK_ROWS  # a block's
     b = t // s_q
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
@@ -618,10 +635,10 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     n_io = len(meta) + 7  # meta, table, q, k_scale, v_scale, pool; o, lse
     call = plgpu.kernel(
         lambda *refs: kernel(*refs[:n_io], refs[n_io:]),
-        out_type=(jax.ShapeDtypeStruct((b, num_splits, rows, v_head_dim), o_dtype),
-                  jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((b, num_splits, total_rows, v_head_dim), o_dtype),
+                  jax.ShapeDtypeStruct((b, num_splits, total_rows), jnp.float32)),
         scratch_types=scratch,
-        grid=(b * num_splits,),
+        grid=(b * num_splits * (total_rows // rows),),
         grid_names=("blk",),
         num_threads=3,
         thread_name="wg",
@@ -629,5 +646,6 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         interpret=mgpu_params(interpret),
         kernel_name=f"mla_decode_mgpu_fp8_ps{kv.page_size}",
     )
-    return call(*meta, kv.table, q.reshape(b, rows, d), k_scale.reshape(1).astype(jnp.float32),
+    return call(*meta, kv.table, q.reshape(b, total_rows, d),
+                k_scale.reshape(1).astype(jnp.float32),
                 v_scale.reshape(1).astype(jnp.float32), kv_pool)
