@@ -678,6 +678,25 @@ def test_gpu_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_q, hea
     _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
+    (64, 1, 128, [130, 0, 65, 2000], None), (1, 1, 128, [130, 0, 65], 2),
+    (16, 2, 24, [200, 3, 64], 1)])
+def test_gpu_fp8_narrow_kernel_in_row_groups(monkeypatch, page_size, s_q, heads, lens,
+                                             num_splits):
+    """The compiled 16-row fp8 kernel in row groups (8 at 128 heads; 3 at 24 heads x s_q 2,
+    one straddling two tokens): each group's rows land where float64 over the dequantized pool
+    (NaN in unused rows) has them."""
+    from funcmla.attention.pallas import api
+
+    monkeypatch.setattr(api, "FP8_NARROW_MAX_ROWS", 128)
+    rng = np.random.default_rng(page_size * 3 + s_q + heads)
+    p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
+    out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
+                           interpret=False)
+    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
+
+
 def test_uint8_bytes_with_kv_dtype_equal_the_fp8_pool():
     """A uint8 pool of fp8 bytes (DLPack's zero-copy form) with kv_dtype gives the fp8 pool's
     bits (the bitcast happens inside the jit)."""
