@@ -38,11 +38,11 @@ def test_module_at_revision_is_a_separate_module_with_that_source():
 @needs_git
 def test_swapped_replaces_the_public_names_and_restores_them():
     base = kernel_ab.module_at_revision(MODULE, "HEAD")
-    live_call, live_rows = decode_mgpu_fp8.decode_call, decode_mgpu_fp8.ROWS
+    live_call, live_rows = decode_mgpu_fp8.decode_call, decode_mgpu_fp8.BLOCK_ROWS
     with kernel_ab.swapped(decode_mgpu_fp8, base) as names:
         assert "decode_call" in names
         assert decode_mgpu_fp8.decode_call is base.decode_call
-    assert decode_mgpu_fp8.decode_call is live_call and decode_mgpu_fp8.ROWS is live_rows
+    assert decode_mgpu_fp8.decode_call is live_call and decode_mgpu_fp8.BLOCK_ROWS == live_rows
     with pytest.raises(RuntimeError):
         with kernel_ab.swapped(decode_mgpu_fp8, base):
             raise RuntimeError("a failing case")
@@ -58,13 +58,13 @@ def test_module_at_an_unknown_revision_names_it():
 def test_module_from_file_loads_that_source_apart(tmp_path):
     """--base-file: the baseline from a file (a checkout without git history)."""
     path = tmp_path / "base.py"
-    path.write_text("__all__ = ['ROWS']\nROWS = (7,)\n")
+    path.write_text("__all__ = ['BLOCK_ROWS']\nBLOCK_ROWS = 7\n")
     base = kernel_ab.module_from_file(MODULE, str(path), "e75e8f7")
-    assert base.ROWS == (7,) and decode_mgpu_fp8.ROWS != (7,)
+    assert base.BLOCK_ROWS == 7 and decode_mgpu_fp8.BLOCK_ROWS != 7
     assert base.__file__ == f"e75e8f7:{path}"
     with kernel_ab.swapped(decode_mgpu_fp8, base):
-        assert decode_mgpu_fp8.ROWS == (7,)
-    assert decode_mgpu_fp8.ROWS != (7,)
+        assert decode_mgpu_fp8.BLOCK_ROWS == 7
+    assert decode_mgpu_fp8.BLOCK_ROWS != 7
     with pytest.raises(ValueError, match="no-such-file"):
         kernel_ab.module_from_file(MODULE, str(tmp_path / "no-such-file.py"), "x")
 
@@ -159,19 +159,19 @@ def test_parse_setting_reads_a_literal_and_names_a_bad_argument():
 
 
 def test_settings_applied_binds_and_restores_and_names_a_missing_constant():
-    rows = decode_mgpu_fp8.ROWS
-    with kernel_ab.settings_applied(decode_mgpu_fp8, [("ROWS", (3,))]):
-        assert decode_mgpu_fp8.ROWS == (3,)
-    assert decode_mgpu_fp8.ROWS is rows
+    rows = decode_mgpu_fp8.BLOCK_ROWS
+    with kernel_ab.settings_applied(decode_mgpu_fp8, [("BLOCK_ROWS", 3)]):
+        assert decode_mgpu_fp8.BLOCK_ROWS == 3
+    assert decode_mgpu_fp8.BLOCK_ROWS == rows
     with pytest.raises(RuntimeError):
-        with kernel_ab.settings_applied(decode_mgpu_fp8, [("ROWS", (3,))]):
+        with kernel_ab.settings_applied(decode_mgpu_fp8, [("BLOCK_ROWS", 3)]):
             raise RuntimeError("a failing case")
-    assert decode_mgpu_fp8.ROWS is rows
+    assert decode_mgpu_fp8.BLOCK_ROWS == rows
     with pytest.raises(ValueError, match="decode_mgpu_fp8 has no NO_SUCH_KNOB"):
-        with kernel_ab.settings_applied(decode_mgpu_fp8, [("ROWS", (3,)),
+        with kernel_ab.settings_applied(decode_mgpu_fp8, [("BLOCK_ROWS", 3),
                                                           ("NO_SUCH_KNOB", 1)]):
             pass
-    assert decode_mgpu_fp8.ROWS is rows  # nothing bound before the check
+    assert decode_mgpu_fp8.BLOCK_ROWS == rows  # nothing bound before the check
 
 
 def test_main_with_set_times_the_knob_against_the_module_as_it_is(monkeypatch, tmp_path):
@@ -182,33 +182,34 @@ def test_main_with_set_times_the_knob_against_the_module_as_it_is(monkeypatch, t
 
     from bench import decode_case
 
-    rows = decode_mgpu_fp8.ROWS
+    rows = decode_mgpu_fp8.BLOCK_ROWS
     seen = []
 
     def fake_bench_case(key, h, b, ctx, page, ceiling, reps, config, **kw):
-        seen.append(decode_mgpu_fp8.ROWS)
-        return dict(time_us=9.0 if decode_mgpu_fp8.ROWS == (5,) else 10.0, rel_err=1e-3,
+        seen.append(decode_mgpu_fp8.BLOCK_ROWS)
+        return dict(time_us=9.0 if decode_mgpu_fp8.BLOCK_ROWS == 5 else 10.0, rel_err=1e-3,
                     kernel="mgpu", num_splits=1)
 
     monkeypatch.setattr(decode_case, "bench_case", fake_bench_case)
-    assert kernel_ab.main(["--set", "ROWS=(5,)", "--cases", "h16_b32_ctx4k_p64",
+    assert kernel_ab.main(["--set", "BLOCK_ROWS=5", "--cases", "h16_b32_ctx4k_p64",
                            "--rounds", "2", "--out", str(tmp_path)]) == 0
-    assert seen == [(5,), rows, (5,), rows]
-    assert decode_mgpu_fp8.ROWS is rows
+    assert seen == [5, rows, 5, rows]
+    assert decode_mgpu_fp8.BLOCK_ROWS == rows
     data = json.loads((tmp_path / "kernel_ab.json").read_text())
-    assert data["info"]["set"] == ["ROWS=(5,)"] and data["info"]["rev"] == "as is"
+    assert data["info"]["set"] == ["BLOCK_ROWS=5"] and data["info"]["rev"] == "as is"
     assert data["cases"][0]["ratio"] == 0.9
     seen.clear()
-    assert kernel_ab.main(["--set", "ROWS=(5,)", "--base-set", "ROWS=(6,)", "--cases",
+    assert kernel_ab.main(["--set", "BLOCK_ROWS=5", "--base-set", "BLOCK_ROWS=6", "--cases",
                            "h16_b32_ctx4k_p64", "--rounds", "1", "--out", str(tmp_path)]) == 0
-    assert seen == [(5,), (6,)] and decode_mgpu_fp8.ROWS is rows
+    assert seen == [5, 6] and decode_mgpu_fp8.BLOCK_ROWS == rows
     data = json.loads((tmp_path / "kernel_ab.json").read_text())
-    assert data["info"]["rev"] == "with ROWS=(6,)" and data["info"]["base_set"] == ["ROWS=(6,)"]
+    assert data["info"]["rev"] == "with BLOCK_ROWS=6"
+    assert data["info"]["base_set"] == ["BLOCK_ROWS=6"]
     seen.clear()
     with pytest.raises(SystemExit):  # --base-set rebinds the live module: not with --rev
-        kernel_ab.main(["--rev", "HEAD", "--base-set", "ROWS=(6,)", "--out", str(tmp_path)])
+        kernel_ab.main(["--rev", "HEAD", "--base-set", "BLOCK_ROWS=6", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="no NO_SUCH_KNOB"):
-        kernel_ab.main(["--set", "ROWS=(5,)", "--base-set", "NO_SUCH_KNOB=1", "--cases",
+        kernel_ab.main(["--set", "BLOCK_ROWS=5", "--base-set", "NO_SUCH_KNOB=1", "--cases",
                         "h16_b32_ctx4k_p64", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="no NO_SUCH_KNOB"):
         kernel_ab.main(["--set", "NO_SUCH_KNOB=1", "--cases", "h16_b32_ctx4k_p64",

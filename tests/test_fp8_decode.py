@@ -195,11 +195,14 @@ def test_fp8_dispatch_runs_the_fp8_mosaic_kernel_where_it_applies(monkeypatch):
     q = jax.ShapeDtypeStruct((4, 128, D), jnp.bfloat16)  # 128 folded rows: the wide kernel
     assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1, kv_dtype=FP8)[0] == "mgpu"
     assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q, 64, 1)[0] == "mgpu"
-    q32 = jax.ShapeDtypeStruct((4, 32, D), jnp.bfloat16)  # 32 rows: neither fp8 kernel
-    name, why = kernel_choice(DecodeKernelConfig(), q32, 64, 1, kv_dtype=FP8)
-    assert name == "triton" and "float8_e4m3fn" in why and "32 is neither a multiple" in why
-    with pytest.raises(ValueError, match="kernel='mgpu'.*float8_e4m3fn.*32"):
-        kernel_choice(DecodeKernelConfig(kernel="mgpu"), q32, 64, 1, kv_dtype=FP8)
+    q40 = jax.ShapeDtypeStruct((4, 40, D), jnp.bfloat16)  # 40 rows: neither fp8 kernel
+    name, why = kernel_choice(DecodeKernelConfig(), q40, 64, 1, kv_dtype=FP8)
+    assert name == "triton" and "float8_e4m3fn" in why and "40 is not a multiple of 16" in why
+    with pytest.raises(ValueError, match="kernel='mgpu'.*float8_e4m3fn.*40"):
+        kernel_choice(DecodeKernelConfig(kernel="mgpu"), q40, 64, 1, kv_dtype=FP8)
+    q32 = jax.ShapeDtypeStruct((4, 32, D), jnp.bfloat16)  # 32 rows: 2 row groups of 16
+    assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q32, 64, 1, kv_dtype=FP8)[0] == (
+        "mgpu")
     q16 = jax.ShapeDtypeStruct((4, 16, D), jnp.bfloat16)
     assert kernel_choice(DecodeKernelConfig(kernel="mgpu"), q16, 1, 1, kv_dtype=FP8)[0] == "mgpu"
     q8 = jax.ShapeDtypeStruct((4, 8, D), jnp.bfloat16)  # s_q 2 x 8 heads = 16 rows
@@ -265,8 +268,8 @@ def test_fp8_wide_mosaic_kernel_names_what_it_does_not_take(rows, page, d, dv, q
     ("narrow", 4, 2, 8, 1),
     # the 64-row kernel: q8 72 KB, two fp8 stages 72 KB, f16 V 64 KB, P 8 KB
     ("wide", 64, 1, 128, 1), ("wide", 16, 1, 64, 2), ("wide", 1, 1, 128, 2), ("wide", 4, 2, 64, 1),
-    # the 16-row kernel in row groups (128 heads: 8 groups)
-    ("narrow", 64, 1, 128, 1), ("narrow", 1, 2, 24, 2)])
+    # the 16-row kernel in row groups (32 heads: 2 groups; 24 heads x s_q 2: 3)
+    ("narrow", 64, 1, 32, 1), ("narrow", 1, 2, 24, 2)])
 def test_fp8_mosaic_kernel_lowers_for_cuda(kernel, page_size, s_q, heads, splits):
     """The compiled fp8 Mosaic GPU kernels lower for CUDA on any host: layouts, the inline
     Mosaic GPU pieces (q split, row gather, V conversion, column reductions, stores) and the
@@ -425,20 +428,17 @@ def test_interpret_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_
 
 
 @pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
-    (64, 1, 32, [70, 0, 20], 2),           # 2 row groups of 16 heads
-    pytest.param(16, 4, 16, [100, 5], 1, marks=_SLOW),  # 4 groups, one token each
+    (64, 1, 32, [70, 0, 20], 2),           # 2 row groups of 16 heads (32 heads: TP 4)
+    pytest.param(16, 2, 16, [100, 5], 1, marks=_SLOW),  # 2 groups, one token each
     pytest.param(1, 2, 24, [77, 3], 2, marks=_SLOW)])   # 3 groups, one straddling 2 tokens
-def test_interpret_fp8_narrow_kernel_in_row_groups(monkeypatch, page_size, s_q, heads, lens,
-                                                   num_splits):
-    """The 16-row fp8 kernel over s_q * H > 16 folded rows as row groups of 16 (the dispatch
-    allows it up to `api.FP8_NARROW_MAX_ROWS`): each group's q rows, causal limits, output rows
-    and lse land where the float64 oracle over the dequantized pool (NaN in unused rows) has
-    them, with splits, s_q 2 and 4 and a group whose rows belong to two tokens."""
+def test_interpret_fp8_narrow_kernel_in_row_groups(page_size, s_q, heads, lens, num_splits):
+    """The 16-row fp8 kernel over a multiple of 16 folded rows that is not one of 64, as row
+    groups of 16: each group's q rows, causal limits, output rows and lse land where the
+    float64 oracle over the dequantized pool (NaN in unused rows) has them, with splits, s_q 2
+    and a group whose rows belong to two tokens."""
     from funcmla.attention.pallas import api
 
-    monkeypatch.setattr(api, "FP8_NARROW_MAX_ROWS", 128)
-    rows = s_q * heads
-    assert api.fp8_mgpu_kernel(rows, DecodeKernelConfig()) is decode_mgpu_fp8
+    assert api.fp8_mgpu_kernel(s_q * heads, DecodeKernelConfig()) is decode_mgpu_fp8
     rng = np.random.default_rng(page_size * 5 + s_q + heads)
     p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
     out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
@@ -446,28 +446,27 @@ def test_interpret_fp8_narrow_kernel_in_row_groups(monkeypatch, page_size, s_q, 
     _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
 
 
-def test_fp8_row_groups_dispatch_and_split_rule(monkeypatch):
-    """Which fp8 kernel takes a row count, and the split rule's blocks: 16-row blocks for the
-    16-row kernel (one a group), 64-row ones for the 64-row kernel, fp8 products always on the
-    64-row kernel."""
+def test_fp8_row_groups_dispatch_and_split_rule():
+    """Which fp8 kernel takes a row count, and the split rule's blocks: multiples of 64 on the
+    64-row kernel (fp8 products always there), other multiples of 16 on the 16-row kernel in
+    row groups (one block a group), the rest nowhere."""
     from funcmla.attention.pallas import api
 
     cfg = DecodeKernelConfig()
-    assert api.fp8_mgpu_kernel(16, cfg) is decode_mgpu_fp8
-    assert api.fp8_mgpu_kernel(128, cfg) is decode_mgpu_fp8_wide
-    assert api.fp8_mgpu_supported(32, 64, D, 512, jnp.bfloat16, FP8) is not None  # 32 > 16
-    wide = api.decode_num_splits(cfg, 8, 128, 4096, mgpu=True, kv_fp8=True)
-    monkeypatch.setattr(api, "FP8_NARROW_MAX_ROWS", 128)
-    assert api.fp8_mgpu_kernel(128, cfg) is decode_mgpu_fp8
-    assert api.fp8_mgpu_kernel(128, dataclasses.replace(cfg, fp8_products="fp8")) is (
+    for rows in (16, 32, 48, 96):
+        assert api.fp8_mgpu_kernel(rows, cfg) is decode_mgpu_fp8, rows
+        assert api.fp8_mgpu_supported(rows, 64, D, 512, jnp.bfloat16, FP8) is None
+    for rows in (64, 128):
+        assert api.fp8_mgpu_kernel(rows, cfg) is decode_mgpu_fp8_wide, rows
+    assert api.fp8_mgpu_kernel(32, dataclasses.replace(cfg, fp8_products="fp8")) is (
         decode_mgpu_fp8_wide)
-    assert api.fp8_mgpu_supported(32, 64, D, 512, jnp.bfloat16, FP8) is None
-    assert api.fp8_mgpu_supported(40, 64, D, 512, jnp.bfloat16, FP8) is not None
-    narrow = api.decode_num_splits(cfg, 8, 128, 4096, mgpu=True, kv_fp8=True)
-    # 8 sequences: 16 blocks of 64 rows want splits to fill 132 SMs; 64 blocks of 16 fewer
-    assert narrow == choose_num_splits(8, 8, 4096, mgpu_split_config(cfg), 64)
-    assert wide == choose_num_splits(8, 2, 4096, mgpu_split_config(cfg), 64)
-    assert narrow < wide
+    assert "40 is not a multiple of 16" in api.fp8_mgpu_supported(40, 64, D, 512,
+                                                                  jnp.bfloat16, FP8)
+    # 8 sequences of 32 rows: 16 blocks of 16 rows; of 128 rows: 16 blocks of 64 rows
+    assert api.decode_num_splits(cfg, 8, 32, 4096, mgpu=True, kv_fp8=True) == (
+        choose_num_splits(8, 2, 4096, mgpu_split_config(cfg), 64))
+    assert api.decode_num_splits(cfg, 8, 128, 4096, mgpu=True, kv_fp8=True) == (
+        choose_num_splits(8, 2, 4096, mgpu_split_config(cfg), 64))
 
 
 @st.composite
@@ -680,16 +679,12 @@ def test_gpu_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_q, hea
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
-    (64, 1, 128, [130, 0, 65, 2000], None), (1, 1, 128, [130, 0, 65], 2),
+    (64, 1, 32, [130, 0, 65, 2000], None), (1, 1, 32, [130, 0, 65], 2),
     (16, 2, 24, [200, 3, 64], 1)])
-def test_gpu_fp8_narrow_kernel_in_row_groups(monkeypatch, page_size, s_q, heads, lens,
-                                             num_splits):
-    """The compiled 16-row fp8 kernel in row groups (8 at 128 heads; 3 at 24 heads x s_q 2,
+def test_gpu_fp8_narrow_kernel_in_row_groups(page_size, s_q, heads, lens, num_splits):
+    """The compiled 16-row fp8 kernel in row groups (2 at 32 heads; 3 at 24 heads x s_q 2,
     one straddling two tokens): each group's rows land where float64 over the dequantized pool
     (NaN in unused rows) has them."""
-    from funcmla.attention.pallas import api
-
-    monkeypatch.setattr(api, "FP8_NARROW_MAX_ROWS", 128)
     rng = np.random.default_rng(page_size * 3 + s_q + heads)
     p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
     out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,

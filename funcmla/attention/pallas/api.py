@@ -6,9 +6,9 @@ it applies and the batch fills a quarter of the GPU, else the Triton-lowered one
 the split rule's count (`decode_num_splits`) and merges the splits (`merge_splits_pallas`).
 `mla_decode_rows` and `mla_decode_rows_mgpu` run one kernel alone. An fp8 pool
 (float8_e4m3fn, with `k_scale` / `v_scale`: `funcmla.attention.kv_quant`) runs an fp8
-Mosaic GPU kernel at 16 folded rows (`decode_mgpu_fp8`) or at 64-row blocks
-(`decode_mgpu_fp8_wide`), the Triton kernel elsewhere; all read fp8 bytes (K straight into
-fp8 `wgmma`s in the Mosaic GPU kernels). `validate_decode_inputs` is
+Mosaic GPU kernel at 64-row blocks (`decode_mgpu_fp8_wide`) or at other multiples of 16
+folded rows (`decode_mgpu_fp8`, row groups of 16), the Triton kernel elsewhere; all read fp8
+bytes (K straight into fp8 `wgmma`s in the Mosaic GPU kernels). `validate_decode_inputs` is
 the eager check of index values. Why the rule picks what it does: docs/decode_kernel.md;
 reproduce with `python -m bench.decode --only "H128 B1 L4096"`.
 """
@@ -134,25 +134,19 @@ def decode_num_splits(config: DecodeKernelConfig, num_seqs: int, rows: int, max_
                              block_m)
 
 
-# The most folded query rows an fp8 pool runs on `decode_mgpu_fp8` (16-row blocks, transposed
-# products; a multiple of 16 as row groups of 16); more go to `decode_mgpu_fp8_wide` at a
-# multiple of 64. Experiment: 16 keeps 128 heads on the 64-row kernel; 128 runs them as 8 row
-# groups of the 16-row kernel (`bench.kernel_ab --module funcmla.attention.pallas.api --set
-# FP8_NARROW_MAX_ROWS=128`).
-FP8_NARROW_MAX_ROWS = 16
-
-
 def _fp8_mgpu_wide(rows: int) -> bool:
     """Whether an fp8 pool at `rows` folded query rows goes to `decode_mgpu_fp8_wide` (64-row
     blocks, `decode_mgpu`'s products) rather than `decode_mgpu_fp8` (16-row blocks,
-    transposed)."""
-    return rows % MGPU_BLOCK_M == 0 and rows > FP8_NARROW_MAX_ROWS
+    transposed; other multiples of 16 as row groups). At 128 heads the 16-row kernel's 8 row
+    groups took 1.50-1.68x the 64-row kernel's time; at 32 heads its 2 groups took 0.46-0.53x
+    Triton's, which ran them before (`bench.kernel_ab --module funcmla.attention.pallas.api`;
+    docs/decode_kernel.md, decision log)."""
+    return rows % MGPU_BLOCK_M == 0
 
 
 def fp8_mgpu_kernel(rows: int, config: DecodeKernelConfig):
     """The fp8 Mosaic GPU kernel module for `rows` folded query rows: `decode_mgpu_fp8_wide`
-    for fp8 products or above `FP8_NARROW_MAX_ROWS` at a multiple of 64, else
-    `decode_mgpu_fp8`."""
+    for fp8 products or at a multiple of 64, else `decode_mgpu_fp8`."""
     if config.fp8_products == "fp8" or _fp8_mgpu_wide(rows):
         return decode_mgpu_fp8_wide
     return decode_mgpu_fp8
@@ -164,10 +158,9 @@ def fp8_mgpu_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int
     if _fp8_mgpu_wide(rows):
         return decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, head_dim, v_head_dim,
                                                        q_dtype, kv_dtype)
-    if rows % decode_mgpu_fp8.BLOCK_ROWS or rows > FP8_NARROW_MAX_ROWS:
-        return (f"folded rows s_q*H = {rows} is neither a multiple of "
-                f"{decode_mgpu_fp8.BLOCK_ROWS} up to {FP8_NARROW_MAX_ROWS} nor a multiple of "
-                f"{MGPU_BLOCK_M}")
+    if rows % decode_mgpu_fp8.BLOCK_ROWS:
+        return (f"folded rows s_q*H = {rows} is not a multiple of "
+                f"{decode_mgpu_fp8.BLOCK_ROWS}")
     return decode_mgpu_fp8.fp8_narrow_supported(rows, page_size, head_dim, v_head_dim,
                                                 q_dtype, kv_dtype)
 
@@ -180,12 +173,13 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     kernel="mgpu" on a shape or dtype it does not take.
 
     "mgpu" is one of three Mosaic GPU kernels: `decode_mgpu` for a bf16 pool, and for an fp8
-    pool `decode_mgpu_fp8` at 16 folded rows or `decode_mgpu_fp8_wide` at a multiple of 64.
+    pool `decode_mgpu_fp8_wide` at a multiple of 64 folded rows or `decode_mgpu_fp8` at
+    another multiple of 16 (row groups of 16).
     "auto" keeps batches of fewer than `config.mgpu_min_blocks` blocks of 64 rows on Triton
     (bf16 and fp8 alike): there a Mosaic GPU block's fixed cost outweighs its matrix rate
     (`python -m bench.decode_dispatch`); at 128 heads the fp8 one takes 0.34-0.42x of the
     Triton kernel's time (`python -m bench.decode --kv-dtype fp8 --fp8-variants`). "auto" runs
-    an fp8 pool at 16 folded rows on `decode_mgpu_fp8` from `config.fp8_mgpu_min_seqs`
+    an fp8 pool on `decode_mgpu_fp8` from `config.fp8_mgpu_min_seqs`
     sequences (0.48-0.75x of the Triton kernel's time at batch 32 and 128), other fp8 shapes
     and smaller batches on Triton. `config.fp8_products="fp8"` with an fp8 pool runs
     `decode_mgpu_fp8_wide` wherever it applies (interpret mode included) and raises elsewhere:
@@ -404,8 +398,8 @@ def mla_decode(q: jax.Array, kv_pool: jax.Array, *, kv_indptr: jax.Array | None 
     k_scale, v_scale: an fp8 pool's per-layer scales (a float or a float32 array of shape
                 () or [1]; v_scale defaults to k_scale, k_scale to 1): scores use k_scale * x,
                 the output v_scale * x (`funcmla.attention.kv_quant`). An error for other
-                pools. An fp8 pool runs the Triton kernel, or the fp8 Mosaic GPU kernel
-                with config kernel="mgpu" (16 folded rows; `kernel_choice`).
+                pools. An fp8 pool runs an fp8 Mosaic GPU kernel where one takes the
+                shape, else the Triton kernel (`kernel_choice`).
     kv_dtype:   None, or "float8_e4m3fn" for a uint8 kv_pool holding fp8 bytes (the zero-copy
                 form `funcmla.interop.dlpack.to_jax(t, fp8="bits")` gives): bitcast inside
                 the jit, so the pool is never copied.

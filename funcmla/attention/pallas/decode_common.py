@@ -82,9 +82,10 @@ class DecodeKernelConfig:
                 it applies; on the H200 it is faster than Triton at every batch measured, from
                 2 blocks (H128 B1 L4k p64: 15.1 us against 18.3) to 32 (B16: 42.1 against
                 105.9) (`python -m bench.decode_dispatch`).
-    fp8_mgpu_min_seqs: the fewest sequences at which "auto" runs an fp8 pool at 16 folded rows
-                on the fp8 Mosaic GPU kernel (one block a sequence and split), else Triton.
-                16: on the H200 Triton is faster at batch 1-4 (B1 L4k 11.6 us against 16.4),
+    fp8_mgpu_min_seqs: the fewest sequences at which "auto" runs an fp8 pool on the 16-row
+                fp8 Mosaic GPU kernel (a multiple of 16 folded rows that is not one of 64; a
+                block a sequence, split and row group), else Triton. 16 (measured at 16
+                rows; not re-tuned for row groups): on the H200 Triton is faster at batch 1-4 (B1 L4k 11.6 us against 16.4),
                 even at 8 (20.9-22.3 against 22.3-22.6), the Mosaic GPU kernel at 32 (46.5-47.9
                 against 63.7-66.4) and 128 (447 against 927); 16 is not measured
                 (`docs/results/decode_fp8_dispatch_h200.json`).

@@ -2,8 +2,8 @@
 
 For s_q * H = 16 folded query rows (16 heads, or 8 heads at s_q = 2), where decode is memory
 bound and fp8 halves the bytes; a multiple of 16 rows runs as row groups of 16, G blocks a
-sequence and split (`BLOCK_ROWS`; `api.FP8_NARROW_MAX_ROWS` says up to which rows the dispatch
-sends an fp8 pool here). The products run transposed, so the narrow query side is
+sequence and split (`BLOCK_ROWS`; `api` sends it the multiples of 16 that are not multiples of
+64, such as 32 heads). The products run transposed, so the narrow query side is
 wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
 
 * S^T = K q^T   [64 tokens, 2N]: an fp8 `wgmma` straight from the fp8 stage (K-major, A)
@@ -104,7 +104,7 @@ from funcmla.attention.pallas.mgpu_ops import (
     warpgroup_sync,
 )
 
-__all__ = ["fp8_narrow_supported", "decode_call", "ROWS", "BLOCK_KV"]
+__all__ = ["fp8_narrow_supported", "decode_call", "BLOCK_ROWS", "BLOCK_KV"]
 
 _LN2 = 0.6931471805599453
 
@@ -113,7 +113,6 @@ _LN2 = 0.6931471805599453
 # rows runs as row groups: G = rows / 16 blocks a sequence and split, side by side in the grid
 # (g fastest), so the G blocks read each KV tile at about the same time and all but the first
 # from L2.
-ROWS = (16,)
 BLOCK_ROWS = 16
 _FP8_SWIZZLE = Q8_SWIZZLE  # bytes; 64 fp8 columns per swizzle tile (576 is 9): stages, q8
 # Columns of q k^T per fp8 accumulator: Hopper's fp8 wgmma adds into its accumulator with

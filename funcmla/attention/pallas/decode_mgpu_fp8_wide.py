@@ -98,10 +98,13 @@ _D, _DV = 576, 512
 _STAGES = 2       # fp8 landing stages (36 KB each)
 _V_SWIZZLE = 128  # bytes; the f16 V buffer and P: 64 f16 columns per swizzle tile
 # Columns of q k^T per fp8 accumulator, the high and the low product of each chained on it
-# (8 wgmmas a chain; lse within ~4e-3 of float32 on q rows of 2^17 and more). A second
-# accumulator (high and low apart, or groups alternating) costs consumer 0 32 registers of its
-# 232 and took 1.5-1.75x the time (docs/decode_kernel.md, decision log).
-_PROMOTE = 128
+# (12 wgmmas a chain). Each group's accumulator is read (the wgmmas drained) before the next
+# starts: 192 took 0.92x / 0.96x the time of 128 (H128 B128 L16k / B32 L4k, page 64) at error
+# 3.3-3.5e-3 against 2.5-2.9e-3; one chain of all 576 took 0.72x / 0.93x at 7.9e-3, too near
+# the 1e-2 bound (`bench.kernel_ab --set _PROMOTE=...`). A second accumulator (high and low
+# apart, or groups alternating) costs consumer 0 32 registers of its 232 and took 1.5-1.75x
+# the time (docs/decode_kernel.md, decision log).
+_PROMOTE = 192
 # fp8_products="fp8": q and P each rounded once to e4m3 and both products on fp8 wgmmas; P in
 # [0, 1] is scaled by 2^8 first (e4m3 keeps weights down to 2^-17 of the row's largest,
 # subnormals included), the output by 2^-8 at the end. Shared memory is then q8 36 KB, V^T
