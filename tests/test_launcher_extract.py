@@ -399,32 +399,34 @@ def test_fp8_plan_reads_the_triton_kernel_with_scale_operands(h, page_size):
 
 
 @needs_lowering
-@pytest.mark.parametrize("page_size,splits,auto", [(1, None, True), (64, 1, True),
-                                                    (16, 2, False), (4, 1, False)])
-def test_fp8_plan_reads_the_fp8_mosaic_kernel_from_its_inputs(page_size, splits, auto,
+@pytest.mark.parametrize("page_size,splits,auto,h", [(1, None, True, 16), (64, 1, True, 16),
+                                                      (16, 2, False, 16), (4, 1, False, 16),
+                                                      (64, None, True, 32), (1, 2, False, 32)])
+def test_fp8_plan_reads_the_fp8_mosaic_kernel_from_its_inputs(page_size, splits, auto, h,
                                                                monkeypatch):
-    """At 16 heads the fp8 Mosaic GPU kernel (auto's choice on a GPU backend from
-    fp8_mgpu_min_seqs sequences, or kernel="mgpu") reads every operand from a launcher input:
-    q as [B, 16, 576] bf16 (it prepares the f16 rows and score factors itself), the two
-    scales, the fp8 pool; it writes [B, S, 16, 512] untransposed, as the bf16 kernel does."""
+    """At 16 heads (and at 32, in two row groups) the 16-row fp8 Mosaic GPU kernel (auto's
+    choice on a GPU backend from fp8_mgpu_min_seqs sequences, or kernel="mgpu") reads every
+    operand from a launcher input: q as [B, H, 576] bf16 (it prepares the f16 rows and score
+    factors itself), the two scales, the fp8 pool; it writes [B, S, H, 512] untransposed, as
+    the bf16 kernel does."""
     if auto:
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     b, ctx = 16, 1024
     kernel = DecodeKernelConfig(kernel="auto" if auto else "mgpu")
-    cfg = fp8_config(16, page_size, b, ctx, num_splits=splits, kernel=kernel)
+    cfg = fp8_config(h, page_size, b, ctx, num_splits=splits, kernel=kernel)
     plan = L.decode_plan(cfg)
     dec = plan.decode
     assert isinstance(dec, L.MosaicCall) and plan.kernel == "mgpu" and plan.kernel_reason is None
     assert dec.name.startswith(f"mla_decode_mgpu_fp8_ps{page_size}")
     meta = ((b + 1,) if page_size == 1 else (b,), "i32")
-    assert dec.operands == (meta, ((b * ctx // page_size,), "i32"), ((b, 16, 576), "bf16"),
+    assert dec.operands == (meta, ((b * ctx // page_size,), "i32"), ((b, h, 576), "bf16"),
                             ((1,), "f32"), ((1,), "f32"), ((cfg.pool_rows, 576), "f8E4M3FN"))
     index = ("kv_indptr", "kv_indices") if page_size == 1 else ("lengths", "page_table")
     assert plan.decode_inputs == index + ("q", "k_scale", "v_scale", "kv_pool")
     s = plan.num_splits
     assert s == splits if splits else s >= 1
-    assert dec.results == (((b, s, 16, 512), "bf16"), ((b, s, 16), "f32"))
-    assert (plan.merge is None) == (s == 1) and plan.rows_pad == 16
+    assert dec.results == (((b, s, h, 512), "bf16"), ((b, s, h), "f32"))
+    assert (plan.merge is None) == (s == 1) and plan.rows_pad == h
 
 
 @needs_lowering
