@@ -410,6 +410,11 @@ _SLOW = pytest.mark.slow
     pytest.param(1, 1, 16, [70, 1, 64], 1, marks=_SLOW),
     pytest.param(16, 2, 8, [100, 3], 1, marks=_SLOW),
     pytest.param(4, 2, 8, [100, 0], 1, marks=_SLOW),
+    # `decode_mgpu_fp8` in row groups: 2 at 32 heads, 2 of one token each at 16 heads x s_q 2,
+    # 3 at 24 heads x s_q 2 (one straddling two tokens)
+    (64, 1, 32, [70, 0, 20], 2),
+    pytest.param(16, 2, 16, [100, 5], 1, marks=_SLOW),
+    pytest.param(1, 2, 24, [77, 3], 2, marks=_SLOW),
     # `decode_mgpu_fp8_wide` (64-row blocks)
     (1, 1, 64, [70, 0, 20], 2),
     pytest.param(64, 1, 64, [200, 1], None, marks=_SLOW),
@@ -417,29 +422,10 @@ _SLOW = pytest.mark.slow
     pytest.param(8, 1, 64, [77, 129], 3, marks=_SLOW)])
 def test_interpret_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_q, heads, lens,
                                                                    num_splits):
-    """Both fp8 Mosaic GPU kernels in interpret mode: pages 1 (row gather), 4, 8, 16, 64, s_q 2,
-    empty sequences, splits, scales 0.37 / 1.9, against float64 over the dequantized pool with
-    NaN in every unused row."""
+    """Both fp8 Mosaic GPU kernels in interpret mode (the 16-row one in row groups too): pages 1
+    (row gather), 4, 8, 16, 64, s_q 2, empty sequences, splits, scales 0.37 / 1.9, against
+    float64 over the dequantized pool with NaN in every unused row."""
     rng = np.random.default_rng(page_size * 7 + s_q + heads)
-    p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
-    out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
-                           interpret=True)
-    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
-
-
-@pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
-    (64, 1, 32, [70, 0, 20], 2),           # 2 row groups of 16 heads (32 heads: TP 4)
-    pytest.param(16, 2, 16, [100, 5], 1, marks=_SLOW),  # 2 groups, one token each
-    pytest.param(1, 2, 24, [77, 3], 2, marks=_SLOW)])   # 3 groups, one straddling 2 tokens
-def test_interpret_fp8_narrow_kernel_in_row_groups(page_size, s_q, heads, lens, num_splits):
-    """The 16-row fp8 kernel over a multiple of 16 folded rows that is not one of 64, as row
-    groups of 16: each group's q rows, causal limits, output rows and lse land where the
-    float64 oracle over the dequantized pool (NaN in unused rows) has them, with splits, s_q 2
-    and a group whose rows belong to two tokens."""
-    from funcmla.attention.pallas import api
-
-    assert api.fp8_mgpu_kernel(s_q * heads, DecodeKernelConfig()) is decode_mgpu_fp8
-    rng = np.random.default_rng(page_size * 5 + s_q + heads)
     p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
     out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
                            interpret=True)
@@ -661,6 +647,9 @@ def test_gpu_fp8_mosaic_kernel_on_query_rows_far_above_f16_range(heads):
     (64, 1, 16, [130, 0, 65, 2000], None), (64, 1, 16, [130, 0, 65], 2),
     (16, 2, 8, [200, 3, 64], 1), (1, 1, 16, [130, 0, 65], 2), (1, 1, 16, [1000, 1, 64, 63], 1),
     (8, 1, 16, [77, 129], 3), (4, 2, 8, [100, 0], 1),
+    # the 16-row kernel in row groups: 32 heads, 24 heads x s_q 2 (a group on two tokens)
+    (64, 1, 32, [130, 0, 65, 2000], None), (1, 1, 32, [130, 0, 65], 2),
+    (16, 2, 24, [200, 3, 64], 1),
     # the 64-row kernel (`decode_mgpu_fp8_wide`): 128 heads, or 64 rows from s_q 2 x 32 heads
     (64, 1, 128, [130, 0, 65, 2000], None), (64, 1, 128, [130, 0, 65], 2),
     (16, 2, 32, [200, 3, 64], 1), (1, 1, 128, [130, 0, 65], 2), (1, 1, 64, [1000, 1, 64, 63], 1),
@@ -671,21 +660,6 @@ def test_gpu_fp8_mosaic_kernel_matches_dequantized_reference(page_size, s_q, hea
     (causal columns), empty sequences, splits, against float64 over the dequantized pool with
     NaN in every unused row."""
     rng = np.random.default_rng(page_size * 7 + s_q)
-    p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
-    out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
-                           interpret=False)
-    _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], s_q, 0.37, 1.9))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size,s_q,heads,lens,num_splits", [
-    (64, 1, 32, [130, 0, 65, 2000], None), (1, 1, 32, [130, 0, 65], 2),
-    (16, 2, 24, [200, 3, 64], 1)])
-def test_gpu_fp8_narrow_kernel_in_row_groups(page_size, s_q, heads, lens, num_splits):
-    """The compiled 16-row fp8 kernel in row groups (2 at 32 heads; 3 at 24 heads x s_q 2,
-    one straddling two tokens): each group's rows land where float64 over the dequantized pool
-    (NaN in unused rows) has them."""
-    rng = np.random.default_rng(page_size * 3 + s_q + heads)
     p = _problem(rng, batch=len(lens), heads=heads, s_q=s_q, page_size=page_size, lens=lens)
     out, lse = _fp8_mosaic(p, page_size=page_size, s_q=s_q, num_splits=num_splits,
                            interpret=False)

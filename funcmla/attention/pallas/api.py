@@ -139,8 +139,8 @@ def _fp8_mgpu_wide(rows: int) -> bool:
     blocks, `decode_mgpu`'s products) rather than `decode_mgpu_fp8` (16-row blocks,
     transposed; other multiples of 16 as row groups). At 128 heads the 16-row kernel's 8 row
     groups took 1.50-1.68x the 64-row kernel's time; at 32 heads its 2 groups took 0.46-0.53x
-    Triton's, which ran them before (`bench.kernel_ab --module funcmla.attention.pallas.api`;
-    docs/decode_kernel.md, decision log)."""
+    Triton's, which ran them before (`bench.kernel_ab`; docs/decode_kernel.md, decision
+    log)."""
     return rows % MGPU_BLOCK_M == 0
 
 
