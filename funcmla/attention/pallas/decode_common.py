@@ -21,6 +21,7 @@ __all__ = [
     "DecodeKernelConfig",
     "FP8_PRODUCTS",
     "seq_start_and_len",
+    "block_coords",
     "split_tile_range",
     "causal_limit",
     "f16_row_scales",
@@ -85,9 +86,10 @@ class DecodeKernelConfig:
     fp8_mgpu_min_seqs: the fewest sequences at which "auto" runs an fp8 pool on the 16-row
                 fp8 Mosaic GPU kernel (a multiple of 16 folded rows that is not one of 64; a
                 block a sequence, split and row group), else Triton. 16 (measured at 16
-                rows; not re-tuned for row groups): on the H200 Triton is faster at batch 1-4 (B1 L4k 11.6 us against 16.4),
-                even at 8 (20.9-22.3 against 22.3-22.6), the Mosaic GPU kernel at 32 (46.5-47.9
-                against 63.7-66.4) and 128 (447 against 927); 16 is not measured
+                rows; not re-tuned for row groups): on the H200 Triton is faster at batch
+                1-4 (B1 L4k 11.6 us against 16.4), even at 8 (20.9-22.3 against 22.3-22.6),
+                the Mosaic GPU kernel at 32 (46.5-47.9 against 63.7-66.4) and 128 (447
+                against 927); 16 is not measured
                 (`docs/results/decode_fp8_dispatch_h200.json`).
     program_overhead_blocks: fixed cost of one program (q load, pipeline fill, partial store)
                 in units of one KV block, for the split rule.
@@ -300,6 +302,17 @@ def seq_start_and_len(form: str, meta_refs, b, entries_per_seq: int | None):
         return b * entries_per_seq, kv_lens_ref[b]
     table_start_ref, kv_lens_ref = meta_refs
     return table_start_ref[b], kv_lens_ref[b]
+
+
+def block_coords(blk, num_splits: int, row_blocks: int):
+    """In a Mosaic GPU decode kernel: (b, split, rb) of flat block index blk = (b * num_splits
+    + split) * row_blocks + rb, so the row blocks of a sequence and split launch side by side
+    and read each KV tile together (all but the first from L2). One flat grid axis: CUDA's x
+    takes 2**31 - 1 blocks, y and z stop at 65535, which an extend's pseudo-sequences pass."""
+    rb = lax.rem(blk, row_blocks)
+    split = lax.rem(lax.div(blk, row_blocks), num_splits)
+    b = lax.div(blk, row_blocks * num_splits)
+    return b, split, rb
 
 
 def split_tile_range(kv_len, split, num_splits: int, block_kv: int):

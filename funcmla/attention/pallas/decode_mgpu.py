@@ -65,6 +65,7 @@ from funcmla.attention.pallas.mgpu_ops import (
 from funcmla.attention.pallas.decode_common import (
     DecodeKernelConfig,
     KVRows,
+    block_coords,
     causal_limit,
     seq_start_and_len,
     split_tile_range,
@@ -153,14 +154,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     (q_smem, kv_or_out, alpha_smem, l_smem, q_bar, k_full, k_empty, p_full, l_ready) = scratch
     (kv_smem,), (o_stage, lse_stage) = kv_or_out
 
-    # One flat grid axis (CUDA's x, up to 2**31 - 1 blocks; y and z stop at 65535, which an
-    # extend's pseudo-sequences pass): block = (b * num_splits + split) * row_blocks + rb, so
-    # the launch order is that of the grid (b, split, rb) with rb fastest.
-    blk = lax.axis_index("blk")
-    row_blocks = s_q * num_heads // BLOCK_M
-    rb = lax.rem(blk, row_blocks)
-    split = lax.rem(lax.div(blk, row_blocks), num_splits)
-    b = lax.div(blk, row_blocks * num_splits)
+    b, split, rb = block_coords(lax.axis_index("blk"), num_splits, s_q * num_heads // BLOCK_M)
     wg = lax.axis_index("wg")
 
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
@@ -372,7 +366,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
                   jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)),
         scratch_types=scratch,
         # The row blocks of one sequence and split are launched back to back (the flat
-        # block index has rb fastest, `_kernel`), so they stream the same KV tiles at about
+        # block index has rb fastest, `block_coords`), so they stream the same KV tiles at about
         # the same time and the second read of each tile hits L2.
         grid=(b * num_splits * (rows // BLOCK_M),),
         grid_names=("blk",),

@@ -78,6 +78,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.decode_common import (
     KVRows,
+    block_coords,
     causal_limit,
     seq_start_and_len,
     split_tile_range,
@@ -271,17 +272,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     (q_smem, scale_smem, stages, lse_stage, acc1_smem, m_smem, l_smem, p_smem, red, q_bar,
      k_full, k_empty, handed) = scratch
 
-    blk = lax.axis_index("blk")
-    groups = s_q * num_heads // BLOCK_ROWS  # blocks of one sequence and split: g fastest
     rows = BLOCK_ROWS
-    if groups == 1:
-        split = lax.rem(blk, num_splits)
-        b = lax.div(blk, num_splits)
-        row_lo = 0  # static: the block's rows are the sequence's
-    else:
-        row_lo = lax.rem(blk, groups) * BLOCK_ROWS
-        split = lax.rem(lax.div(blk, groups), num_splits)
-        b = lax.div(blk, groups * num_splits)
+    # row groups of a sequence and split side by side (g fastest)
+    b, split, g = block_coords(lax.axis_index("blk"), num_splits, s_q * num_heads // rows)
+    row_lo = g * rows
     wg = lax.axis_index("wg")
     d = kv_ref.shape[1]
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
@@ -295,8 +289,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         # a stage is released once its consumer's P V has its last bytes in registers
         def prepare():  # q's rows, then the registers go to the consumers
             with jax.named_scope("prepare_q"):
-                prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b,
-                               jnp.int32(row_lo), sm_scale=sm_scale, interpret=interpret)
+                prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, row_lo,
+                               sm_scale=sm_scale, interpret=interpret)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(cfg.producer_registers, action="decrease")
@@ -431,8 +425,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 fix = jnp.where(_int_block(latent_row_block(o_rows)), _INT_SCALE, 1.0)
             out = (acc * bc(a0) + acc1 * bc(a1)) * bc(v_scale / l_safe) * fix
             empty = jnp.inf if final else -jnp.inf
-            _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, jnp.int32(row_lo),
-                              interpret)
+            _store_transposed(o_ref, out.astype(o_ref.dtype), b, split, row_lo, interpret)
             lse_stage[...] = jnp.where(has, (m * col_scale + jnp.log2(l_safe)) * _LN2, empty)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row_lo, rows)])

@@ -59,6 +59,7 @@ from funcmla.attention.pallas import fp8_transpose
 from funcmla.attention.pallas.decode_common import (
     FP8_PRODUCTS,
     KVRows,
+    block_coords,
     causal_limit,
     seq_start_and_len,
     split_tile_range,
@@ -362,13 +363,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     (stages, v_smem), (o_stage, lse_stage) = kv_or_out
     fp8_pv = products == "fp8"  # P V on fp8 wgmmas: P8 and V^T (v_smem) in shared memory
 
-    # block = (b * num_splits + split) * row_blocks + rb, rb fastest (`decode_mgpu`): a
-    # sequence's row blocks stream the same KV tiles side by side, the second read from L2.
-    blk = lax.axis_index("blk")
-    row_blocks = s_q * num_heads // BLOCK_M
-    rb = lax.rem(blk, row_blocks)
-    split = lax.rem(lax.div(blk, row_blocks), num_splits)
-    b = lax.div(blk, row_blocks * num_splits)
+    b, split, rb = block_coords(lax.axis_index("blk"), num_splits, s_q * num_heads // BLOCK_M)
     wg = lax.axis_index("wg")
     row_lo = rb * BLOCK_M
 
