@@ -11,7 +11,7 @@ trace, not spans against `bench.decode`'s times.
         --out out/
 
 Kernels: "bf16" (`decode_mgpu`, bf16 pool), "fp8" (the fp8 Mosaic GPU kernel the dispatch rule
-picks for the rows: `decode_mgpu_fp8` at 16, `decode_mgpu_fp8_wide` at a multiple of 64),
+picks for the rows: `decode_mgpu_fp8_wide` at a multiple of 64, else `decode_mgpu_fp8`),
 "fp8-products" (`decode_mgpu_fp8_wide` with `products="fp8"`). A block records about 6
 regions a tile per warpgroup and the profiler holds `MAX_PROFILE_SPACE`, so a case whose split
 rule leaves more than `max_profiled_tiles()` tiles in a block runs with more splits (reported
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from funcmla.attention.pallas import decode_mgpu, decode_mgpu_fp8, decode_mgpu_fp8_wide
-from funcmla.attention.pallas.api import DecodeKernelConfig, decode_num_splits
+from funcmla.attention.pallas.api import DecodeKernelConfig, decode_num_splits, fp8_mgpu_kernel
 from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
 from funcmla.attention.pallas.decode_mgpu import MAX_PROFILE_SPACE, MgpuDecodeConfig
 from funcmla.attention.pallas.mgpu_kv_copy import BLOCK_KV
@@ -64,12 +64,11 @@ def kernel_call(kernel: str, h: int):
     heads (s_q 1)."""
     if kernel == "bf16":
         return decode_mgpu, {}, False
-    if kernel == "fp8":
-        wide = h % decode_mgpu_fp8_wide.BLOCK_M == 0
-        return (decode_mgpu_fp8_wide if wide else decode_mgpu_fp8), {}, True
-    if kernel == "fp8-products":
-        return decode_mgpu_fp8_wide, {"products": "fp8"}, True
-    raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
+    products = "fp8" if kernel == "fp8-products" else "mixed"
+    module = fp8_mgpu_kernel(h, DecodeKernelConfig(fp8_products=products))  # mla_decode's rule
+    return module, ({"products": products} if products == "fp8" else {}), True
 
 
 def unsupported(kernel: str, h: int, page: int) -> str | None:
@@ -95,7 +94,7 @@ def profile_case(case: str, kernel: str, out_dir: str, clock_ghz: float) -> dict
         kv = kv_rows_from_csr(meta["kv_indptr"], meta["kv_indices"], ctx)
     else:
         kv = kv_rows_from_page_table(meta["page_table"])
-    rule = decode_num_splits(DecodeKernelConfig(), b, h, ctx, mgpu=True)
+    rule = decode_num_splits(DecodeKernelConfig(), b, h, ctx, mgpu=True, kv_fp8=fp8)
     splits = profile_splits(rule, ctx)
     trace_dir = os.path.join(out_dir, "decode_profile", f"{case}_{kernel}")
     config = MgpuDecodeConfig(profile_space=MAX_PROFILE_SPACE, profile_dir=trace_dir)

@@ -36,6 +36,7 @@ def test_a_profiled_block_never_records_more_regions_than_the_profiler_holds():
 def test_kernel_names_pick_the_module_the_dispatch_rule_runs():
     assert decode_profile.kernel_call("bf16", 128) == (decode_mgpu, {}, False)
     assert decode_profile.kernel_call("fp8", 16) == (decode_mgpu_fp8, {}, True)
+    assert decode_profile.kernel_call("fp8", 32) == (decode_mgpu_fp8, {}, True)  # row groups
     assert decode_profile.kernel_call("fp8", 128) == (decode_mgpu_fp8_wide, {}, True)
     assert decode_profile.kernel_call("fp8-products", 128) == (
         decode_mgpu_fp8_wide, {"products": "fp8"}, True)
