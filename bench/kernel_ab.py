@@ -51,7 +51,7 @@ import sys
 import types
 
 __all__ = ["module_at_revision", "module_from_file", "swapped", "parse_setting",
-           "settings_applied", "parse_case", "parse_prefill_case", "main"]
+           "check_settings", "settings_applied", "parse_case", "parse_prefill_case", "main"]
 
 _CASE = re.compile(r"h(\d+)_b(\d+)_ctx(\d+)k_p(\d+)")
 _PREFILL_CASE = re.compile(r"prefill_h(\d+)_(\d+)x(\d+)k")
@@ -163,16 +163,22 @@ def parse_setting(text: str) -> tuple[str, object]:
         raise ValueError(f"--set {text!r}: VALUE must be a Python literal ({e})") from None
 
 
-@contextlib.contextmanager
-def settings_applied(live: types.ModuleType, settings: list[tuple[str, object]]):
-    """Within the block, each (name, value) of `settings` is bound in `live` (a name it must
-    already have: ValueError naming it otherwise, before anything changes); restored on exit,
-    jax's caches cleared on entry and exit."""
-    import jax
-
+def check_settings(live: types.ModuleType, settings: list[tuple[str, object]]) -> None:
+    """ValueError naming each name of `settings` that `live` does not already have (a --set
+    rebinds a module constant; it never adds one)."""
     missing = [n for n, _ in settings if not hasattr(live, n)]
     if missing:
         raise ValueError(f"--set: {live.__name__} has no {', '.join(missing)}")
+
+
+@contextlib.contextmanager
+def settings_applied(live: types.ModuleType, settings: list[tuple[str, object]]):
+    """Within the block, each (name, value) of `settings` is bound in `live` (`check_settings`
+    first, so nothing changes on a bad name); restored on exit, jax's caches cleared on entry
+    and exit."""
+    import jax
+
+    check_settings(live, settings)
     saved = [(n, getattr(live, n)) for n, _ in settings]
     jax.clear_caches()
     try:
@@ -285,8 +291,7 @@ def main(argv=None) -> int:
     base = (module_at_revision(args.module, args.rev) if args.rev
             else module_from_file(args.module, args.base_file, label) if args.base_file
             else None)
-    with settings_applied(live, settings + base_settings):  # names checked before any case
-        pass
+    check_settings(live, settings + base_settings)  # before any case runs
     rows, table = [], []
     for name, fields in cases:
         run = (prefill_runner(args, *fields.values()) if is_prefill
