@@ -158,9 +158,6 @@ def fp8_mgpu_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int
     if _fp8_mgpu_wide(rows):
         return decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, head_dim, v_head_dim,
                                                        q_dtype, kv_dtype)
-    if rows % decode_mgpu_fp8.BLOCK_ROWS:
-        return (f"folded rows s_q*H = {rows} is not a multiple of "
-                f"{decode_mgpu_fp8.BLOCK_ROWS}")
     return decode_mgpu_fp8.fp8_narrow_supported(rows, page_size, head_dim, v_head_dim,
                                                 q_dtype, kv_dtype)
 
@@ -233,9 +230,7 @@ def _fp8_products_choice(config: DecodeKernelConfig, rows: int, page_size: int, 
     why = None
     if config.kernel == "triton":
         why = "kernel='triton' has no fp8 products"
-    elif rows % MGPU_BLOCK_M:
-        why = f"folded rows s_q*H = {rows} is not a multiple of {MGPU_BLOCK_M}"
-    else:
+    else:  # fp8_wide_supported names rows that are not a multiple of 64 first
         why = decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, q.shape[2], v_head_dim,
                                                       q.dtype, kv_dtype)
         if why is None and interpret:
