@@ -328,12 +328,15 @@ def test_gpu_profile_names_every_phase(tmp_path):
     cfg = MgpuPrefillConfig(profile_space=64, profile_dir=str(tmp_path))
     profiled = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=cfg)
     plain = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True)
-    summary = summarize(assert_profiled_like_plain(profiled, plain, tmp_path, set()))
+    events = assert_profiled_like_plain(profiled, plain, tmp_path, set())
+    summary = summarize(events)
     names = set(summary["warpgroups"][0]["phases"]) | set(summary["warpgroups"][2]["phases"])
     assert {"wait_q", "wait_k", "qk", "softmax", "wait_v", "turn", "pv", "finish",
             "store_wait", "copy_q", "copy"} <= names
-    assert summary["blocks"] == 16 * 5  # 16 heads x (3 + 2) live q tiles; empty slots record
-    # nothing
+    # 16 heads x (3 + 2) live q tiles run a phase of the kernel; the grid's empty slots record
+    # at most Mosaic GPU's own prologue region ("Init", from jax 0.11)
+    working = {(e["tid"] - 1) // 3 for e in events if e["name"] != "Init"}
+    assert len(working) == 16 * 5
 
 
 def _kernel_inputs(monkeypatch, run) -> tuple[dict, object]:

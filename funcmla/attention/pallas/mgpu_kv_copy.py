@@ -78,20 +78,21 @@ def copy_tile(kv_ref, table_ref, dst, full, start_entry, tile, kv_len, *, page_s
     stage's barrier completes."""
     copies = arrivals_per_tile(page_size)
     rows = min(page_size, BLOCK_KV)
-    for j in range(copies):
-        tok = tile * BLOCK_KV + j * rows
-        if copies == 1:
-            src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-            plgpu.copy_gmem_to_smem(src, dst, full)
-        else:
-            @pl.when(tok < kv_len)
-            def _():
+    with jax.named_scope("copy"):  # the producer's phase, as in `gather_tile`
+        for j in range(copies):
+            tok = tile * BLOCK_KV + j * rows
+            if copies == 1:
                 src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-                plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * rows, rows)], full)
+                plgpu.copy_gmem_to_smem(src, dst, full)
+            else:
+                @pl.when(tok < kv_len)
+                def _():
+                    src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
+                    plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * rows, rows)], full)
 
-            @pl.when(tok >= kv_len)
-            def _():
-                plgpu.barrier_arrive(full)
+                @pl.when(tok >= kv_len)
+                def _():
+                    plgpu.barrier_arrive(full)
 
 
 def gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, swizzle: int,
