@@ -333,10 +333,11 @@ def test_gpu_profile_names_every_phase(tmp_path):
     names = set(summary["warpgroups"][0]["phases"]) | set(summary["warpgroups"][2]["phases"])
     assert {"wait_q", "wait_k", "qk", "softmax", "wait_v", "turn", "pv", "finish",
             "store_wait", "copy_q", "copy"} <= names
-    # 16 heads x (3 + 2) live q tiles run a phase of the kernel; the grid's empty slots record
-    # at most Mosaic GPU's own prologue region ("Init", from jax 0.11)
+    # 16 heads x 6 live q tiles run a phase of the kernel: 3 + 2 of the requests and 1 of the
+    # rows past the last one (the layout's spare-rows request: q_len 3, no keys, out 0). The
+    # grid's empty slots record at most Mosaic GPU's own prologue region ("Init", jax >= 0.11).
     working = {(e["tid"] - 1) // 3 for e in events if e["name"] != "Init"}
-    assert len(working) == 16 * 5
+    assert len(working) == 16 * 6
 
 
 def _kernel_inputs(monkeypatch, run) -> tuple[dict, object]:
