@@ -457,10 +457,10 @@ def test_fp8_row_groups_dispatch_and_split_rule():
 
 @st.composite
 def _mosaic_fp8_cases(draw):
-    """A shape either fp8 Mosaic GPU kernel takes: 16 folded rows or 64 (s_q 1, 2, 4), a page
-    size of 1 to 64, 1-3 sequences of 0 to 260 tokens (at least s_q when not empty), a split
-    count (None: the rule's), scales."""
-    rows = draw(st.sampled_from([16, 64]))
+    """A shape either fp8 Mosaic GPU kernel takes: 16 to 64 folded rows (s_q 1, 2, 4; 32 and
+    48 run as row groups of the 16-row kernel), a page size of 1 to 64, 1-3 sequences of 0 to
+    260 tokens (at least s_q when not empty), a split count (None: the rule's), scales."""
+    rows = draw(st.sampled_from([16, 32, 48, 64]))
     s_q = draw(st.sampled_from([1, 2, 4]))
     length = st.one_of(st.just(0), st.integers(s_q, 260), st.sampled_from([63, 64, 65]))
     lens = draw(st.lists(length, min_size=1, max_size=3))
