@@ -322,7 +322,7 @@ def test_gpu_profile_names_every_phase(tmp_path):
     are without the profiler."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
-    from bench.kernel_trace import summarize
+    from bench.kernel_trace import _block_traces, summarize
 
     q, k, v, qo, kv = make(np.random.default_rng(3), 16, [300, 129], [1000, 129])
     cfg = MgpuPrefillConfig(profile_space=64, profile_dir=str(tmp_path))
@@ -336,7 +336,9 @@ def test_gpu_profile_names_every_phase(tmp_path):
     # 16 heads x 6 live q tiles run a phase of the kernel: 3 + 2 of the requests and 1 of the
     # rows past the last one (the layout's spare-rows request: q_len 3, no keys, out 0). The
     # grid's empty slots record at most Mosaic GPU's own prologue region ("Init", jax >= 0.11).
-    working = {(e["tid"] - 1) // 3 for e in events if e["name"] != "Init"}
+    blocks, _ = _block_traces(events, warpgroups=3)
+    working = [b for b, wgs in blocks.items()
+               if any(name != "Init" for _, evs in wgs.values() for name, _, _ in evs)]
     assert len(working) == 16 * 6
 
 
