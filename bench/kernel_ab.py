@@ -20,7 +20,8 @@ Only the named module comes from REV: its source (`git show REV:path`, or the fi
 `--base-file` where the checkout has no git history, as on a copy of the working tree) is
 imported under another name, and what it imports resolves to the working tree. Its public
 names (`__all__`) replace the live module's, and those of every funcmla module that imported
-them by name, for REV's rounds. `--set NAME=VALUE` (repeatable) instead rebinds a module-level
+them by name, for REV's rounds; a configuration dataclass with the same fields in both stays
+the live one (instances made at import, such as default arguments, pass either side's checks). `--set NAME=VALUE` (repeatable) instead rebinds a module-level
 constant of the live module (a Python literal) for the working tree's rounds, against the
 module as it is (or against REV when given too): a knob the module's functions read at trace
 time, with no second copy of the source; a module that imported the constant by name keeps its
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import importlib
 import os
 import re
@@ -132,6 +134,11 @@ def swapped(live: types.ModuleType, base: types.ModuleType):
     names = [n for n in getattr(base, "__all__", ()) if hasattr(live, n)]
     if not names:
         raise ValueError(f"{base.__name__} shares no name of its __all__ with {live.__name__}")
+    # a configuration dataclass that is the same in both stays live's: instances made before
+    # the swap (default arguments such as api's `config=MgpuDecodeConfig()`) must pass the
+    # isinstance checks of whichever module runs
+    for n in [n for n in names if _same_dataclass(getattr(live, n), getattr(base, n))]:
+        setattr(base, n, getattr(live, n))
     # every funcmla module holding one of those functions or classes (`from live import
     # name`) too; constants only in `live` (a small int is the same object everywhere)
     holders = [(live, n) for n in names] + [
@@ -148,6 +155,17 @@ def swapped(live: types.ModuleType, base: types.ModuleType):
         for m, n, v in saved:
             setattr(m, n, v)
         jax.clear_caches()
+
+
+def _same_dataclass(a, b) -> bool:
+    """Whether `a` and `b` are dataclasses with the same name and the same fields (names,
+    annotations, defaults)."""
+    if not (dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b)
+            and isinstance(a, type) and isinstance(b, type) and a.__name__ == b.__name__):
+        return False
+    key = lambda c: [(f.name, str(f.type), f.default, f.default_factory)  # noqa: E731
+                     for f in dataclasses.fields(c)]
+    return key(a) == key(b)
 
 
 def parse_setting(text: str) -> tuple[str, object]:

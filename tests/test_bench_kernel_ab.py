@@ -217,3 +217,37 @@ def test_main_with_set_times_the_knob_against_the_module_as_it_is(monkeypatch, t
     assert seen == []
     with pytest.raises(SystemExit):
         kernel_ab.main(["--cases", "h16_b32_ctx4k_p64", "--out", str(tmp_path)])
+
+
+@needs_git
+def test_an_unchanged_config_class_stays_the_live_one():
+    """`api.mla_decode_rows_mgpu`'s default `config=MgpuDecodeConfig()` was made from the live
+    class at import: with `decode_mgpu` swapped for REV's, the isinstance check it runs must
+    still accept it (a second class of the same name refused every call)."""
+    import inspect
+
+    from funcmla.attention.pallas import api, decode_mgpu
+
+    live_cls = decode_mgpu.MgpuDecodeConfig
+    default = inspect.signature(api.mla_decode_rows_mgpu).parameters["config"].default
+    base = kernel_ab.module_at_revision("funcmla.attention.pallas.decode_mgpu", "HEAD")
+    with kernel_ab.swapped(decode_mgpu, base) as names:
+        assert "MgpuDecodeConfig" in names and decode_mgpu.decode_call is base.decode_call
+        assert base.MgpuDecodeConfig is live_cls is api.MgpuDecodeConfig
+        assert isinstance(default, api.MgpuDecodeConfig)
+    assert decode_mgpu.MgpuDecodeConfig is live_cls
+
+
+def test_a_changed_config_class_is_swapped(tmp_path):
+    """A baseline whose config has other fields keeps its own class for its rounds."""
+    path = tmp_path / "base.py"
+    path.write_text("import dataclasses\n__all__ = ['MgpuDecodeConfig']\n"
+                    "@dataclasses.dataclass(frozen=True)\nclass MgpuDecodeConfig:\n"
+                    "    other: int = 1\n")
+    from funcmla.attention.pallas import decode_mgpu
+
+    live_cls = decode_mgpu.MgpuDecodeConfig
+    base = kernel_ab.module_from_file("funcmla.attention.pallas.decode_mgpu", str(path), "x")
+    with kernel_ab.swapped(decode_mgpu, base):
+        assert decode_mgpu.MgpuDecodeConfig is base.MgpuDecodeConfig is not live_cls
+    assert decode_mgpu.MgpuDecodeConfig is live_cls
