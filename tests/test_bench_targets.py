@@ -141,6 +141,29 @@ def test_prefill_ratio_baseline_reads_the_kernels_own_layout():
     base = {"cudnn_batched": 2045.4, "cudnn_per_request": 2554.1, "torch_cudnn": 2101.0,
             "torch_flash": 3209.6, "torch_cudnn" + HEAD_MAJOR: 1537.2,
             "torch_flash" + HEAD_MAJOR: 3000.0}
-    assert fastest_baselines(base) == ("cudnn_batched", "torch_cudnn" + HEAD_MAJOR)
-    assert fastest_baselines({"torch_cudnn": 1.0}) == ("torch_cudnn", None)
-    assert fastest_baselines({}) == (None, None)
+    assert fastest_baselines(base) == ("cudnn_batched", "torch_cudnn" + HEAD_MAJOR,
+                                       "cudnn_per_request")
+    assert fastest_baselines({"torch_cudnn": 1.0}) == ("torch_cudnn", None, None)
+    assert fastest_baselines({}) == (None, None, None)
+
+
+def test_prefill_16_requests_are_judged_against_the_requests_one_by_one():
+    """The issue's 16 x 1k ratio target is against "the baseline running the same requests one
+    by one padded": `ratio_one_by_one` decides it, the batched call's `ratio` does not; one
+    request is judged on `ratio` (there is no other way to run it)."""
+    from bench.prefill import PER_REQUEST, fastest_baselines, verdict
+
+    base = {"cudnn_batched": 280.0, "torch_cudnn": 200.0,
+            "torch_cudnn" + PER_REQUEST: 400.0, "cudnn" + PER_REQUEST: 500.0}
+    assert fastest_baselines(base)[::2] == ("torch_cudnn", "torch_cudnn" + PER_REQUEST)
+    row = dict(case="causal 16x1k H16", tflops=300.0, ratio=200.0 / 320.0,
+               ratio_one_by_one=400.0 / 320.0, rel_err=2e-3)
+    assert verdict(row) == "met"
+    assert verdict(dict(row, ratio_one_by_one=0.85)) == (
+        "missed: x0.850 < x0.9 of the baseline one by one")
+    assert verdict(dict(row, ratio_one_by_one=None)).startswith("missed: x0.000")
+    h128 = dict(row, case="causal 16x1k H128", tflops=336.0)
+    assert verdict(h128) == "missed: 336 < 400 TFLOP/s"
+    one = dict(case="causal 1x16k H128", tflops=632.5, ratio=0.94, rel_err=2e-3)
+    assert verdict(one) == "missed: x0.940 < x0.95 of the baseline"
+    assert verdict(dict(one, ratio=1.13, rel_err=2e-2)) == "missed: error 2.0e-02 >= 0.01"
