@@ -32,7 +32,7 @@ other kernel). A decode case runs through `mla_decode` with
 `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span per
 call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
 dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
-equal length through `mha_prefill` with the default config, timed and checked as
+equal length through `mha_prefill` with the config it picks for them (`prefill_kernel_config`), timed and checked as
 `bench.prefill` does (device span per call; error against float32 on two heads). Writes
 out/kernel_ab.json: per case and variant the time of every round, their median, and the
 working tree's median over the baseline's.
@@ -232,7 +232,7 @@ def decode_runner(args, h: int, b: int, ctx: int, page: int):
 
 def prefill_runner(args, h: int, n: int, length: int):
     """A causal MHA prefill case of n requests of `length` tokens through `mha_prefill` (the
-    default config; inputs and the float32 reference on two heads made once): (variant) ->
+    config it picks for them, `prefill_kernel_config`; inputs and the float32 reference on two heads made once): (variant) ->
     (us, rel_err, config name). Each variant is compiled once, at its first round (under its
     module), and its executable timed in every round."""
     import jax
@@ -249,8 +249,11 @@ def prefill_runner(args, h: int, n: int, length: int):
 
     def run(variant: str):
         if variant not in compiled:
-            # the config class of the module in use (REV's while swapped: `prefill` checks it)
-            config = prefill.MgpuPrefillConfig()
+            # the config class of the module in use (REV's while swapped: `prefill` checks it),
+            # with the tiles `prefill_kernel_config` picks for these lengths
+            picked = prefill.prefill_kernel_config(length)
+            config = prefill.MgpuPrefillConfig(block_kv=picked.block_kv,
+                                               num_stages=picked.num_stages)
             f = jax.jit(lambda q_, k_, v_: prefill.mha_prefill(
                 q_, k_, v_, qo, kv, sm_scale=bp.SM_SCALE, causal=True, config=config)
                         ).lower(q, k, v).compile()

@@ -21,7 +21,8 @@ reported beside it (`ratio_head_major`: a layout the caller would have to pay a 
 copy for, untimed here), and the fastest request by request gives `ratio_one_by_one`, on which
 the issue's 16 x 1k targets are judged ("the baseline running the same requests one by one
 padded"; `TARGETS`).
-With --torch each default-config row also carries the same call through the torch launcher
+Without --sweep each case runs the config `mha_prefill` picks for its lengths (`prefill_kernel_config`).
+With --torch that config's row also carries the same call through the torch launcher
 (`launcher_us`: device and host time per call, bit-identity with the JAX path's out). FLOPs
 counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request counting half of
 q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
@@ -55,7 +56,13 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
+from funcmla.attention.pallas import (
+    MgpuPrefillConfig,
+    merge_attention_states,
+    mha_prefill,
+    prefill_kernel_config,
+)
+from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN
 from funcmla.attention.reference import mha_attention_reference
 from funcmla.config import MLADims
 
@@ -276,7 +283,8 @@ def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
     return res
 
 
-def launcher_us(q, k, v, qo, kv, causal: bool, jax_out, reps: int, calls: int = 5) -> dict:
+def launcher_us(q, k, v, qo, kv, causal: bool, kernel: MgpuPrefillConfig, jax_out, reps: int,
+                calls: int = 5) -> dict:
     """The same call through the torch launcher (`funcmla.interop.launcher.torch_mha_prefill`'s
     buckets, the step's layout built once as a serving step does): device time per call
     (`torch_queued_us`), host time per call (the median of `calls` calls' wall time, not
@@ -296,7 +304,8 @@ def launcher_us(q, k, v, qo, kv, causal: bool, jax_out, reps: int, calls: int = 
         cfg = PrefillLaunchConfig(
             num_heads=int(q.shape[1]), q_capacity=prefill_capacity(q.shape[0]),
             kv_capacity=prefill_capacity(k.shape[0]),
-            batch=prefill_batch_capacity(qo.shape[0] - 1), sm_scale=SM_SCALE, causal=causal)
+            batch=prefill_batch_capacity(qo.shape[0] - 1), sm_scale=SM_SCALE, causal=causal,
+            kernel=kernel)
         lau = prefill_launcher(cfg)
         step = lau.layout(t[3], t[4], int(q.shape[0]), int(k.shape[0]))
         out = torch.empty(q.shape[0], q.shape[1], D_V, dtype=torch.bfloat16, device=t[0].device)
@@ -315,9 +324,10 @@ def launcher_us(q, k, v, qo, kv, causal: bool, jax_out, reps: int, calls: int = 
 
 # ----------------------------------------------------------------------------- groups
 
-def selected_configs(args) -> list[MgpuPrefillConfig]:
-    """The default config, or with --sweep every SWEEP config (those named by --configs)."""
-    configs = SWEEP if args.sweep else [MgpuPrefillConfig()]
+def selected_configs(args, kv_lens) -> list[MgpuPrefillConfig]:
+    """The config `mha_prefill` picks for these requests (`prefill_kernel_config` of the longest), or
+    with --sweep every SWEEP config (those named by --configs)."""
+    configs = SWEEP if args.sweep else [prefill_kernel_config(max(kv_lens))]
     if args.configs:
         configs = [c for c in configs if cfg_name(c) in args.configs.split(",")]
     return configs
@@ -329,12 +339,12 @@ def selected_cases(args) -> list[tuple]:
 
 
 def mha_rows(args) -> list[dict]:
-    """The MHA prefill cases (MHA_CASES) with the default config, and with every SWEEP config
-    when --sweep."""
+    """The MHA prefill cases (MHA_CASES) with the config `mha_prefill` picks for them, or with
+    every SWEEP config when --sweep."""
     rows = []
     key = jax.random.PRNGKey(0)
-    configs = selected_configs(args)
     for name, heads, lens, causal in selected_cases(args):
+        configs = selected_configs(args, lens)
         q, k, v, qo, kv = make_inputs(key, heads, lens, lens)
         flops = useful_flops(heads, lens, lens, causal)
         base = {}
@@ -392,8 +402,8 @@ def mha_rows(args) -> list[dict]:
             if best_one is not None and us:
                 row.update(baseline_one_by_one=best_one, ratio_one_by_one=base[best_one] / us)
             row["targets"] = verdict(row)
-            if args.torch and cfg == MgpuPrefillConfig():
-                row.update(launcher_us(q, k, v, qo, kv, causal, out, args.reps))
+            if args.torch and cfg == prefill_kernel_config(max(lens)):
+                row.update(launcher_us(q, k, v, qo, kv, causal, cfg, out, args.reps))
             rows.append(row)
             log(fmt(row))
             save_partial()
@@ -405,10 +415,9 @@ def profile_rows(args) -> list[dict]:
     `bench.kernel_trace.summarize` of the call's trace, one row per (case, config)."""
     rows = []
     key = jax.random.PRNGKey(0)
-    configs = selected_configs(args)
     for name, heads, lens, causal in selected_cases(args):
         q, k, v, qo, kv = make_inputs(key, heads, lens, lens)
-        for cfg in configs:
+        for cfg in selected_configs(args, lens):
             tiles = -(-max(lens) // cfg.block_kv)
             # per consumer: wait_q, finish, store_wait, and per tile wait_k, qk, softmax,
             # wait_v, turn, pv (the producer records fewer)
@@ -481,7 +490,7 @@ def check_rows(args) -> list[dict]:
         k = jnp.concatenate([k, jnp.full((pad, heads, D_QK), jnp.nan, k.dtype)])
         v = jnp.concatenate([v, jnp.full((pad, heads, D_V), jnp.nan, v.dtype)])
         q = jnp.concatenate([q, jnp.ones((3, heads, D_QK), q.dtype)])  # rows past qo[-1]
-        for cfg in SWEEP[:3] if args.sweep else [MgpuPrefillConfig()]:
+        for cfg in SWEEP[:3] if args.sweep else [prefill_kernel_config(max(kv_lens))]:
             out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SM_SCALE, causal=causal,
                                    config=cfg)
             ref, ref_lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=SM_SCALE,
@@ -593,7 +602,8 @@ def main(argv=None):
         sys.exit("bench.prefill needs a GPU (the kernel is Hopper's)")
     t0 = time.time()
     payload = dict(environment=environment(), sm_scale=SM_SCALE,
-                   default_config=dataclasses.asdict(MgpuPrefillConfig()))
+                   default_config=dataclasses.asdict(MgpuPrefillConfig()),
+                   short_config=dict(max_kv_len=SHORT_KV_LEN, **dataclasses.asdict(SHORT_CONFIG)))
     path = f"{args.out.rstrip('/')}/{args.name}"
     _SINK.update(path=path, payload=payload, t0=t0)
     if args.profile:

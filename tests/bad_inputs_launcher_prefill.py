@@ -16,7 +16,7 @@ HOST_CALLS: list = []
 
 @functools.lru_cache(maxsize=1)
 def _launcher():
-    """(launcher, good inputs): `prefill_config`'s launcher; 2 requests of 8 / 8 queries over
+    """(launcher, good inputs): `cpu_launch_config`'s launcher; 2 requests of 8 / 8 queries over
     8 / 16 keys."""
     import ctypes
 
@@ -24,7 +24,7 @@ def _launcher():
 
     from funcmla.interop import _launch
     from funcmla.interop.launcher import PrefillLauncher, prefill_plan
-    from tests.launcher_helpers import prefill_config
+    from tests.launcher_helpers import cpu_launch_config
 
     class Kernel:
         def __init__(self, call, index):
@@ -38,7 +38,7 @@ def _launcher():
             return {"name": self.call.name}
 
     nop = _launch.launch_function_type(lambda *a: 0)
-    lau = PrefillLauncher(prefill_plan(prefill_config()), "cpu",
+    lau = PrefillLauncher(prefill_plan(cpu_launch_config()), "cpu",
                           kernel_factory=Kernel, stream_fn=lambda i: 0,
                           launch_address=ctypes.cast(nop, ctypes.c_void_p).value, native=False)
     lau._keep = nop
@@ -83,9 +83,29 @@ def _case(name, bad, match):
 
 
 def _config(**kw):
-    from tests.launcher_helpers import prefill_config
+    from tests.launcher_helpers import cpu_launch_config
 
-    return prefill_config(**kw)
+    return cpu_launch_config(**kw)
+
+
+def _default_kernel():
+    from funcmla.attention.pallas import MgpuPrefillConfig
+
+    return MgpuPrefillConfig()
+
+
+def _torch_mha_prefill(**kw):
+    """`torch_mha_prefill` on good CPU inputs with `kw`: its config checks come before any
+    launcher is built."""
+    import torch
+
+    from funcmla.interop.launcher import torch_mha_prefill
+
+    bf = torch.bfloat16
+    return torch_mha_prefill(torch.zeros(16, 2, 192, dtype=bf), torch.zeros(16, 2, 192, dtype=bf),
+                             torch.zeros(16, 2, 128, dtype=bf),
+                             torch.tensor([0, 8, 16], dtype=torch.int32),
+                             torch.tensor([0, 8, 16], dtype=torch.int32), sm_scale=0.125, **kw)
 
 
 _BOTH = {"step": lambda g, lau: lau.layout(g["qo"], g["kv"], 19, 29), "with_csrs": True}
@@ -140,6 +160,11 @@ CASES: list[BadInput] = [
           (r"q_scale must be a float or a float32 torch tensor", r"got str")),
     _case("no_indptrs", {"qo": lambda g, _: None},
           (r"pass qo_indptr and kv_indptr", r"or step=")),
+    BadInput("launcher_prefill.kernel_and_max_kv_len", lambda: _torch_mha_prefill(
+        kernel=_default_kernel(), max_kv_len=16), _err(), (r"max_kv_len picks the kernel config",
+                                 r"one of kernel and max_kv_len"), needs=("torch",)),
+    BadInput("launcher_prefill.max_kv_len", lambda: _torch_mha_prefill(max_kv_len=-1),
+             ValueError, (r"max_kv_len must be an int >= 0", r"got -1"), needs=("torch",)),
     BadInput("launcher_prefill.config_heads", lambda: _config(num_heads=0), ValueError,
              (r"PrefillLaunchConfig.num_heads", r"int >= 1, got 0")),
     BadInput("launcher_prefill.config_sm_scale", lambda: _config(sm_scale=-1.0), ValueError,

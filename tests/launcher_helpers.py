@@ -101,7 +101,7 @@ def bits(t):
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-def prefill_config(**kw):
+def cpu_launch_config(**kw):
     """The CPU prefill launcher tests' configuration (one lowering shared by the tests and the
     bad-input battery): 2 heads, up to 256 q rows, 384 k / v rows and 5 requests."""
     from funcmla.attention.pallas.prefill_mgpu import MgpuPrefillConfig

@@ -32,11 +32,11 @@ from funcmla.interop.launcher import prefill as P
 from funcmla.interop.launcher.prefill_layout import torch_prefill_layout
 from tests.launcher_helpers import (ContractPrefillKernel, attend_f64, bits,
                                     contract_prefill_launcher, host_view, needs_gpu,
-                                    needs_launcher, prefill_config)
+                                    needs_launcher, cpu_launch_config)
 
 SCALE = 0.125
 H = 2
-CFG = prefill_config()
+CFG = cpu_launch_config()
 
 
 # ----------------------------------------------------------------------------- layout
@@ -275,6 +275,29 @@ def test_interpret_kernel_behind_the_launcher_equals_mha_prefill():
     np.testing.assert_array_equal(out.float().numpy(), np.asarray(want_out, np.float32))
     np.testing.assert_array_equal(lse.numpy(), np.asarray(want_lse))
     assert np.isfinite(out.float().numpy()).all()
+
+
+def test_torch_mha_prefill_picks_the_kernel_config_from_max_kv_len(monkeypatch):
+    """`torch_mha_prefill` builds the launcher of `prefill_kernel_config(max_kv_len)` (the CSRs stay
+    on the device: the hint is the caller's host fact), or of the kernel it is given."""
+    from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN
+
+    built = []
+
+    def launcher(config, device):
+        built.append(config.kernel)
+        return lambda *a, **kw: None
+
+    monkeypatch.setattr(P, "prefill_launcher", launcher)
+    bf = torch.bfloat16
+    args = (torch.zeros(16, 2, 192, dtype=bf), torch.zeros(16, 2, 192, dtype=bf),
+            torch.zeros(16, 2, 128, dtype=bf), torch.tensor([0, 8, 16], dtype=torch.int32),
+            torch.tensor([0, 8, 16], dtype=torch.int32))
+    for kw in ({}, {"max_kv_len": 8}, {"max_kv_len": SHORT_KV_LEN + 1},
+               {"kernel": MgpuPrefillConfig(block_kv=64)}):
+        P.torch_mha_prefill(*args, sm_scale=SCALE, **kw)
+    assert built == [MgpuPrefillConfig(), SHORT_CONFIG, MgpuPrefillConfig(),
+                     MgpuPrefillConfig(block_kv=64)]
 
 
 # ----------------------------------------------------------------------------- GPU

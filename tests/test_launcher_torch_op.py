@@ -136,6 +136,9 @@ def test_prefill_op_exports_as_one_opaque_op_with_mha_prefill_shapes():
         out, lse = torch.ops.funcmla.mha_prefill(*_prefill_inputs(), SCALE, False,
                                                  k_scale=torch.ones(1))
         assert out.shape == (40, 16, 128) and out.dtype == torch.bfloat16
+        hinted, _ = torch.ops.funcmla.mha_prefill(*_prefill_inputs(), SCALE, True,
+                                                  max_kv_len=1024)
+        assert hinted.shape == (40, 16, 128)
         assert lse.shape == (40, 16) and lse.dtype == torch.float32
     ep = torch.export.export(_Prefill(), _prefill_inputs())
     calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"

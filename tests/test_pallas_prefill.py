@@ -109,7 +109,8 @@ def test_interpret_16_heads_block_kv_128():
     queries over a 130-token prefix (an unmasked tile, then the diagonal and the tail)."""
     q, k, v, qo, kv = make(np.random.default_rng(2), 16, [20], [150], extra_q=0,
                            poison=-np.inf)
-    out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, interpret=True)
+    out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
+                           config=MgpuPrefillConfig(), interpret=True)
     check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=True))
 
 
@@ -327,7 +328,7 @@ def test_gpu_profile_names_every_phase(tmp_path):
     q, k, v, qo, kv = make(np.random.default_rng(3), 16, [300, 129], [1000, 129])
     cfg = MgpuPrefillConfig(profile_space=64, profile_dir=str(tmp_path))
     profiled = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=cfg)
-    plain = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True)
+    plain = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=MgpuPrefillConfig())
     events = assert_profiled_like_plain(profiled, plain, tmp_path, set())
     summary = summarize(events)
     names = set(summary["warpgroups"][0]["phases"]) | set(summary["warpgroups"][2]["phases"])
@@ -450,3 +451,62 @@ def test_interpret_fp8_against_reference_on_dequantized_values(dtype):
     deq = [jnp.asarray(x * s) for x, s in ((q, FP8_SCALES["q_scale"]), (k, ks),
                                           (v, FP8_SCALES["v_scale"]))]
     check(out, lse, *mha_attention_reference(*deq, qo, kv, sm_scale=SCALE, causal=True))
+
+
+# ----------------------------------------------------------------------------- config choice
+
+def test_prefill_config_by_the_longest_kv_len():
+    """`prefill_kernel_config`: 64-token tiles in 4 stages up to SHORT_KV_LEN keys, the default
+    128-token tiles past it and where the lengths are unknown (None)."""
+    from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN, prefill_kernel_config
+
+    assert (SHORT_CONFIG.block_kv, SHORT_CONFIG.num_stages) == (64, 4)
+    for n in (0, 1, 1024, SHORT_KV_LEN):
+        assert prefill_kernel_config(n) == SHORT_CONFIG
+    for n in (SHORT_KV_LEN + 1, 16384):
+        assert prefill_kernel_config(n) == MgpuPrefillConfig()
+    assert prefill_kernel_config(None) == MgpuPrefillConfig()
+    assert prefill_kernel_config(np.int64(100)) == SHORT_CONFIG
+
+
+def _config_used(monkeypatch, run) -> list:
+    """The configs `run()` (mha_prefill calls) hands the jitted prefill; nothing runs."""
+    from funcmla.attention.pallas import prefill as prefill_mod
+
+    used = []
+    monkeypatch.setattr(prefill_mod, "_mha_prefill",
+                        lambda *a, config, **kw: used.append(config))
+    run()
+    return used
+
+
+def test_mha_prefill_picks_the_config_from_the_host_lengths(monkeypatch):
+    """config=None: `prefill_kernel_config` of the longest kv_len from concrete indptrs, of a
+    `max_kv_len` hint under jit, and the default with neither; an explicit config is kept."""
+    from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN
+
+    def call(kv_lens, **kw):
+        q, k, v, qo, kv = make(np.random.default_rng(0), 1, [1] * len(kv_lens), kv_lens,
+                               extra_kv=0)
+        return lambda: mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, **kw)
+
+    assert _config_used(monkeypatch, call([3, SHORT_KV_LEN])) == [SHORT_CONFIG]
+    assert _config_used(monkeypatch, call([3, SHORT_KV_LEN + 1])) == [MgpuPrefillConfig()]
+    explicit = MgpuPrefillConfig(block_kv=64, num_stages=2)
+    assert _config_used(monkeypatch, call([3, 5], config=explicit)) == [explicit]
+    q, k, v, qo, kv = make(np.random.default_rng(0), 1, [1, 1], [3, 5], extra_kv=0)
+
+    def traced(**kw):  # indptrs traced: the host cannot read them
+        used = []
+        from funcmla.attention.pallas import prefill as prefill_mod
+
+        with monkeypatch.context() as m:
+            m.setattr(prefill_mod, "_mha_prefill", lambda *a, config, **k_: (
+                used.append(config), (a[0][:, :, :128], a[0][:, :, 0].astype(jnp.float32)))[1])
+            jax.jit(lambda qo_, kv_: mha_prefill(q, k, v, qo_, kv_, sm_scale=SCALE, **kw)[0]
+                    )(qo, kv)
+        return used
+
+    assert traced() == [MgpuPrefillConfig()]
+    assert traced(max_kv_len=5) == [SHORT_CONFIG]
+    assert traced(max_kv_len=SHORT_KV_LEN + 1) == [MgpuPrefillConfig()]

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from funcmla.attention.pallas import MgpuPrefillConfig
+from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN
 from funcmla.interop.sglang import mha_extend as mx
 from funcmla.interop.sglang_backend import ForwardMode, RadixAttention
 from tests.launcher_helpers import (bits, contract_prefill_launcher, needs_gpu,
@@ -108,10 +110,11 @@ def test_mha_extend_equals_torch_float32(prefix, extend):
 def test_mha_extend_runs_the_prefill_kernel_in_interpret_mode(monkeypatch):
     """The pallas path as the backend calls it, the kernel in Mosaic GPU interpret mode (2
     heads, a prefix in one request)."""
-    from funcmla.attention.pallas import MgpuPrefillConfig, mha_prefill
+    from funcmla.attention.pallas import mha_prefill
 
+    # the backend passes the config of the step's lengths (64-token tiles here)
     monkeypatch.setattr(mx, "_pallas_prefill", lambda: functools.partial(
-        mha_prefill, interpret=True, config=MgpuPrefillConfig(block_kv=64)))
+        mha_prefill, interpret=True))
     backend, out, want, *_ = _step(2, [0, 70], [9, 20], 5, backend_name="pallas")
     assert backend.last_backend == "pallas" and backend.last_fallback_reason is None
     assert rel_err(out, want) < 8e-3
@@ -160,6 +163,7 @@ def test_mha_extend_through_the_torch_launcher(prefix, extend, monkeypatch):
     (config, log), = built
     t, t_kv = sum(extend), sum(p + e for p, e in zip(prefix, extend))
     assert (config.q_capacity, config.batch) == (128, 8) and layouts == [(t, t_kv)]
+    assert config.kernel == SHORT_CONFIG  # every request's kv_len <= SHORT_KV_LEN
     assert len(log) == 1
     with monkeypatch.context() as m:  # a second layer of the step: one launch, no host read
         _no_host_reads(m)
@@ -233,13 +237,16 @@ def test_fp8_prefix_rows_scale_without_a_host_read(monkeypatch):
     assert torch.equal(k_f[..., 128:], lat[:, None, 512:].expand(9, 4, 64))
 
 
-def _reference_as_kernel(seen):
+def _reference_as_kernel(seen, configs=None):
     """A stand-in for the jitted prefill: the float32 reference on exactly the inputs the
-    backend hands the kernel (their shapes recorded in `seen`), out in bf16 as the kernel's."""
+    backend hands the kernel (their shapes recorded in `seen`, the kernel config in
+    `configs`), out in bf16 as the kernel's."""
+    configs = [] if configs is None else configs
     from funcmla.attention.reference import mha_attention_reference
 
-    def run(q, k, v, qo, kv, *, sm_scale, causal):
+    def run(q, k, v, qo, kv, *, sm_scale, causal, config):
         seen.append(tuple(tuple(x.shape) for x in (q, k, v, qo, kv)))
+        configs.append(config)
         out, lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=sm_scale, causal=causal)
         return out.astype(q.dtype), lse
 
@@ -277,6 +284,34 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
     assert len(seen) == 2 and seen[0] == seen[1], seen
     (qs, ks_, vs_, qos, kvs), = set(seen)
     assert qs[0] == 128 and qos == kvs == (9,)  # 8 requests + 1
+
+
+@pytest.mark.parametrize("prefix,extend,want", [
+    ([0, 23], [17, 1], SHORT_CONFIG),                      # longest kv_len 40
+    ([SHORT_KV_LEN - 3, 0], [3, 5], SHORT_CONFIG),         # exactly SHORT_KV_LEN
+    ([SHORT_KV_LEN - 2, 0], [3, 5], MgpuPrefillConfig()),  # one key more: 128-token tiles
+])
+def test_the_step_s_longest_kv_len_picks_the_kernel_config(prefix, extend, want, monkeypatch):
+    """The kernel's tile config is `prefill_kernel_config` of the step's longest kv_len, a host fact
+    of init_forward_metadata (no device read in the layer)."""
+    import tests.test_interop_sglang as tis
+
+    seen, configs = [], []
+    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel(seen, configs))
+    monkeypatch.setattr(tis, "MAX_CTX", 2048)  # room for requests past SHORT_KV_LEN
+    rng, b, pool, backend = _setup(4, prefix, extend, 16, attention_backend="reference")
+    backend.attention_backend, backend.torch_launcher = "pallas", False
+    layer = _layer(2, rng)
+    t = sum(extend)
+    q, k = (torch.from_numpy(rng.standard_normal((t, 2 * 192)).astype(np.float32))
+            .bfloat16() for _ in range(2))
+    v = torch.from_numpy(rng.standard_normal((t, 2 * 128)).astype(np.float32)).bfloat16()
+    fb = _fb(ForwardMode.EXTEND, b, extend)
+    backend.init_forward_metadata(fb)
+    with monkeypatch.context() as m:
+        _no_host_reads(m)
+        backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert configs == [want]
 
 
 @needs_gpu

@@ -32,6 +32,7 @@ from funcmla.attention.pallas.prefill_layout import (
     prefill_capacity,
     prefill_geometry,
 )
+from funcmla.attention.pallas.prefill import prefill_kernel_config
 from funcmla.attention.pallas.prefill_mgpu import (
     HEAD_DIM,
     ROWS,
@@ -381,13 +382,14 @@ def prefill_launcher(config: PrefillLaunchConfig, device=None) -> PrefillLaunche
 
 
 def torch_mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale: float, causal: bool = True,
-                      kernel: MgpuPrefillConfig = MgpuPrefillConfig(), out=None, lse=None,
-                      q_scale=None, k_scale=None, v_scale=None):
+                      kernel: MgpuPrefillConfig | None = None, max_kv_len: int | None = None,
+                      out=None, lse=None, q_scale=None, k_scale=None, v_scale=None):
     """`mha_prefill` on torch CUDA tensors through the launcher of the smallest buckets
     (`prefill_capacity`, `prefill_batch_capacity`) that hold q's and k's rows and the request
-    count. Returns (out, lse)
-    as `PrefillLauncher.__call__`; a caller with many layers per step builds the step once
-    (`prefill_launcher(...).layout`)."""
+    count. kernel: the tile configuration, or None: `prefill_kernel_config(max_kv_len)`, the longest
+    request's kv_len as the host knows it (the CSRs are device tensors, never read here; None:
+    the default config). Returns (out, lse) as `PrefillLauncher.__call__`; a caller with many
+    layers per step builds the step once (`prefill_launcher(...).layout`)."""
     for name, x in (("q", q), ("k", k), ("qo_indptr", qo_indptr)):
         if not hasattr(x, "shape") or len(x.shape) < 1:
             raise LauncherArgumentError(f"{name} must be a torch.Tensor with a leading axis, "
@@ -395,6 +397,11 @@ def torch_mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale: float, causal:
     if len(q.shape) != 3:
         raise LauncherArgumentError(f"q has shape {list(q.shape)}; the launcher takes "
                                     f"[T, H, {HEAD_DIM}]")
+    if kernel is None:
+        kernel = prefill_kernel_config(max_kv_len)
+    elif max_kv_len is not None:
+        raise LauncherArgumentError("max_kv_len picks the kernel config: pass one of kernel "
+                                    "and max_kv_len")
     config = PrefillLaunchConfig(
         num_heads=int(q.shape[1]), q_capacity=prefill_capacity(q.shape[0]),
         kv_capacity=prefill_capacity(k.shape[0]),

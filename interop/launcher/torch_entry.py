@@ -232,7 +232,9 @@ def register_torch_ops() -> dict[str, object]:
         (writes out / lse in place)
 
     torch.ops.funcmla.mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale, causal,
-        q_scale=None, k_scale=None, v_scale=None) -> (out, lse)  (`torch_mha_prefill`)
+        q_scale=None, k_scale=None, v_scale=None, max_kv_len=0) -> (out, lse)
+        (`torch_mha_prefill`; max_kv_len: the longest request's kv_len as the host knows it,
+        which picks the tile config, `prefill_kernel_config`; 0 for None)
 
     index_a / index_b: kv_indptr / kv_indices at page_size 1, else page_table / lengths;
     max_kv_len / num_splits: 0 for None; k_scale / v_scale: an fp8 pool's scales as float32
@@ -286,18 +288,18 @@ def register_torch_ops() -> dict[str, object]:
                              schema="(Tensor q, Tensor k, Tensor v, Tensor qo_indptr, "
                                     "Tensor kv_indptr, float sm_scale, bool causal, "
                                     "Tensor? q_scale=None, Tensor? k_scale=None, "
-                                    "Tensor? v_scale=None) -> (Tensor, Tensor)")
+                                    "Tensor? v_scale=None, int max_kv_len=0) -> (Tensor, Tensor)")
     def mha_prefill_op(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, q_scale=None,
-                       k_scale=None, v_scale=None):
+                       k_scale=None, v_scale=None, max_kv_len=0):
         from funcmla.interop.launcher.prefill import torch_mha_prefill
 
         return torch_mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=sm_scale,
                                  causal=causal, q_scale=q_scale, k_scale=k_scale,
-                                 v_scale=v_scale)
+                                 v_scale=v_scale, max_kv_len=max_kv_len or None)
 
     @mha_prefill_op.register_fake
     def _(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, q_scale=None, k_scale=None,
-          v_scale=None):
+          v_scale=None, max_kv_len=0):
         t, h = q.shape[0], q.shape[1]
         return (q.new_empty((t, h, v.shape[2]), dtype=torch.bfloat16),
                 q.new_empty((t, h), dtype=torch.float32))

@@ -186,7 +186,7 @@ class FuncMLAAttnBackend:
         self._jax_meta = None
         self._mode: str | None = None
         self._max_kv_bound: int | None = None
-        self._extend_rows: tuple[int, int, bool] | None = None
+        self._extend_rows: tuple[int, int, bool, int] | None = None
         self.buffer_plan: BufferPlan | None = None
         self._graph_buffer: torch.Tensor | None = None
         self._graph_views: dict | None = None
@@ -374,9 +374,10 @@ class FuncMLAAttnBackend:
                                  f"seq_lens_cpu[{i}] = {int(seq.arr[i])}")
             hc.check_same(fb.extend_seq_lens, ext, "extend_seq_lens", "extend_seq_lens_cpu")
         max_q, max_kv, total = self._host_scalars(kind, seq, n, ext)
-        # the MHA extend's layers read these host facts: (q tokens, kv tokens, any prefix)
+        # the MHA extend's layers read these host facts: (q tokens, kv tokens, any prefix,
+        # the longest request's kv_len: its kernel config, `prefill_kernel_config`)
         self._extend_rows = (None if ext is None
-                             else (ext.sum, total, bool((seq.arr > ext.arr).any())))
+                             else (ext.sum, total, bool((seq.arr > ext.arr).any()), seq.max))
         tokens = ext.sum if kind == "extend" else batch * max_q
         hc.check_out_cache_loc(fb.out_cache_loc, tokens)
         capacity = self.buckets.kv_tokens(total)

@@ -24,9 +24,9 @@ launcher per bucket of (q rows, k / v rows, requests), the step's realigned layo
 once for all its layers (`_launched`). Elsewhere, or where the launcher cannot run
 (`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at
 bucket shapes (`_bucketed`), so it compiles once per bucket rather than once per step. Either
-way a layer reads no device value on the host: the token counts and whether any request has
-a prefix come from the step's host lengths (`backend._extend_rows`, set by
-`init_forward_metadata`).
+way a layer reads no device value on the host: the token counts, whether any request has a
+prefix and the longest kv_len (which picks the kernel's tile config, `prefill_kernel_config`) come
+from the step's host lengths (`backend._extend_rows`, set by `init_forward_metadata`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
     q3 = _heads(q, "q", heads, MHA_HEAD_DIMS[0])
     qo_indptr, kv_indptr = fm.qo_indptr, fm.kv_indptr
     # the step's host lengths, checked by init_forward_metadata: no device read per layer
-    tokens, kv_tokens, has_prefix = backend._extend_rows
+    tokens, kv_tokens, has_prefix, max_kv_len = backend._extend_rows
     if q3.shape[0] != tokens:
         raise ValueError(f"MHA extend: q has {q3.shape[0]} tokens; the batch's extend_seq_lens "
                          f"sum to {tokens}")
@@ -134,13 +134,14 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
         k3, v3 = _decompress(rows, kv_b_proj, heads, q3.dtype, layer.k_scale)
         kv_ip = kv_indptr
     out, backend.last_backend, backend.last_fallback_reason, backend.last_via = _attend(
-        backend, q3, k3, v3, qo_indptr, kv_ip, layer.scaling)
+        backend, q3, k3, v3, qo_indptr, kv_ip, layer.scaling, max_kv_len)
     return out.reshape(q3.shape[0], heads * MHA_HEAD_DIMS[1])
 
 
-def _attend(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
+def _attend(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale, max_kv_len: int):
     """(out [T, H, 128] in q's dtype, the backend that ran, why the reference ran instead of
-    the requested backend or None, how it ran: "launcher" or "jax"). Sets
+    the requested backend or None, how it ran: "launcher" or "jax"). The prefill kernel's
+    tile config is `prefill_kernel_config` of the step's longest kv_len (a host fact). Sets
     backend.last_launcher_reason."""
     reason = backend.last_launcher_reason = None
     requested = backend.attention_backend
@@ -148,13 +149,14 @@ def _attend(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
         if q3.dtype == torch.bfloat16:
             if backend.torch_launcher:
                 out, backend.last_launcher_reason = _launched(backend, q3, k3, v3, qo_indptr,
-                                                              kv_indptr, sm_scale)
+                                                              kv_indptr, sm_scale, max_kv_len)
                 if out is not None:
                     return out, "pallas", None, "launcher"
             else:
                 backend.last_launcher_reason = "torch_launcher is off"
             args = [to_jax(x) for x in _bucketed(q3, k3, v3, qo_indptr, kv_indptr)]
-            out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True)
+            out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True,
+                                       config=_kernel_config(max_kv_len))
             return to_torch(out)[:q3.shape[0]], "pallas", None, "jax"
         reason = f"this MHA extend runs the prefill kernel on bfloat16 q, q is {q3.dtype}"
     elif requested == "aiter":
@@ -174,7 +176,13 @@ def _prefill_launcher(config, device):
     return prefill_launcher(config, device)
 
 
-def _launched(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
+def _kernel_config(max_kv_len: int):
+    from funcmla.attention.pallas.prefill import prefill_kernel_config
+
+    return prefill_kernel_config(max_kv_len)
+
+
+def _launched(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale, max_kv_len: int):
     """(out [T, H, 128], None) through the torch prefill launcher of the step's buckets, or
     (None, why not). The launcher (or the reason it is unavailable) is cached per
     configuration, the step's layout until the next step's metadata (the forward_metadata
@@ -185,7 +193,7 @@ def _launched(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
     from funcmla.interop.launcher.prefill import PrefillLaunchConfig
 
     tq, tk, heads = q3.shape[0], k3.shape[0], q3.shape[1]
-    key = (heads, float(sm_scale), tq, tk, qo_indptr.shape[0])
+    key = (heads, float(sm_scale), tq, tk, qo_indptr.shape[0], max_kv_len)
     cached = backend._mha_step
     if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
             and cached[2] == key:
@@ -194,7 +202,8 @@ def _launched(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale):
         config = PrefillLaunchConfig(num_heads=heads, q_capacity=prefill_capacity(tq),
                                      kv_capacity=prefill_capacity(tk),
                                      batch=prefill_batch_capacity(qo_indptr.shape[0] - 1),
-                                     sm_scale=float(sm_scale), causal=True)
+                                     sm_scale=float(sm_scale), causal=True,
+                                     kernel=_kernel_config(max_kv_len))
         launcher = backend._mha_launchers.get((config, q3.device))
         if launcher is None:
             try:

@@ -3,9 +3,11 @@
 `mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=..., causal=...)` runs
 `prefill_mgpu.prefill_kernel` on checked arguments and returns (out [Tq, H, 128], lse [Tq, H]).
 `check_prefill_args` holds every static check (one home), `validate_prefill_inputs` the eager
-check of index values (also run by `mha_prefill` when the indptrs are concrete). Partial
-results over disjoint key sets combine with `merge.merge_attention_states`. Design and
-numbers: docs/prefill_kernel.md; reproduce with `python -m bench.prefill`.
+check of index values (also run by `mha_prefill` when the indptrs are concrete),
+`prefill_kernel_config` the tile configuration for the batch's longest request (one home: the torch
+launcher and the SGLang backend ask it too). Partial results over disjoint key sets combine
+with `merge.merge_attention_states`. Design and numbers: docs/prefill_kernel.md; reproduce
+with `python -m bench.prefill`.
 """
 
 from __future__ import annotations
@@ -36,11 +38,33 @@ from funcmla.checks import check_indptr
 from funcmla.guards import EAGER
 from funcmla.layout import expect_index_array
 
-__all__ = ["mha_prefill", "check_prefill_args", "validate_prefill_inputs", "HEAD_DIMS"]
+__all__ = ["mha_prefill", "check_prefill_args", "validate_prefill_inputs", "prefill_kernel_config",
+           "HEAD_DIMS", "SHORT_KV_LEN", "SHORT_CONFIG"]
 
 # The (q/k head dim, v head dim) pairs the kernel takes: DeepSeek's decompressed MHA
 # (128 nope + 64 rope, v 128).
 HEAD_DIMS = ((HEAD_DIM, V_HEAD_DIM),)
+
+# Batches whose longest request has at most SHORT_KV_LEN keys run 64-token tiles in four
+# stages: a block there holds few tiles, and the shorter tile halves the block's start and
+# causal tail; past it 128-token tiles (the default config) win. Crossover from
+# `bench.prefill --sweep --configs kv128_s2_pp,kv64_s4_pp` over 256..16k tokens a request
+# (docs/prefill_kernel.md, "Tile configuration by request length").
+SHORT_KV_LEN = 1536
+SHORT_CONFIG = MgpuPrefillConfig(block_kv=64, num_stages=4)
+
+
+def prefill_kernel_config(max_kv_len: int | None) -> MgpuPrefillConfig:
+    """The kernel configuration for a batch whose longest request has `max_kv_len` keys:
+    `SHORT_CONFIG` up to `SHORT_KV_LEN`, else the default `MgpuPrefillConfig()`; None (the
+    lengths are not known on the host, e.g. traced indptrs under jit) gives the default.
+    Only speed depends on it: every configuration computes the same attention."""
+    if max_kv_len is None:
+        return MgpuPrefillConfig()
+    if not isinstance(max_kv_len, numbers.Integral) or isinstance(max_kv_len, bool) \
+            or max_kv_len < 0:
+        raise ValueError(f"max_kv_len must be an int >= 0 or None, got {max_kv_len!r}")
+    return SHORT_CONFIG if max_kv_len <= SHORT_KV_LEN else MgpuPrefillConfig()
 
 
 def check_prefill_args(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal) -> int:
@@ -106,8 +130,9 @@ def _is_concrete(*xs) -> bool:
 
 def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
                 kv_indptr: jax.Array, *, sm_scale: float, causal: bool = True,
-                config: MgpuPrefillConfig = MgpuPrefillConfig(), q_scale=None, k_scale=None,
-                v_scale=None, interpret=False) -> tuple[jax.Array, jax.Array]:
+                config: MgpuPrefillConfig | None = None, max_kv_len: int | None = None,
+                q_scale=None, k_scale=None, v_scale=None,
+                interpret=False) -> tuple[jax.Array, jax.Array]:
     """Ragged multi-head attention over token CSRs (prefill / extend), Mosaic GPU kernel.
 
     q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (`HEAD_DIMS`): each bfloat16, or fp8
@@ -121,7 +146,10 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
         [qo_indptr[i], qo_indptr[i + 1]), its keys k / v rows [kv_indptr[i], kv_indptr[i + 1]).
     causal: bottom-right: query j of a request with q_len queries and kv_len keys sees keys
         < kv_len - q_len + 1 + j (needs kv_len >= q_len); False: every key of its request.
-    sm_scale: softmax scale (static positive float). config: `MgpuPrefillConfig`.
+    sm_scale: softmax scale (static positive float). config: `MgpuPrefillConfig`, or None:
+        `prefill_kernel_config` of the longest request's kv_len, read from concrete indptrs or given
+        as `max_kv_len` (a host-side hint, e.g. SGLang's seq_lens_cpu maximum; a static int)
+        where the indptrs are traced; with neither, the default config.
     interpret: False (compiled, sm_90a), True (Mosaic GPU interpret mode, CPU) or Pallas's GPU
         interpreter parameters.
 
@@ -137,10 +165,16 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     check_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale=sm_scale, causal=causal)
     scales = tuple(one_scale(f"{n}_scale", s, x.dtype, who=n)
                    for n, s, x in (("q", q_scale, q), ("k", k_scale, k), ("v", v_scale, v)))
-    if not isinstance(config, MgpuPrefillConfig):
-        raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
     if _is_concrete(qo_indptr, kv_indptr):
         validate_prefill_inputs(qo_indptr, kv_indptr, q.shape[0], k.shape[0], causal=causal)
+    if config is None:
+        if max_kv_len is None and _is_concrete(kv_indptr):
+            max_kv_len = int(np.max(np.diff(np.asarray(kv_indptr))))
+        config = prefill_kernel_config(max_kv_len)
+    elif max_kv_len is not None:
+        raise ValueError("max_kv_len picks the config: pass one of config and max_kv_len")
+    if not isinstance(config, MgpuPrefillConfig):
+        raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
     # Starts already on 8-row boundaries (known when the indptrs are concrete) need no copy.
     realign = not (_is_concrete(qo_indptr, kv_indptr)
                    and _starts_aligned(qo_indptr, kv_indptr))
