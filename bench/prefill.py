@@ -35,6 +35,9 @@ error of out against `mha_attention_reference` (float32) on two heads.
     python -m bench.prefill --sweep --rounds 3 --only causal --configs kv128_s2_pp,kv64_s4_pp
                                                            # configs in alternating rounds
     python -m bench.prefill --profile out/trace --only 16x1k  # in-kernel phase profile
+    python -m bench.prefill --sweep --configs kv128_s2_pp,kv64_s4_pp --rounds 2 \
+        --shapes 128:64x256,128:32x512,128:16x1024,128:12x1536,128:8x2048,128:4x4096,128:2x8192
+                                                           # the tile configs' crossover
 
 --profile DIR runs each selected case once per config with Mosaic GPU's in-kernel profiler
 (`MgpuPrefillConfig.profile_space`) instead of timing it, and prints `bench.kernel_trace`'s
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import time
@@ -333,9 +337,24 @@ def selected_configs(args, kv_lens) -> list[MgpuPrefillConfig]:
     return configs
 
 
+def parse_shapes(text: str) -> list[tuple]:
+    """--shapes "H:NxL,...": causal cases of N requests of L tokens at H heads, as MHA_CASES
+    entries (the tile configs' crossover). Raises ValueError naming a malformed entry."""
+    cases = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+):(\d+)x(\d+)\s*", part)
+        if not m or min(int(g) for g in m.groups()) < 1:
+            raise ValueError(f"--shapes entry {part!r} is not H:NxL with positive ints, "
+                             "e.g. 128:16x1024")
+        h, n, length = (int(g) for g in m.groups())
+        cases.append((f"causal {n}x{length} H{h}", h, [length] * n, True))
+    return cases
+
+
 def selected_cases(args) -> list[tuple]:
-    """MHA_CASES whose name contains --only."""
-    return [c for c in MHA_CASES if not args.only or args.only in c[0]]
+    """MHA_CASES (or the --shapes cases) whose name contains --only."""
+    cases = parse_shapes(args.shapes) if args.shapes else MHA_CASES
+    return [c for c in cases if not args.only or args.only in c[0]]
 
 
 def mha_rows(args) -> list[dict]:
@@ -588,6 +607,9 @@ def main(argv=None):
     ap.add_argument("--configs", default=None,
                     help="with --sweep: comma-separated config names of SWEEP (cfg_name)")
     ap.add_argument("--only", default=None, help="substring of the case names to run")
+    ap.add_argument("--shapes", default=None, metavar="H:NxL,...",
+                    help="causal cases of N requests of L tokens at H heads instead of the "
+                         "MHA cases (no extend cases), e.g. 128:64x256,128:8x2048")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds after which no further config is started")
     ap.add_argument("--quick", action="store_true", help="3 repetitions (`funcmla bench`)")
@@ -615,18 +637,20 @@ def main(argv=None):
         payload["checks"] = check_rows(args)
         save_partial()
     for name, rows_fn in case_groups():
+        if args.shapes and name != "mha":
+            continue
         payload[name] = rows_fn(args)
         save_partial()
     payload["seconds"] = time.time() - t0
     write_json(path, payload)
     log(f"wrote {path}")
     try:
-        plot([r for name, _ in case_groups() for r in payload[name]],
+        plot([r for name, _ in case_groups() for r in payload.get(name, [])],
              path.rsplit(".", 1)[0] + ".png")
     except ImportError as e:  # matplotlib is the `bench` extra
         log(f"no plot: {e}")
     for name, _ in case_groups():
-        for r in payload[name]:
+        for r in payload.get(name, []):
             log(fmt(r))
     return payload
 

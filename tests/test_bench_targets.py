@@ -2,6 +2,9 @@
 restated by hand here) and bench.prefill's choice of the ratio's baseline."""
 
 import json
+import re
+
+import pytest
 
 from bench.decode_targets import main, target_verdicts
 
@@ -167,3 +170,16 @@ def test_prefill_16_requests_are_judged_against_the_requests_one_by_one():
     one = dict(case="causal 1x16k H128", tflops=632.5, ratio=0.94, rel_err=2e-3)
     assert verdict(one) == "missed: x0.940 < x0.95 of the baseline"
     assert verdict(dict(one, ratio=1.13, rel_err=2e-2)) == "missed: error 2.0e-02 >= 0.01"
+
+
+def test_prefill_shapes_option():
+    """bench.prefill --shapes: causal cases named as the MHA cases; a malformed entry is
+    named."""
+    from bench.prefill import parse_shapes
+
+    assert parse_shapes("128:16x1024, 16:2x8192") == [
+        ("causal 16x1024 H128", 128, [1024] * 16, True),
+        ("causal 2x8192 H16", 16, [8192] * 2, True)]
+    for bad in ("128:16", "0:2x8", "h128:2x8"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            parse_shapes(bad)

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
-from funcmla.attention.pallas.prefill import _mha_prefill
+from funcmla.attention.pallas.prefill import SHORT_CONFIG, _mha_prefill
 from funcmla.attention.pallas.prefill_mgpu import tile_schedule
 from funcmla.attention.reference import mha_attention_reference
 from tests.trace_checks import assert_profiled_like_plain
@@ -136,7 +136,7 @@ def test_interpret_has_no_data_race(pingpong):
 
 @pytest.mark.parametrize("heads,causal,config", [
     (16, True, MgpuPrefillConfig()), (128, False, MgpuPrefillConfig(64, 3)),
-    (128, True, MgpuPrefillConfig(pingpong=True))])
+    (128, True, MgpuPrefillConfig(pingpong=True)), (16, True, SHORT_CONFIG)])
 def test_lowers_for_cuda(heads, causal, config):
     """The compiled kernel lowers for CUDA on any host (Mosaic GPU's code generation runs here;
     only ptxas needs the GPU), at 16 and 128 heads and a row count that needs padding."""
@@ -305,6 +305,7 @@ GPU_CASES = [  # heads, q_lens, kv_lens, causal, config
      MgpuPrefillConfig(pingpong=True)),
     (16, [77, 0, 513], [5, 9, 513], False, MgpuPrefillConfig(block_kv=64, num_stages=4,
                                                             pingpong=True)),
+    (16, [300, 1, 129, 64], [1500, 700, 129, 64], True, SHORT_CONFIG),  # what short runs get
 ]
 
 
