@@ -18,24 +18,24 @@ change is measured against a baseline of the same run (same machine state, same 
 
 Only the named module comes from REV: its source (`git show REV:path`, or the file given by
 `--base-file` where the checkout has no git history, as on a copy of the working tree) is
-imported under another name, and what it imports resolves to the working tree. Its public
-names (`__all__`) replace the live module's, and those of every funcmla module that imported
-them by name, for REV's rounds; a configuration dataclass with the same fields in both stays
-the live one (instances made at import, such as default arguments, pass either side's checks). `--set NAME=VALUE` (repeatable) instead rebinds a module-level
-constant of the live module (a Python literal) for the working tree's rounds, against the
-module as it is (or against REV when given too): a knob the module's functions read at trace
-time, with no second copy of the source; a module that imported the constant by name keeps its
-own binding. `--base-set NAME=VALUE` rebinds one for the baseline's rounds the same way
-(without --rev / --base-file), so two values of a knob are timed against each other. jax's
-caches are cleared at every switch (`mla_decode` is jitted: a cached program would run the
-other kernel). A decode case runs through `mla_decode` with
-`DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span per
-call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
+imported under another name, and what it imports resolves to the working tree. Its public names
+(`__all__`) replace the live module's, and those of every funcmla module that imported them by
+name, for REV's rounds; a configuration dataclass with the same fields in both stays the live
+one (instances made at import, such as default arguments, pass either side's checks). `--set
+NAME=VALUE` (repeatable) instead rebinds a module-level constant of the live module (a Python
+literal) for the working tree's rounds, against the module as it is (or against REV when given
+too): a knob the module's functions read at trace time, with no second copy of the source; a
+module that imported the constant by name keeps its own binding. `--base-set NAME=VALUE` rebinds
+one for the baseline's rounds the same way (without --rev / --base-file), so two values of a
+knob are timed against each other. jax's caches are cleared at every switch (`mla_decode` is
+jitted: a cached program would run the other kernel). A decode case runs through `mla_decode`
+with `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span
+per call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
 dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
-equal length through `mha_prefill` with the config it picks for them (`prefill_kernel_config`), timed and checked as
-`bench.prefill` does (device span per call; error against float32 on two heads). Writes
-out/kernel_ab.json: per case and variant the time of every round, their median, and the
-working tree's median over the baseline's.
+equal length through `mha_prefill` with the config it picks for them (`prefill_kernel_config`),
+timed and checked as `bench.prefill` does (device span per call; error against float32 on two
+heads). Writes out/kernel_ab.json: per case and variant the time of every round, their median,
+and the working tree's median over the baseline's.
 """
 
 from __future__ import annotations
@@ -232,9 +232,9 @@ def decode_runner(args, h: int, b: int, ctx: int, page: int):
 
 def prefill_runner(args, h: int, n: int, length: int):
     """A causal MHA prefill case of n requests of `length` tokens through `mha_prefill` (the
-    config it picks for them, `prefill_kernel_config`; inputs and the float32 reference on two heads made once): (variant) ->
-    (us, rel_err, config name). Each variant is compiled once, at its first round (under its
-    module), and its executable timed in every round."""
+    config it picks for them, `prefill_kernel_config`; inputs and the float32 reference on two
+    heads made once): (variant) -> (us, rel_err, config name). Each variant is compiled once, at
+    its first round (under its module), and its executable timed in every round."""
     import jax
 
     from funcmla.attention.pallas import prefill

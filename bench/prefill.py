@@ -21,14 +21,14 @@ reported beside it (`ratio_head_major`: a layout the caller would have to pay a 
 copy for, untimed here), and the fastest request by request gives `ratio_one_by_one`, on which
 the issue's 16 x 1k targets are judged ("the baseline running the same requests one by one
 padded"; `TARGETS`).
-Without --sweep each case runs the config `mha_prefill` picks for its lengths (`prefill_kernel_config`).
-With --torch that config's row also carries the same call through the torch launcher
-(`launcher_us`: device and host time per call, bit-identity with the JAX path's out). FLOPs
-counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request counting half of
-q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
-profiler spans, each call queued behind a spin kernel so host gaps do not count); torch is
-timed with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius
-error of out against `mha_attention_reference` (float32) on two heads.
+Without --sweep each case runs the config `mha_prefill` picks for its lengths
+(`prefill_kernel_config`). With --torch that config's row also carries the same call through the
+torch launcher (`launcher_us`: device and host time per call, bit-identity with the JAX path's
+out). FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request
+counting half of q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
+profiler spans, each call queued behind a spin kernel so host gaps do not count); torch is timed
+with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius error of
+out against `mha_attention_reference` (float32) on two heads.
 
     python -m bench.prefill --out docs/results/            # the cases, JSON prefill_h200.json
     python -m bench.prefill --check --sweep --out out/     # + correctness shapes, tile sweep
@@ -329,8 +329,8 @@ def launcher_us(q, k, v, qo, kv, causal: bool, kernel: MgpuPrefillConfig, jax_ou
 # ----------------------------------------------------------------------------- groups
 
 def selected_configs(args, kv_lens) -> list[MgpuPrefillConfig]:
-    """The config `mha_prefill` picks for these requests (`prefill_kernel_config` of the longest), or
-    with --sweep every SWEEP config (those named by --configs)."""
+    """The config `mha_prefill` picks for these requests (`prefill_kernel_config` of the
+    longest), or with --sweep every SWEEP config (those named by --configs)."""
     configs = SWEEP if args.sweep else [prefill_kernel_config(max(kv_lens))]
     if args.configs:
         configs = [c for c in configs if cfg_name(c) in args.configs.split(",")]

@@ -278,8 +278,8 @@ def test_interpret_kernel_behind_the_launcher_equals_mha_prefill():
 
 
 def test_torch_mha_prefill_picks_the_kernel_config_from_max_kv_len(monkeypatch):
-    """`torch_mha_prefill` builds the launcher of `prefill_kernel_config(max_kv_len)` (the CSRs stay
-    on the device: the hint is the caller's host fact), or of the kernel it is given."""
+    """`torch_mha_prefill` builds the launcher of `prefill_kernel_config(max_kv_len)` (the CSRs
+    stay on the device: the hint is the caller's host fact), or of the kernel it is given."""
     from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN
 
     built = []

@@ -292,8 +292,8 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
     ([SHORT_KV_LEN - 2, 0], [3, 5], MgpuPrefillConfig()),  # one key more: 128-token tiles
 ])
 def test_the_step_s_longest_kv_len_picks_the_kernel_config(prefix, extend, want, monkeypatch):
-    """The kernel's tile config is `prefill_kernel_config` of the step's longest kv_len, a host fact
-    of init_forward_metadata (no device read in the layer)."""
+    """The kernel's tile config is `prefill_kernel_config` of the step's longest kv_len, a host
+    fact of init_forward_metadata (no device read in the layer)."""
     import tests.test_interop_sglang as tis
 
     seen, configs = [], []

@@ -386,10 +386,10 @@ def torch_mha_prefill(q, k, v, qo_indptr, kv_indptr, *, sm_scale: float, causal:
                       out=None, lse=None, q_scale=None, k_scale=None, v_scale=None):
     """`mha_prefill` on torch CUDA tensors through the launcher of the smallest buckets
     (`prefill_capacity`, `prefill_batch_capacity`) that hold q's and k's rows and the request
-    count. kernel: the tile configuration, or None: `prefill_kernel_config(max_kv_len)`, the longest
-    request's kv_len as the host knows it (the CSRs are device tensors, never read here; None:
-    the default config). Returns (out, lse) as `PrefillLauncher.__call__`; a caller with many
-    layers per step builds the step once (`prefill_launcher(...).layout`)."""
+    count. kernel: the tile configuration, or None: `prefill_kernel_config(max_kv_len)`, the
+    longest request's kv_len as the host knows it (the CSRs are device tensors, never read here;
+    None: the default config). Returns (out, lse) as `PrefillLauncher.__call__`; a caller with
+    many layers per step builds the step once (`prefill_launcher(...).layout`)."""
     for name, x in (("q", q), ("k", k), ("qo_indptr", qo_indptr)):
         if not hasattr(x, "shape") or len(x.shape) < 1:
             raise LauncherArgumentError(f"{name} must be a torch.Tensor with a leading axis, "

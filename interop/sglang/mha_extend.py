@@ -20,13 +20,13 @@ the float32 `mha_attention_reference` (backend "reference"; AITER's own MHA is n
 "aiter" runs the reference and records why). On an NVIDIA GPU with `torch_launcher` on, the
 pallas path runs the kernel through the torch prefill launcher
 (`funcmla.interop.launcher.prefill`: on torch's stream, no JAX dispatch, no DLPack): one
-launcher per bucket of (q rows, k / v rows, requests), the step's realigned layout computed
-once for all its layers (`_launched`). Elsewhere, or where the launcher cannot run
-(`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at
-bucket shapes (`_bucketed`), so it compiles once per bucket rather than once per step. Either
-way a layer reads no device value on the host: the token counts, whether any request has a
-prefix and the longest kv_len (which picks the kernel's tile config, `prefill_kernel_config`) come
-from the step's host lengths (`backend._extend_rows`, set by `init_forward_metadata`).
+launcher per bucket of (q rows, k / v rows, requests), the step's realigned layout computed once
+for all its layers (`_launched`). Elsewhere, or where the launcher cannot run
+(`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at bucket
+shapes (`_bucketed`), so it compiles once per bucket rather than once per step. Either way a
+layer reads no device value on the host: the token counts, whether any request has a prefix and
+the longest kv_len (which picks the kernel's tile config, `prefill_kernel_config`) come from the
+step's host lengths (`backend._extend_rows`, set by `init_forward_metadata`).
 """
 
 from __future__ import annotations

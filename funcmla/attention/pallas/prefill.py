@@ -4,10 +4,10 @@
 `prefill_mgpu.prefill_kernel` on checked arguments and returns (out [Tq, H, 128], lse [Tq, H]).
 `check_prefill_args` holds every static check (one home), `validate_prefill_inputs` the eager
 check of index values (also run by `mha_prefill` when the indptrs are concrete),
-`prefill_kernel_config` the tile configuration for the batch's longest request (one home: the torch
-launcher and the SGLang backend ask it too). Partial results over disjoint key sets combine
-with `merge.merge_attention_states`. Design and numbers: docs/prefill_kernel.md; reproduce
-with `python -m bench.prefill`.
+`prefill_kernel_config` the tile configuration for the batch's longest request (one home: the
+torch launcher and the SGLang backend ask it too). Partial results over disjoint key sets
+combine with `merge.merge_attention_states`. Design and numbers: docs/prefill_kernel.md;
+reproduce with `python -m bench.prefill`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from funcmla.checks import check_indptr
 from funcmla.guards import EAGER
 from funcmla.layout import expect_index_array
 
-__all__ = ["mha_prefill", "check_prefill_args", "validate_prefill_inputs", "prefill_kernel_config",
-           "HEAD_DIMS", "SHORT_KV_LEN", "SHORT_CONFIG"]
+__all__ = ["mha_prefill", "check_prefill_args", "validate_prefill_inputs",
+           "prefill_kernel_config", "HEAD_DIMS", "SHORT_KV_LEN", "SHORT_CONFIG"]
 
 # The (q/k head dim, v head dim) pairs the kernel takes: DeepSeek's decompressed MHA
 # (128 nope + 64 rope, v 128).
@@ -147,19 +147,19 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     causal: bottom-right: query j of a request with q_len queries and kv_len keys sees keys
         < kv_len - q_len + 1 + j (needs kv_len >= q_len); False: every key of its request.
     sm_scale: softmax scale (static positive float). config: `MgpuPrefillConfig`, or None:
-        `prefill_kernel_config` of the longest request's kv_len, read from concrete indptrs or given
-        as `max_kv_len` (a host-side hint, e.g. SGLang's seq_lens_cpu maximum; a static int)
-        where the indptrs are traced; with neither, the default config.
+        `prefill_kernel_config` of the longest request's kv_len, read from concrete indptrs or
+        given as `max_kv_len` (a host-side hint, e.g. SGLang's seq_lens_cpu maximum; a static
+        int) where the indptrs are traced; with neither, the default config.
     interpret: False (compiled, sm_90a), True (Mosaic GPU interpret mode, CPU) or Pallas's GPU
         interpreter parameters.
 
-    Returns out [Tq, H, 128] (q's dtype; bfloat16 for an fp8 q) and lse [Tq, H] float32
-    (natural log of the softmax denominator of the scaled scores). A query with no visible
-    key (a request with kv_len 0, rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of
-    k / v outside every request (NaN, Inf) never reach an output. Index values are checked
-    here when concrete (`validate_prefill_inputs`); under an outer jit they are the caller's
-    contract and nothing is read or written out of bounds. The kernel needs every request to start on a multiple of
-    8 rows (`ROW_ALIGN`); unless concrete indptrs show that they do, q, k, v and out are copied
+    Returns out [Tq, H, 128] (q's dtype; bfloat16 for an fp8 q) and lse [Tq, H] float32 (natural
+    log of the softmax denominator of the scaled scores). A query with no visible key (a request
+    with kv_len 0, rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of k / v outside every
+    request (NaN, Inf) never reach an output. Index values are checked here when concrete
+    (`validate_prefill_inputs`); under an outer jit they are the caller's contract and nothing
+    is read or written out of bounds. The kernel needs every request to start on a multiple of 8
+    rows (`ROW_ALIGN`); unless concrete indptrs show that they do, q, k, v and out are copied
     through an aligned layout (docs/prefill_kernel.md, "Invariants").
     """
     check_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale=sm_scale, causal=causal)
