@@ -7,6 +7,7 @@ computes an extend)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -80,9 +81,14 @@ def _expected(b, pool, layer, prefix, extend, q, k, v):
     return _torch_reference(q.view(t, heads, 192), ks, vs, prefix, extend)
 
 
-def _step(heads, prefix, extend, seed, backend_name="reference"):
+def _step(heads, prefix, extend, seed, backend_name="reference", *, monkeypatch=None):
+    """One MHA extend step: (backend, out [T, H, 128], the float32 restatement, layer, fb,
+    (q, k, v)). With `monkeypatch` the pallas path runs through JAX (torch_launcher off) and
+    the layer is checked to read no device value on the host."""
     rng, b, pool, backend = _setup(seed, prefix, extend, 16, attention_backend="reference")
     backend.attention_backend = backend_name  # "pallas": as selected on an NVIDIA GPU
+    if monkeypatch is not None:
+        backend.torch_launcher = False
     layer = _layer(heads, rng)
     t = sum(extend)
     q, k = (torch.from_numpy(rng.standard_normal((t, heads * 192)).astype(np.float32))
@@ -90,7 +96,10 @@ def _step(heads, prefix, extend, seed, backend_name="reference"):
     v = torch.from_numpy(rng.standard_normal((t, heads * 128)).astype(np.float32)).bfloat16()
     fb = _fb(ForwardMode.EXTEND, b, extend)
     backend.init_forward_metadata(fb)
-    out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    with contextlib.ExitStack() as stack:
+        if monkeypatch is not None:
+            _no_host_reads(stack.enter_context(monkeypatch.context()))
+        out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
     assert out.shape == (t, heads * 128) and out.dtype == torch.bfloat16
     want = _expected(b, pool, layer, prefix, extend, q, k, v)
     return backend, out.view(t, heads, 128), want, layer, fb, (q, k, v)
@@ -266,21 +275,8 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
     seen = []
     monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel(seen))
     for extend in extends:
-        rng, b, pool, backend = _setup(7, prefix, extend, 16, attention_backend="reference")
-        backend.attention_backend, backend.torch_launcher = "pallas", False
-        layer = _layer(4, rng)
-        t = sum(extend)
-        q, k = (torch.from_numpy(rng.standard_normal((t, 4 * 192)).astype(np.float32))
-                .bfloat16() for _ in range(2))
-        v = torch.from_numpy(rng.standard_normal((t, 4 * 128)).astype(np.float32)).bfloat16()
-        fb = _fb(ForwardMode.EXTEND, b, extend)
-        backend.init_forward_metadata(fb)
-        with monkeypatch.context() as m:
-            _no_host_reads(m)
-            out = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
-        assert backend.last_backend == "pallas" and out.shape == (t, 4 * 128)
-        want = _expected(b, pool, layer, prefix, extend, q, k, v)
-        assert rel_err(out.view(t, 4, 128), want) < 8e-3
+        backend, out, want, *_ = _step(4, prefix, extend, 7, "pallas", monkeypatch=monkeypatch)
+        assert backend.last_backend == "pallas" and rel_err(out, want) < 8e-3
     assert len(seen) == 2 and seen[0] == seen[1], seen
     (qs, ks_, vs_, qos, kvs), = set(seen)
     assert qs[0] == 128 and qos == kvs == (9,)  # 8 requests + 1
@@ -296,21 +292,10 @@ def test_the_step_s_longest_kv_len_picks_the_kernel_config(prefix, extend, want,
     fact of init_forward_metadata (no device read in the layer)."""
     import tests.test_interop_sglang as tis
 
-    seen, configs = [], []
-    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel(seen, configs))
+    configs = []
+    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel([], configs))
     monkeypatch.setattr(tis, "MAX_CTX", 2048)  # room for requests past SHORT_KV_LEN
-    rng, b, pool, backend = _setup(4, prefix, extend, 16, attention_backend="reference")
-    backend.attention_backend, backend.torch_launcher = "pallas", False
-    layer = _layer(2, rng)
-    t = sum(extend)
-    q, k = (torch.from_numpy(rng.standard_normal((t, 2 * 192)).astype(np.float32))
-            .bfloat16() for _ in range(2))
-    v = torch.from_numpy(rng.standard_normal((t, 2 * 128)).astype(np.float32)).bfloat16()
-    fb = _fb(ForwardMode.EXTEND, b, extend)
-    backend.init_forward_metadata(fb)
-    with monkeypatch.context() as m:
-        _no_host_reads(m)
-        backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    _step(2, prefix, extend, 4, "pallas", monkeypatch=monkeypatch)
     assert configs == [want]
 
 
