@@ -252,6 +252,7 @@ class _InterpretKernel(ContractPrefillKernel):
         self.host = ctypes.cast(self._cb, ctypes.c_void_p).value
 
 
+@needs_launcher
 @pytest.mark.slow  # Mosaic GPU interpret mode, two geometries
 def test_interpret_kernel_behind_the_launcher_equals_mha_prefill():
     """The kernel in the launcher's larger geometry (capacities and spare requests) gives the
