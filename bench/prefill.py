@@ -580,7 +580,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.bar(x + 0.2, [r.get("baseline_tflops") or 0 for r in rows], 0.4,
            label="fastest dense baseline (same run)")
     for i, r in enumerate(rows):
-        tf = TARGETS.get(r["case"], (None, None))[0]
+        tf = TARGETS.get(r["case"], (None, None, "ratio"))[0]
         if tf:
             ax.plot([i - 0.45, i + 0.45], [tf, tf], "r--", lw=1)
     ax.set_xticks(x)
