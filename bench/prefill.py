@@ -197,7 +197,6 @@ def cudnn_fn(q, k, v, qo, causal: bool, per_request: bool):
         return jax.nn.dot_product_attention(qb, kb, vb, scale=SM_SCALE, is_causal=causal,
                                             implementation="cudnn")[..., :D_V]
 
-    f = jax.jit(attend)
     if per_request:
         parts = [(q[i * length:(i + 1) * length][None], k[i * length:(i + 1) * length][None],
                   vp[i * length:(i + 1) * length][None]) for i in range(b)]
@@ -208,6 +207,7 @@ def cudnn_fn(q, k, v, qo, causal: bool, per_request: bool):
             return jax.block_until_ready(each(parts))
     else:
         qb, kb, vb = (x.reshape(b, length, h, x.shape[-1]) for x in (q, k, vp))
+        f = jax.jit(attend)
 
         def run():
             return jax.block_until_ready(f(qb, kb, vb))
@@ -259,31 +259,23 @@ def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
 
     tq, tk = torch.from_dlpack(q), torch.from_dlpack(k)
     tv = torch.nn.functional.pad(torch.from_dlpack(v), (0, D_QK - D_V))  # [T, H, 192]
-    layouts = {"": [view(t) for t in (tq, tk, tv)],
-               HEAD_MAJOR: [view(t).contiguous() for t in (tq, tk, tv)]}
+    views = [view(t) for t in (tq, tk, tv)]
+    # per variant, the (q, k, v) of each SDPA call one timed call makes
+    variants = {"": [views], HEAD_MAJOR: [[t.contiguous() for t in views]]}
+    if b > 1:
+        variants[PER_REQUEST] = [[t[i:i + 1] for t in views] for i in range(b)]
     res = {}
-    for suffix, (bq, bk, bv) in layouts.items():
+    for suffix, calls_qkv in variants.items():
         for name, be in (("torch_flash", SDPBackend.FLASH_ATTENTION),
                          ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
                 with sdpa_kernel(be):
-                    res[name + suffix] = torch_queued_us(torch, lambda: (
+                    res[name + suffix] = torch_queued_us(torch, lambda: [
                         torch.nn.functional.scaled_dot_product_attention(
-                            bq, bk, bv, is_causal=causal, scale=SM_SCALE)), reps, calls)
+                            cq, ck, cv, is_causal=causal, scale=SM_SCALE)
+                        for cq, ck, cv in calls_qkv], reps, calls)
             except Exception as e:  # noqa: BLE001 - a backend missing here is reported
                 log(f"   {name}{suffix}: {type(e).__name__}: {str(e)[:160]}")
-    if b > 1:
-        parts = [[x[i:i + 1] for x in layouts[""]] for i in range(b)]
-        for name, be in (("torch_flash", SDPBackend.FLASH_ATTENTION),
-                         ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
-            try:
-                with sdpa_kernel(be):
-                    res[name + PER_REQUEST] = torch_queued_us(torch, lambda: [
-                        torch.nn.functional.scaled_dot_product_attention(
-                            pq, pk, pv, is_causal=causal, scale=SM_SCALE)
-                        for pq, pk, pv in parts], reps, calls)
-            except Exception as e:  # noqa: BLE001 - a backend missing here is reported
-                log(f"   {name}{PER_REQUEST}: {type(e).__name__}: {str(e)[:160]}")
     return res
 
 

@@ -471,13 +471,19 @@ def test_prefill_config_by_the_longest_kv_len():
 
 
 def _config_used(monkeypatch, run) -> list:
-    """The configs `run()` (mha_prefill calls) hands the jitted prefill; nothing runs."""
+    """The configs `run()` (mha_prefill calls, eager or under jit) hands the jitted prefill,
+    which is replaced by a stand-in of its output shapes: no kernel runs."""
     from funcmla.attention.pallas import prefill as prefill_mod
 
     used = []
-    monkeypatch.setattr(prefill_mod, "_mha_prefill",
-                        lambda *a, config, **kw: used.append(config))
-    run()
+
+    def stand_in(q, *a, config, **kw):
+        used.append(config)
+        return q[:, :, :128], q[:, :, 0].astype(jnp.float32)
+
+    with monkeypatch.context() as m:
+        m.setattr(prefill_mod, "_mha_prefill", stand_in)
+        run()
     return used
 
 
@@ -498,15 +504,8 @@ def test_mha_prefill_picks_the_config_from_the_host_lengths(monkeypatch):
     q, k, v, qo, kv = make(np.random.default_rng(0), 1, [1, 1], [3, 5], extra_kv=0)
 
     def traced(**kw):  # indptrs traced: the host cannot read them
-        used = []
-        from funcmla.attention.pallas import prefill as prefill_mod
-
-        with monkeypatch.context() as m:
-            m.setattr(prefill_mod, "_mha_prefill", lambda *a, config, **k_: (
-                used.append(config), (a[0][:, :, :128], a[0][:, :, 0].astype(jnp.float32)))[1])
-            jax.jit(lambda qo_, kv_: mha_prefill(q, k, v, qo_, kv_, sm_scale=SCALE, **kw)[0]
-                    )(qo, kv)
-        return used
+        return _config_used(monkeypatch, lambda: jax.jit(
+            lambda qo_, kv_: mha_prefill(q, k, v, qo_, kv_, sm_scale=SCALE, **kw)[0])(qo, kv))
 
     assert traced() == [MgpuPrefillConfig()]
     assert traced(max_kv_len=5) == [SHORT_CONFIG]
