@@ -59,7 +59,6 @@ from funcmla.attention.pallas.mgpu_ops import (
     mgpu_params,
     mma_acc,
     mma_acc_and,
-    store,
     swizzled,
 )
 from funcmla.attention.pallas.decode_common import (
@@ -177,7 +176,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     def _store(out, which: int, lse):
         """Output half `which` ([64, 256], this block's rows and split) and, with `lse`, the
         block's lse, through shared memory to global memory."""
-        store(o_stage.at[which], out.astype(o_stage.dtype), interpret)
+        o_stage.at[which][...] = out.astype(o_stage.dtype)  # swizzled: no bank conflicts
         if lse is not None:
             lse_stage[...] = lse
         plgpu.commit_smem()
@@ -200,7 +199,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             l_i = load(l_smem, plgpu.Layout.WGMMA.reduce(1), interpret)
             has = l_i > 0.0
             l_safe = jnp.where(has, l_i, 1.0)
-            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            # one reciprocal a row, a multiply an element (not IEEE division on each)
+            out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
             lse = None
             if half == 0:
                 empty = jnp.inf if final else -jnp.inf
@@ -335,7 +335,8 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
 
     transforms = swizzled(_SWIZZLE, 2)
     kv_stages = plgpu.SMEM((_STAGES, BLOCK_KV, d), q.dtype, transforms=transforms)
-    o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype)
+    o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype,
+                         transforms=swizzled(_SWIZZLE, jnp.dtype(o_dtype).itemsize))
     lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
     copies = arrivals_per_tile(kv.page_size)
     scratch = [

@@ -174,23 +174,17 @@ def _qk(q_smem, k_smem, block_kv: int, interpret: bool, while_running=None):
 
 def _store_rows(o_stage, o_dst_rows, n):
     """Copies rows [0, n) of o_stage [64, D] to o_dst_rows(start, size) (a global-memory
-    slice of `size` rows), n in [0, 64]: one copy when the tile is full, else one copy per set
-    bit of n (32, 16, ..., 1 rows), so no row past n is written."""
-    @pl.when(n == ROWS)
-    def _():
-        plgpu.copy_smem_to_gmem(o_stage, o_dst_rows(0, ROWS))
+    slice of `size` rows), n in [0, 64): one copy per set bit of n (32, 16, ..., 1 rows), so
+    no row past n is written."""
+    off = 0
+    for size in (32, 16, 8, 4, 2, 1):
+        take = (n & size) != 0
 
-    @pl.when(n < ROWS)
-    def _():
-        off = 0
-        for size in (32, 16, 8, 4, 2, 1):
-            take = (n & size) != 0
+        @pl.when(take)
+        def _():
+            plgpu.copy_smem_to_gmem(o_stage.at[pl.ds(off, size)], o_dst_rows(off, size))
 
-            @pl.when(take)
-            def _():
-                plgpu.copy_smem_to_gmem(o_stage.at[pl.ds(off, size)], o_dst_rows(off, size))
-
-            off = off + jnp.where(take, size, 0)
+        off = off + jnp.where(take, size, 0)
 
 
 def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
@@ -199,7 +193,8 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             interpret: bool):
     (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
      v_clean, turn) = scratch
-    q_smems, o_stages, lse_stages = (qo0[0], qo1[0]), (qo0[1], qo1[1]), (lse0, lse1)
+    q_smems, lse_stages = (qo0[0], qo1[0]), (lse0, lse1)
+    o_stages, o_full_stages = (qo0[1], qo1[1]), (qo0[2], qo1[2])
 
     h = lax.axis_index("h")
     slot_id = num_slots - 1 - lax.axis_index("tile")  # last slots first: long causal tiles
@@ -350,16 +345,33 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         with jax.named_scope("finish"):
             has = l_i > 0.0
             l_safe = jnp.where(has, l_i, 1.0)
-            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            # One reciprocal a row and a multiply an element: a division an element is
+            # IEEE division's instruction sequence on every accumulator register.
+            out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
             lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
-            # q is dead (its last q k^T was waited for): the output staging reuses its memory.
-            store(o_stages[w], out.astype(o_stages[w].dtype), interpret)
+            out = out.astype(o_stages[w].dtype)
             lse_stages[w][...] = lse
-            plgpu.commit_smem()
             n_rows = jnp.clip(q_len - row0, 0, ROWS)
-            _store_rows(o_stages[w],
-                        lambda off, size: o_ref.at[pl.ds(q_start + row0 + off, size), h],
-                        n_rows)
+
+            def dst(off, size):
+                return o_ref.at[pl.ds(q_start + row0 + off, size), h]
+
+            # q is dead (its last q k^T was waited for): the output staging reuses its memory.
+            # A full half goes through the swizzled staging (stores free of bank conflicts, one
+            # TMA copy); a partial one through the row-major one, whose rows the copies of 32,
+            # 16, ..., 1 rows can address.
+            @pl.when(n_rows == ROWS)
+            def _():
+                o_full_stages[w][...] = out
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_full_stages[w], dst(0, ROWS))
+
+            @pl.when(n_rows < ROWS)
+            def _():
+                store(o_stages[w], out, interpret)
+                plgpu.commit_smem()
+                _store_rows(o_stages[w], dst, n_rows)
+
             plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0)
@@ -387,13 +399,14 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
     transforms = swizzled(_SWIZZLE, 2)
     q_half = plgpu.SMEM((ROWS, HEAD_DIM), dtype, transforms=transforms)
     o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype)
+    o_full = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype, transforms=transforms)
     lse_half = plgpu.SMEM((ROWS,), jnp.float32)
     if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
-        q_or_out = [(q_half, o_half) for _ in range(2)]
+        q_or_out = [(q_half, o_half, o_full) for _ in range(2)]
     else:
-        # Each consumer's q half and its output staging share memory (q is dead once the
-        # consumer's last q k^T is done); the lse staging is apart (256 bytes).
-        q_or_out = [plgpu.RefUnion(q_half, o_half) for _ in range(2)]
+        # Each consumer's q half and its two output stagings share memory (q is dead once
+        # the consumer's last q k^T is done); the lse staging is apart (256 bytes).
+        q_or_out = [plgpu.RefUnion(q_half, o_half, o_full) for _ in range(2)]
     scratch = [
         *q_or_out,
         lse_half,
