@@ -1,6 +1,7 @@
 """A kernel module of the working tree against the same module at a git revision, in one
-process: device time per call of decode cases, the two alternating round by round, so a
-change is measured against a baseline of the same run (same machine state, same clocks).
+process: device time per call of decode cases, the two alternating round by round (and which
+runs first in a round alternating too), so a change is measured against a baseline of the same
+run (same machine state, same clocks).
 
     python -m bench.kernel_ab --rev 594e5fa --kv-dtype fp8 --out out/
     python -m bench.kernel_ab --rev HEAD~1 --module funcmla.attention.pallas.decode_mgpu \\
@@ -319,8 +320,10 @@ def main(argv=None) -> int:
                else decode_runner(args, *fields.values()))
         times = {"tree": [], "rev": []}
         errs, kernels = {}, {}
-        for _ in range(args.rounds):
-            for variant in ("tree", "rev"):
+        for r in range(args.rounds):
+            # which variant runs first alternates too: an effect of the position in a round
+            # (allocations, clocks) falls on both
+            for variant in (("tree", "rev") if r % 2 == 0 else ("rev", "tree")):
                 ctxm = (settings_applied(live, settings) if variant == "tree"
                         else swapped(live, base) if base is not None
                         else settings_applied(live, base_settings))

@@ -95,7 +95,7 @@ def test_main_times_each_variant_with_its_own_module(monkeypatch, tmp_path):
     monkeypatch.setattr(decode_case, "bench_case", fake_bench_case)
     assert kernel_ab.main(["--rev", "HEAD", "--cases", "h16_b32_ctx4k_p64", "--rounds", "2",
                            "--out", str(tmp_path)]) == 0
-    assert seen == [True, False, True, False]
+    assert seen == [True, False, False, True]  # the first of a round alternates
     assert decode_mgpu_fp8.decode_call is live_call
     (case,) = json.loads((tmp_path / "kernel_ab.json").read_text())["cases"]
     assert case["times_us"] == {"tree": [10.0, 10.0], "rev": [20.0, 20.0]}
@@ -141,7 +141,7 @@ def test_swap_reaches_the_modules_that_imported_a_name(monkeypatch, tmp_path):
     assert kernel_ab.main(["--rev", "HEAD", "--module", kernel_ab.PREFILL_MODULE,
                            "--cases", "prefill_h16_16x1k", "--rounds", "2",
                            "--out", str(tmp_path)]) == 0
-    assert seen == [True, False, True, False]
+    assert seen == [True, False, False, True]  # the first of a round alternates
     (case,) = json.loads((tmp_path / "kernel_ab.json").read_text())["cases"]
     assert (case["heads"], case["requests"], case["tokens"]) == (16, 16, 1024)
     assert case["ratio"] == 1.25
@@ -193,7 +193,7 @@ def test_main_with_set_times_the_knob_against_the_module_as_it_is(monkeypatch, t
     monkeypatch.setattr(decode_case, "bench_case", fake_bench_case)
     assert kernel_ab.main(["--set", "BLOCK_ROWS=5", "--cases", "h16_b32_ctx4k_p64",
                            "--rounds", "2", "--out", str(tmp_path)]) == 0
-    assert seen == [5, rows, 5, rows]
+    assert seen == [5, rows, rows, 5]  # the first of a round alternates
     assert decode_mgpu_fp8.BLOCK_ROWS == rows
     data = json.loads((tmp_path / "kernel_ab.json").read_text())
     assert data["info"]["set"] == ["BLOCK_ROWS=5"] and data["info"]["rev"] == "as is"
