@@ -59,7 +59,8 @@ def _call(**bad):
     if "step" in bad and not both:  # a step replaces the CSRs
         args["qo"] = args["kv"] = None
     return lau(args["q"], args["k"], args["v"], args["qo"], args["kv"], step=args["step"],
-               out=args["out"], **{n: args.get(n) for n in ("q_scale", "k_scale", "v_scale")})
+               out=args["out"], kv_laid_out=args.get("kv_laid_out", False),
+               **{n: args.get(n) for n in ("q_scale", "k_scale", "v_scale")})
 
 
 def _torch(fn):
@@ -160,6 +161,11 @@ CASES: list[BadInput] = [
           (r"q_scale must be a float or a float32 torch tensor", r"got str")),
     _case("no_indptrs", {"qo": lambda g, _: None},
           (r"pass qo_indptr and kv_indptr", r"or step=")),
+    _case("laid_out_without_step", {"kv_laid_out": lambda g, _: True},
+          (r"kv_laid_out=True needs step=",)),
+    _case("laid_out_rows", {"kv_laid_out": lambda g, _: True,
+                            "step": lambda g, lau: lau.layout(g["qo"], g["kv"], 19, 29)},
+          (r"k / v laid out have 29 rows", r"geometry.kv_rows = \d+")),
     BadInput("launcher_prefill.kernel_and_max_kv_len", lambda: _torch_mha_prefill(
         kernel=_default_kernel(), max_kv_len=16), _err(), (r"max_kv_len picks the kernel config",
                                  r"one of kernel and max_kv_len"), needs=("torch",)),

@@ -168,6 +168,25 @@ def test_launcher_wires_the_layout_and_gathers_back(native, q_lens, kv_lens):
 
 
 @needs_launcher
+def test_laid_out_k_v_give_the_gathered_call_s_bits():
+    """k / v handed over in the step's layout (kv_laid_out=True: row r is token
+    step.layout.kv_src[r]) reach the kernel as the launcher's own gathers would: out and lse
+    bit-equal, for bf16 and for fp8 rows with a scale."""
+    lau, log = _launcher(False)
+    q, k, v, qo, kv = _batch(np.random.default_rng(7), [70, 0, 1, 64], [100, 0, 33, 64])
+    step = lau.layout(qo, kv, q.shape[0], k.shape[0])
+    src = step.layout.kv_src.long()
+    assert src.shape[0] == lau.geometry.kv_rows
+    k8 = k.to(torch.float8_e4m3fn)
+    for kk, scale in ((k, None), (k8, 0.5)):
+        want = lau(q, kk, v, step=step, k_scale=scale)
+        n = len(log)
+        got = lau(q, kk[src], v[src], step=step, k_scale=scale, kv_laid_out=True)
+        assert len(log) == n + 1
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_launcher
 def test_full_attention_and_empty_q():
     cfg = P.PrefillLaunchConfig(num_heads=H, q_capacity=128, kv_capacity=128, batch=2,
                                 sm_scale=SCALE, causal=False,

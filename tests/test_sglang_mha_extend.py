@@ -146,7 +146,8 @@ def test_mha_extend_through_the_torch_launcher(prefix, extend, monkeypatch):
     launcher of the step's buckets (here built on a stand-in kernel that computes the kernel's
     contract in float64 from its eleven buffers): out equals the float32 restatement; the
     step's layout is computed once for all its layers and again for the next step; each layer
-    is one launch and reads nothing on the host."""
+    is one launch and reads nothing on the host; a prefix's k / v are made in the layout's
+    row order."""
     from funcmla.interop.launcher import prefill as lp
 
     built, layouts = [], []
@@ -162,8 +163,16 @@ def test_mha_extend_through_the_torch_launcher(prefix, extend, monkeypatch):
         built.append((config, log))
         return lau
 
+    laid_out = []
+    real_call = lp.PrefillLauncher.__call__
+
+    def recorded_call(self, *a, **kw):
+        laid_out.append(kw.get("kv_laid_out", False))
+        return real_call(self, *a, **kw)
+
     monkeypatch.setattr(mx, "_prefill_launcher", stand_in)
     monkeypatch.setattr(lp.PrefillLauncher, "layout", counted_layout)
+    monkeypatch.setattr(lp.PrefillLauncher, "__call__", recorded_call)
     backend, out, want, layer, fb, (q, k, v) = _step(4, prefix, extend, 8,
                                                      backend_name="pallas")
     assert (backend.last_backend, backend.last_via) == ("pallas", "launcher")
@@ -174,6 +183,9 @@ def test_mha_extend_through_the_torch_launcher(prefix, extend, monkeypatch):
     assert (config.q_capacity, config.batch) == (128, 8) and layouts == [(t, t_kv)]
     assert config.kernel == SHORT_CONFIG  # every request's kv_len <= SHORT_KV_LEN
     assert len(log) == 1
+    # a prefix's k / v are decompressed in the layout's row order (no launcher gather); the
+    # model's own k / v are gathered by the launcher
+    assert laid_out == [any(prefix)]
     with monkeypatch.context() as m:  # a second layer of the step: one launch, no host read
         _no_host_reads(m)
         again = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
@@ -305,7 +317,10 @@ def test_the_step_s_longest_kv_len_picks_the_kernel_config(prefix, extend, want,
                                            ([0, 0, 0], [300, 129, 77])])
 def test_gpu_mha_extend_launcher_equals_the_jax_path(prefix, extend):
     """On the GPU the pallas MHA extend runs the torch prefill launcher; its out has the bits
-    of the same step through JAX (torch_launcher=False) and matches float32."""
+    of the same step through JAX (torch_launcher=False) where k / v are the model's, and
+    matches float32. With a prefix the launcher decompresses the layout's rows (more than the
+    tokens), a GEMM of another row count that may take another cuBLAS kernel, so there the two
+    paths agree to bf16 rounding."""
     rng, b, pool, backend = _setup(11, prefix, extend, 16, device="cuda",
                                    attention_backend="pallas")
     layer = _layer(16, rng)
@@ -323,6 +338,9 @@ def test_gpu_mha_extend_launcher_equals_the_jax_path(prefix, extend):
     assert backend.last_via == "jax"
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
-    assert torch.equal(bits(out), bits(via_jax))
+    if any(prefix):
+        assert rel_err(out.float(), via_jax.float()) < 4e-3
+    else:
+        assert torch.equal(bits(out), bits(via_jax))
     want = _expected(b, pool, layer, prefix, extend, q, k, v)
     assert rel_err(out.view(t, 16, 128).float(), want.float()) < 8e-3

@@ -175,15 +175,18 @@ class PrefillLauncher:
     token CSRs [B + 1] on the launcher's device, B <= batch; torch ops on the current stream).
     __call__(q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (any strides), qo_indptr=None,
     kv_indptr=None, *, step=None, out=None [Tq, H, 128] bf16, lse=None [Tq, H] float32,
-    q_scale=None, k_scale=None, v_scale=None, return_lse=True) -> (out, lse): the CSRs or a
-    step of this launcher for (Tq, Tk); return_lse=False skips lse's gather and returns
-    (out, None). Each of q / k / v is bfloat16, or fp8 (float8_e4m3fn /
-    float8_e4m3fnuz) standing for float(x) * its scale (None: 1; a positive float, or a
-    float32 tensor of shape () or [1]), dequantized to bf16 as `mha_prefill` does. Semantics
-    are `mha_prefill`'s (bottom-right causal or full; a query with no key: out 0, lse +inf).
-    Tensors are checked (dtype, shape, device, capacity) before anything runs; index values
-    are the caller's contract (reading them needs a device sync; `validate_prefill_inputs`
-    checks host copies), and any value keeps every access in bounds.
+    q_scale=None, k_scale=None, v_scale=None, return_lse=True, kv_laid_out=False) -> (out, lse):
+    the CSRs or a step of this launcher for (Tq, Tk); return_lse=False skips lse's gather and
+    returns (out, None); kv_laid_out=True (with step=) takes k / v already in the step's layout,
+    [geometry.kv_rows, H, d] with row r holding token `step.layout.kv_src[r]`, and skips their
+    gathers (a caller that makes k / v, as SGLang's prefix decompression does, makes them in
+    that order and saves a pass over both). Each of q / k / v is bfloat16, or fp8 (float8_e4m3fn
+    / float8_e4m3fnuz) standing for float(x) * its scale (None: 1; a positive float, or a
+    float32 tensor of shape () or [1]), dequantized to bf16 as `mha_prefill` does. Semantics are
+    `mha_prefill`'s (bottom-right causal or full; a query with no key: out 0, lse +inf). Tensors
+    are checked (dtype, shape, device, capacity) before anything runs; index values are the
+    caller's contract (reading them needs a device sync; `validate_prefill_inputs` checks host
+    copies), and any value keeps every access in bounds.
     """
 
     def __init__(self, plan: PrefillPlan, device, *, kernel_factory=None, stream_fn=None,
@@ -243,7 +246,8 @@ class PrefillLauncher:
 
     # ------------------------------------------------------------------------ per layer
     def __call__(self, q, k, v, qo_indptr=None, kv_indptr=None, *, step=None, out=None,
-                 lse=None, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = True):
+                 lse=None, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = True,
+                 kv_laid_out: bool = False):
         torch, c, g = self._torch, self.config, self.geometry
         h = c.num_heads
         scales = []
@@ -258,6 +262,15 @@ class PrefillLauncher:
         if v.shape[0] != tk:
             raise LauncherArgumentError(f"k has {tk} rows and v {v.shape[0]}: one k / v row "
                                         "per token")
+        if kv_laid_out:
+            if not isinstance(step, PrefillStep):
+                raise LauncherArgumentError("kv_laid_out=True needs step= (the layout k / v "
+                                            "are in)")
+            if tk != g.kv_rows:
+                raise LauncherArgumentError(
+                    f"k / v laid out have {tk} rows; the layout has geometry.kv_rows = "
+                    f"{g.kv_rows}")
+            tk = step.num_kv
         if step is None:
             if qo_indptr is None or kv_indptr is None:
                 raise LauncherArgumentError("pass qo_indptr and kv_indptr, or step=")
@@ -290,7 +303,9 @@ class PrefillLauncher:
         lay = step.layout
         # fp8 rows are gathered as bytes, then dequantized (`_bf16`)
         qp = _bf16(torch, q.index_select(0, lay.q_src), scales[0])
-        kp, vp = ((_bf16(torch, x.index_select(0, lay.kv_src), s) if tk else
+        kp, vp = ((_bf16(torch, x.contiguous() if kv_laid_out
+                         else x.index_select(0, lay.kv_src), s)
+                   if tk else
                    torch.zeros((g.kv_rows,) + tuple(x.shape[1:]), dtype=torch.bfloat16,
                                device=dev)) for x, s in ((k, scales[1]), (v, scales[2])))
         out_p = torch.empty((g.q_rows, h, V_HEAD_DIM), dtype=torch.bfloat16, device=dev)

@@ -21,7 +21,10 @@ the float32 `mha_attention_reference` (backend "reference"; AITER's own MHA is n
 pallas path runs the kernel through the torch prefill launcher
 (`funcmla.interop.launcher.prefill`: on torch's stream, no JAX dispatch, no DLPack): one
 launcher per bucket of (q rows, k / v rows, requests), the step's realigned layout computed once
-for all its layers (`_launched`). Elsewhere, or where the launcher cannot run
+for all its layers (`_launched`). With a prefix, the latent rows are gathered in the layout's
+row order and decompressed there (`kv_laid_out`), so the launcher gathers neither k nor v: 1664
+bytes move per row and head instead of 2944, over the layout's rows (the bucket's capacity, at
+most 12.5% above the token count, plus 8-row gaps). Elsewhere, or where the launcher cannot run
 (`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at bucket
 shapes (`_bucketed`), so it compiles once per bucket rather than once per step. Either way a
 layer reads no device value on the host: the token counts, whether any request has a prefix and
@@ -122,7 +125,7 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
         if k3.shape[0] != q3.shape[0] or v3.shape[0] != q3.shape[0]:
             raise ValueError(f"MHA extend without a prefix: k ({k3.shape[0]} tokens) and v "
                              f"({v3.shape[0]}) must have q's {q3.shape[0]} tokens")
-        kv_ip = qo_indptr
+        kv, kv_ip, kv_tokens = (k3, v3), qo_indptr, tokens
     else:
         kv_b_proj = getattr(layer, "kv_b_proj", None)
         if kv_b_proj is None:
@@ -130,29 +133,39 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
                              "the model's kv_b_proj to attn_mha) to decompress the prefix's "
                              "latent rows")
         pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        rows = pool.reshape(pool.shape[0], -1)[fm.kv_indices[:kv_tokens].long()]
-        k3, v3 = _decompress(rows, kv_b_proj, heads, q3.dtype, layer.k_scale)
+        flat, slots = pool.reshape(pool.shape[0], -1), fm.kv_indices[:kv_tokens]
+
+        def kv(src=None):
+            """k, v of the batch's tokens decompressed: all in order, or the tokens `src`
+            (a launcher layout's row map) in that order."""
+            rows = flat[(slots if src is None else slots.index_select(0, src)).long()]
+            return _decompress(rows, kv_b_proj, heads, q3.dtype, layer.k_scale)
+
         kv_ip = kv_indptr
     out, backend.last_backend, backend.last_fallback_reason, backend.last_via = _attend(
-        backend, q3, k3, v3, qo_indptr, kv_ip, layer.scaling, max_kv_len)
+        backend, q3, kv, kv_tokens, qo_indptr, kv_ip, layer.scaling, max_kv_len)
     return out.reshape(q3.shape[0], heads * MHA_HEAD_DIMS[1])
 
 
-def _attend(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale, max_kv_len: int):
+def _attend(backend, q3, kv, kv_tokens: int, qo_indptr, kv_indptr, sm_scale,
+            max_kv_len: int):
     """(out [T, H, 128] in q's dtype, the backend that ran, why the reference ran instead of
-    the requested backend or None, how it ran: "launcher" or "jax"). The prefill kernel's
-    tile config is `prefill_kernel_config` of the step's longest kv_len (a host fact). Sets
+    the requested backend or None, how it ran: "launcher" or "jax"). kv: (k [Tk, H, 192],
+    v [Tk, H, 128]), or a function of a row map making them (all Tk tokens for None); the
+    launcher makes them in its layout's order. The prefill kernel's tile config is
+    `prefill_kernel_config` of the step's longest kv_len (a host fact). Sets
     backend.last_launcher_reason."""
     reason = backend.last_launcher_reason = None
     requested = backend.attention_backend
+    if requested == "pallas" and q3.dtype == torch.bfloat16 and backend.torch_launcher:
+        out, backend.last_launcher_reason = _launched(backend, q3, kv, kv_tokens, qo_indptr,
+                                                      kv_indptr, sm_scale, max_kv_len)
+        if out is not None:
+            return out, "pallas", None, "launcher"
+    k3, v3 = kv if isinstance(kv, tuple) else kv()
     if requested == "pallas":
         if q3.dtype == torch.bfloat16:
-            if backend.torch_launcher:
-                out, backend.last_launcher_reason = _launched(backend, q3, k3, v3, qo_indptr,
-                                                              kv_indptr, sm_scale, max_kv_len)
-                if out is not None:
-                    return out, "pallas", None, "launcher"
-            else:
+            if not backend.torch_launcher:
                 backend.last_launcher_reason = "torch_launcher is off"
             args = [to_jax(x) for x in _bucketed(q3, k3, v3, qo_indptr, kv_indptr)]
             out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True,
@@ -182,17 +195,18 @@ def _kernel_config(max_kv_len: int):
     return prefill_kernel_config(max_kv_len)
 
 
-def _launched(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale, max_kv_len: int):
+def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_len: int):
     """(out [T, H, 128], None) through the torch prefill launcher of the step's buckets, or
     (None, why not). The launcher (or the reason it is unavailable) is cached per
     configuration, the step's layout until the next step's metadata (the forward_metadata
     setter drops it) for the same CSRs and shapes: every layer after the step's first costs the
-    gathers, one launch and out's gather, no lse."""
+    gathers, one launch and out's gather, no lse. k / v made here (`kv` a function) are made
+    in the layout's row order, so the launcher gathers neither."""
     from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
     from funcmla.interop.launcher.errors import LauncherUnavailable
     from funcmla.interop.launcher.prefill import PrefillLaunchConfig
 
-    tq, tk, heads = q3.shape[0], k3.shape[0], q3.shape[1]
+    tq, heads = q3.shape[0], q3.shape[1]
     key = (heads, float(sm_scale), tq, tk, qo_indptr.shape[0], max_kv_len)
     cached = backend._mha_step
     if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
@@ -215,7 +229,11 @@ def _launched(backend, q3, k3, v3, qo_indptr, kv_indptr, sm_scale, max_kv_len: i
             return None, launcher
         step = launcher.layout(qo_indptr, kv_indptr, tq, tk)
         backend._mha_step = (qo_indptr, kv_indptr, key, launcher, step)
-    out, _ = launcher(q3, k3, v3, step=step, return_lse=False)
+    if isinstance(kv, tuple):
+        out, _ = launcher(q3, *kv, step=step, return_lse=False)
+    else:
+        out, _ = launcher(q3, *kv(step.layout.kv_src), step=step, return_lse=False,
+                          kv_laid_out=True)
     return out, None
 
 
