@@ -36,7 +36,8 @@ dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs caus
 equal length through `mha_prefill` with the config it picks for them (`prefill_kernel_config`),
 timed and checked as `bench.prefill` does (device span per call; error against float32 on two
 heads). Writes out/kernel_ab.json: per case and variant the time of every round, their median,
-and the working tree's median over the baseline's.
+and the working tree's median over the baseline's; the file is rewritten after every case, so a
+run cut short keeps the cases it finished.
 """
 
 from __future__ import annotations
@@ -315,6 +316,10 @@ def main(argv=None) -> int:
             else None)
     check_settings(live, settings + base_settings)  # before any case runs
     rows, table = [], []
+    path = os.path.join(args.out, "kernel_ab.json")
+    info = dict(environment(), module=args.module, rev=label, kv_dtype=args.kv_dtype,
+                set=args.set, base_set=args.base_set, kernel=args.kernel,
+                fp8_products=args.fp8_products, rounds=args.rounds, reps=args.reps)
     for name, fields in cases:
         run = (prefill_runner(args, *fields.values()) if is_prefill
                else decode_runner(args, *fields.values()))
@@ -337,14 +342,11 @@ def main(argv=None) -> int:
                          ratio=med["tree"] / med["rev"], rel_err=errs, kernel=kernels))
         table.append([name, kernels["tree"], med["rev"], med["tree"], med["tree"] / med["rev"],
                       errs["tree"]])
+        # written after every case: a run cut short (a time limit) keeps the cases it finished
+        write_json(path, dict(info=info, cases=rows))
     tree = "working tree" + (f" with {', '.join(args.set)}" if args.set else "")
     print_table(f"{args.module}: {tree} vs {label} (device us per call, medians)",
                 ["case", "kernel", label, "tree", "tree / rev", "tree err"], table)
-    path = write_json(os.path.join(args.out, "kernel_ab.json"), dict(
-        info=dict(environment(), module=args.module, rev=label, kv_dtype=args.kv_dtype,
-                  set=args.set, base_set=args.base_set, kernel=args.kernel,
-                  fp8_products=args.fp8_products, rounds=args.rounds, reps=args.reps),
-        cases=rows))
     log(f"wrote {path}")
     return 0
 

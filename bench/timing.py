@@ -51,9 +51,13 @@ def environment() -> dict:
 
 
 def write_json(path: str, payload: dict) -> str:
+    """payload to `path` as indented JSON, whole or not at all (written beside it, then
+    renamed over it: a process killed mid-write leaves the previous file)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
     return path
 
 

@@ -102,6 +102,27 @@ def test_main_times_each_variant_with_its_own_module(monkeypatch, tmp_path):
     assert case["ratio"] == 0.5
 
 
+def test_a_run_cut_short_keeps_the_cases_it_finished(monkeypatch, tmp_path):
+    """kernel_ab.json is rewritten after every case: when the second case fails (as a time
+    limit cuts a device run), the file holds the first one."""
+    import json
+
+    from bench import decode_case
+
+    def fake_bench_case(key, h, b, ctx, page, ceiling, reps, config, **kw):
+        if ctx == 16384:
+            raise TimeoutError("cut")
+        return dict(time_us=10.0, rel_err=1e-3, kernel="mgpu", num_splits=1)
+
+    monkeypatch.setattr(decode_case, "bench_case", fake_bench_case)
+    with pytest.raises(TimeoutError):
+        kernel_ab.main(["--rev", "HEAD", "--cases", "h16_b32_ctx4k_p64,h16_b32_ctx16k_p64",
+                        "--rounds", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "kernel_ab.json").read_text())
+    assert [c["case"] for c in data["cases"]] == ["h16_b32_ctx4k_p64"]
+    assert data["info"]["rounds"] == 1 and not (tmp_path / "kernel_ab.json.tmp").exists()
+
+
 def test_prefill_case_names():
     assert kernel_ab.parse_prefill_case("prefill_h16_16x1k") == (16, 16, 1024)
     assert kernel_ab.parse_prefill_case("prefill_h128_1x16k") == (128, 1, 16384)
