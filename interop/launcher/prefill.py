@@ -321,7 +321,9 @@ class PrefillLauncher:
             cd.driver().check_launch(rc, self.plan.call.name)
         torch.index_select(out_p, 0, lay.out_rows, out=out)
         if return_lse:
-            lse.copy_(lse_t.view(h, -1).index_select(1, lay.lse_cols).t())
+            # rows of the transposed tiles: 28.2 us against 35.1 for index_select on the
+            # columns and a transposing copy (H200, 16 x 1k H128; docs/prefill_kernel.md)
+            lse.copy_(lse_t.view(h, -1).t()[lay.lse_cols])
         return out, lse
 
     def _expect(self, name, x, dtype) -> None:
