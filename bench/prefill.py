@@ -24,7 +24,9 @@ padded"; `TARGETS`).
 Without --sweep each case runs the config `mha_prefill` picks for its lengths
 (`prefill_kernel_config`). With --torch that config's row also carries the same call through the
 torch launcher (`launcher_us`: device and host time per call, bit-identity with the JAX path's
-out). FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request
+out). Each row also carries a layer of a serving step (`layer_us`, `layer_tflops`): the call
+with a `prefill_step` built once outside it, so the schedule's small XLA kernels (built once a
+step for all its layers) are not in it, and its bit-identity with the call (`layer_bitwise`). FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request
 counting half of q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
 profiler spans, each call queued behind a spin kernel so host gaps do not count); torch is timed
 with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius error of
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import statistics
@@ -66,7 +69,7 @@ from funcmla.attention.pallas import (
     mha_prefill,
     prefill_kernel_config,
 )
-from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN
+from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN, prefill_step
 from funcmla.attention.reference import mha_attention_reference
 from funcmla.config import MLADims
 
@@ -381,20 +384,31 @@ def mha_rows(args) -> list[dict]:
             # boundaries then need no realigning copy (`prefill.ROW_ALIGN`)
             f = jax.jit(lambda q_, k_, v_, c=cfg: mha_prefill(
                 q_, k_, v_, qo, kv, sm_scale=SM_SCALE, causal=causal, config=c))
+            # A layer of a serving step: the step's schedule (`prefill_step`) built once,
+            # outside the timed call, as the step's layers share it.
+            layer = jax.jit(lambda q_, k_, v_, s_: mha_prefill(q_, k_, v_, step=s_,
+                                                               sm_scale=SM_SCALE))
             try:
                 out, _ = f(q, k, v)
-                runs[cfg] = (f, out, rel_err(out[:, idx], ref))
+                step = prefill_step(qo, kv, q.shape[0], k.shape[0], causal=causal, config=cfg)
+                layer_out, _ = layer(q, k, v, step)
+                runs[cfg] = (f, out, rel_err(out[:, idx], ref),
+                             functools.partial(layer, q, k, v, step),
+                             bool(jnp.array_equal(layer_out, out)))
             except Exception as e:  # noqa: BLE001 - a config that fails is a row, not a stop
                 log(f"   {name} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:300]}")
                 rows.append(dict(group="mha", case=name, config=cfg_name(cfg),
                                  error=f"{type(e).__name__}: {str(e)[:300]}"))
         stats = {}
+        layer_times = {}
         for _ in range(args.rounds):
-            for cfg, (f, _, _) in runs.items():
+            for cfg, (f, _, _, layer, _) in runs.items():
                 st = device_stats(lambda f=f: jax.block_until_ready(f(q, k, v)), args.reps)
                 stats.setdefault(cfg, []).append(st)
                 times.setdefault(cfg, []).append(st and st["span_us"])
-        for cfg, (f, out, err) in runs.items():
+                st = device_stats(lambda g=layer: jax.block_until_ready(g()), args.reps)
+                layer_times.setdefault(cfg, []).append(st and st["span_us"])
+        for cfg, (f, out, err, _, layer_bitwise) in runs.items():
             valid = [t for t in times.get(cfg, []) if t]
             us = statistics.median(valid) if valid else None
             done = [st for st in stats.get(cfg, []) if st]
@@ -412,6 +426,11 @@ def mha_rows(args) -> list[dict]:
                 row.update(baseline_head_major=best_hm, ratio_head_major=base[best_hm] / us)
             if best_one is not None and us:
                 row.update(baseline_one_by_one=best_one, ratio_one_by_one=base[best_one] / us)
+            layer_valid = [t for t in layer_times.get(cfg, []) if t]
+            if layer_valid:
+                layer_us = statistics.median(layer_valid)
+                row.update(layer_us=layer_us, layer_tflops=flops / (layer_us * 1e-6) / 1e12,
+                           rounds_layer_us=layer_times[cfg], layer_bitwise=layer_bitwise)
             row["targets"] = verdict(row)
             if args.torch and cfg == prefill_kernel_config(max(lens)):
                 row.update(launcher_us(q, k, v, qo, kv, causal, cfg, out, args.reps))
@@ -552,8 +571,10 @@ def fmt(r: dict) -> str:
     if r.get("ratio_one_by_one"):
         hm += (f"  one by one x{r['ratio_one_by_one']:.3f} of {r['baseline_one_by_one']} "
                f"{r['baselines_us'][r['baseline_one_by_one']]:.1f} us")
+    layer = (f"  a layer of a step {r['layer_us']:.1f} us {r['layer_tflops']:.1f} TFLOP/s "
+             f"(bitwise {r['layer_bitwise']})" if r.get("layer_us") else "")
     return (f"{r['group']:6s} {r['case']:22s} {r.get('config', ''):10s} {us}  baseline {base}  "
-            f"x{ratio}{hm}  err {r['rel_err']:.2e}  {r.get('targets', '')}{torch_path}")
+            f"x{ratio}{hm}  err {r['rel_err']:.2e}  {r.get('targets', '')}{layer}{torch_path}")
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
+from funcmla.attention.pallas.prefill import prefill_step
 from tests.bad_input import BadInput
 
 H = 2
@@ -29,6 +30,11 @@ def _call(q=None, k=None, v=None, qo=None, kv=None, **kw):
                                _ip(0, 4, 8) if qo is None else qo,
                                _ip(0, 8, 16) if kv is None else kv,
                                **{"sm_scale": 0.1, "interpret": True, **kw})
+
+
+def _step():
+    """The step of `_call`'s CSRs (2 requests, q 4 + 4 rows, k / v 8 + 8 rows)."""
+    return prefill_step(_ip(0, 4, 8), _ip(0, 8, 16), 8, 16, interpret=True)
 
 
 CASES = [
@@ -95,6 +101,26 @@ CASES = [
     BadInput("prefill.config_registers",
              lambda: MgpuPrefillConfig(consumer_registers=240, producer_registers=40),
              ValueError, (r"consumer_registers=240", r"512")),
+    BadInput("prefill.step_rows", lambda: prefill_step(_ip(0, 4, 8), _ip(0, 8, 16), -1, 16,
+                                                       interpret=True), ValueError,
+             (r"num_q must be an int >= 0", r"got -1")),
+    BadInput("prefill.step_no_indptrs", lambda: mha_prefill(
+        _t(8, 192), _t(16, 192), _t(16, 128), sm_scale=0.1, interpret=True), ValueError,
+             (r"qo_indptr and kv_indptr", r"step=")),
+    BadInput("prefill.step_type", _call(step=object()), TypeError,
+             (r"step must be a PrefillStep", r"object")),
+    BadInput("prefill.step_and_indptrs", lambda: mha_prefill(
+        _t(8, 192), _t(16, 192), _t(16, 128), _ip(0, 4, 8), _ip(0, 8, 16), sm_scale=0.1,
+        step=_step()), ValueError, (r"the indptrs or step=", r"not both")),
+    BadInput("prefill.step_config", lambda: mha_prefill(
+        _t(8, 192), _t(16, 192), _t(16, 128), sm_scale=0.1, step=_step(),
+        config=MgpuPrefillConfig()), ValueError, (r"config / max_kv_len", r"prefill_step")),
+    BadInput("prefill.step_causal", lambda: mha_prefill(
+        _t(8, 192), _t(16, 192), _t(16, 128), sm_scale=0.1, step=_step(), causal=False),
+             ValueError, (r"causal=False", r"step's causal=True")),
+    BadInput("prefill.step_row_counts", lambda: mha_prefill(
+        _t(8, 192), _t(24, 192), _t(24, 128), sm_scale=0.1, step=_step()), ValueError,
+             (r"k / v 24", r"num_kv=16")),
     BadInput("merge.attention_states_shape",
              lambda: merge_attention_states(_t(4, 128), jnp.zeros((4, H)), _t(5, 128),
                                             jnp.zeros((5, H))),

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
-from funcmla.attention.pallas.prefill import SHORT_CONFIG, _mha_prefill
+from funcmla.attention.pallas.prefill import SHORT_CONFIG
 from funcmla.attention.pallas.prefill_mgpu import tile_schedule
 from funcmla.attention.reference import mha_attention_reference
 from tests.trace_checks import assert_profiled_like_plain
@@ -144,8 +144,7 @@ def test_lowers_for_cuda(heads, causal, config):
     k = jax.ShapeDtypeStruct((901, heads, 192), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((901, heads, 128), jnp.bfloat16)
     ip = jax.ShapeDtypeStruct((4,), jnp.int32)
-    fn = functools.partial(_mha_prefill, sm_scale=SCALE, causal=causal, config=config,
-                           interpret=False)
+    fn = functools.partial(mha_prefill, sm_scale=SCALE, causal=causal, config=config)
     text = jax.jit(fn).trace(q, k, v, ip, ip).lower(lowering_platforms=("cuda",)).as_text()
     assert "mha_prefill_mgpu" in text
 
@@ -362,12 +361,18 @@ def _kernel_inputs(monkeypatch, run) -> tuple[dict, object]:
         return call
 
     monkeypatch.setattr(prefill_mod, "prefill_kernel", spy)
-    prefill_mod._mha_prefill.clear_cache()
+    _clear_caches(prefill_mod)
     try:
         result = jax.block_until_ready(run())
     finally:
-        prefill_mod._mha_prefill.clear_cache()
+        _clear_caches(prefill_mod)
     return seen, result
+
+
+def _clear_caches(prefill_mod):
+    """Forget the traced schedule and kernel calls (a monkeypatched callee runs again)."""
+    prefill_mod._mha_prefill.clear_cache()
+    prefill_mod._schedule.clear_cache()
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,realigned", [
@@ -403,6 +408,70 @@ def test_kernel_tiles_start_on_8_row_boundaries(q_lens, kv_lens, realigned, monk
         a, b = seen["kv_a"][r], kv_h[r]
         np.testing.assert_array_equal(np.asarray(seen["kp"][a:a + kv_lens[r]]),
                                       np.asarray(k[b:b + kv_lens[r]]))
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", [([70, 0, 1], [100, 5, 33]),
+                                             ([64, 8, 16], [64, 8, 16])])
+def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens,
+                                                               monkeypatch):
+    """`prefill_step` builds the schedule (the realigned layout where starts are off 8 rows)
+    once; each layer's `mha_prefill(step=...)` hands the kernel what the call with the
+    indptrs does, for its own q / k / v, and builds no layout of its own."""
+    from funcmla.attention.pallas import prefill as prefill_mod
+
+    rng = np.random.default_rng(4)
+    layers = [make(rng, 1, q_lens, kv_lens) for _ in range(2)]
+    qo, kv = layers[0][3], layers[0][4]
+    cfg = MgpuPrefillConfig(block_kv=64)
+    built = []
+    real_layout = prefill_mod.prefill_layout
+    monkeypatch.setattr(prefill_mod, "prefill_layout",
+                        lambda *a: built.append(1) or real_layout(*a))
+    _clear_caches(prefill_mod)
+    step = prefill_mod.prefill_step(qo, kv, layers[0][0].shape[0], layers[0][1].shape[0],
+                                    config=cfg, interpret=True)
+    assert step.realigned == (q_lens != kv_lens) and len(built) == int(step.realigned)
+    for q, k, v, _, _ in layers:
+        before = len(built)
+        with_step, _ = _kernel_inputs(monkeypatch, lambda: mha_prefill(
+            q, k, v, step=step, sm_scale=SCALE))
+        assert len(built) == before  # the layer built no layout
+        direct, _ = _kernel_inputs(monkeypatch, lambda: mha_prefill(
+            q, k, v, qo, kv, sm_scale=SCALE, config=cfg, interpret=True))
+        assert with_step.keys() == direct.keys()
+        for name in direct:
+            np.testing.assert_array_equal(np.asarray(with_step[name]),
+                                          np.asarray(direct[name]), err_msg=name)
+
+
+def test_a_step_builds_under_jit_from_traced_indptrs():
+    """Under jit the indptrs are traced: the step realigns (starts unknown), takes the config
+    of its `max_kv_len` hint, and comes out of the jit as a pytree of its arrays."""
+    from funcmla.attention.pallas.prefill import PrefillStep, prefill_step
+
+    qo = jnp.asarray([0, 64, 72], jnp.int32)
+    step = jax.jit(lambda a, b: prefill_step(a, b, 80, 80, max_kv_len=64,
+                                             interpret=True))(qo, qo)
+    assert isinstance(step, PrefillStep) and step.realigned
+    assert step.config == SHORT_CONFIG and step.num_q == 80 and step.lse_cols.shape == (80,)
+
+
+@pytest.mark.slow  # Mosaic GPU interpret mode
+def test_interpret_step_reused_by_two_layers_matches_reference():
+    """One step, two layers of other q / k / v: each layer's output and lse match the float32
+    reference of its own tensors."""
+    from funcmla.attention.pallas.prefill import prefill_step
+
+    rng = np.random.default_rng(6)
+    q_lens, kv_lens = [70, 0, 1], [100, 5, 33]
+    layers = [make(rng, 1, q_lens, kv_lens) for _ in range(2)]
+    qo, kv = layers[0][3], layers[0][4]
+    step = prefill_step(qo, kv, layers[0][0].shape[0], layers[0][1].shape[0],
+                        config=MgpuPrefillConfig(block_kv=64), interpret=True)
+    for q, k, v, _, _ in layers:
+        out, lse = mha_prefill(q, k, v, step=step, sm_scale=SCALE)
+        check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE,
+                                                 causal=True))
 
 
 def _fp8_case(rng, heads, q_lens, kv_lens, dtype=jnp.float8_e4m3fn):
@@ -477,8 +546,8 @@ def _config_used(monkeypatch, run) -> list:
 
     used = []
 
-    def stand_in(q, *a, config, **kw):
-        used.append(config)
+    def stand_in(q, k, v, step, *a, **kw):
+        used.append(step.config)
         return q[:, :, :128], q[:, :, 0].astype(jnp.float32)
 
     with monkeypatch.context() as m:

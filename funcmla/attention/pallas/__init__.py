@@ -8,7 +8,8 @@ kernels at 16 folded rows or 64-row blocks), and merges split-KV partials with
 rule. `mla_extend` (in `extend`) runs ragged extend batches on the same kernels, each
 request's queries cut into chunks that act as decode sequences. `mha_prefill` (in `prefill`)
 is the ragged MHA prefill (q/k 192, v 128) on a warp-specialized Mosaic GPU kernel
-(`MgpuPrefillConfig`, chosen per batch by `prefill_kernel_config`); `merge_attention_states`
+(`MgpuPrefillConfig`, chosen per batch by `prefill_kernel_config`; `prefill_step` builds its
+schedule once for a serving step's layers); `merge_attention_states`
 combines two (out, lse) partials. All of it
 runs in Pallas interpret mode on CPU. Design: docs/decode_kernel.md, docs/prefill_kernel.md.
 """
@@ -41,7 +42,9 @@ from funcmla.attention.pallas.extend import (  # noqa: F401
 )
 from funcmla.attention.pallas.prefill_mgpu import MgpuPrefillConfig  # noqa: F401
 from funcmla.attention.pallas.prefill import (  # noqa: F401
+    PrefillStep,
     mha_prefill,
+    prefill_step,
     prefill_kernel_config,
     validate_prefill_inputs,
 )

@@ -12,6 +12,7 @@ reproduce with `python -m bench.prefill`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -29,6 +30,7 @@ from funcmla.attention.pallas.prefill_mgpu import (
 )
 from funcmla.attention.pallas.prefill_layout import (
     ROW_ALIGN,
+    PrefillGeometry,
     lse_columns,
     prefill_geometry,
     prefill_layout,
@@ -38,7 +40,8 @@ from funcmla.checks import check_indptr
 from funcmla.guards import EAGER
 from funcmla.layout import expect_index_array
 
-__all__ = ["mha_prefill", "check_prefill_args", "validate_prefill_inputs",
+__all__ = ["mha_prefill", "prefill_step", "PrefillStep", "check_prefill_args",
+           "validate_prefill_inputs",
            "prefill_kernel_config", "HEAD_DIMS", "SHORT_KV_LEN", "SHORT_CONFIG"]
 
 # The (q/k head dim, v head dim) pairs the kernel takes: DeepSeek's decompressed MHA
@@ -71,6 +74,14 @@ def check_prefill_args(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal) -> in
     """Static checks of `mha_prefill`'s arguments (shapes, dtypes, head dims, scale); returns
     the request count B. Raises TypeError (dtypes) or ValueError naming the argument and the
     value or limit."""
+    _check_indptrs(qo_indptr, kv_indptr)
+    _check_tensors(q, k, v, sm_scale=sm_scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return qo_indptr.shape[0] - 1
+
+
+def _check_indptrs(qo_indptr, kv_indptr) -> None:
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
         expect_index_array(x, name)
         if x.dtype != jnp.int32:
@@ -80,6 +91,9 @@ def check_prefill_args(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal) -> in
     if qo_indptr.shape != kv_indptr.shape:
         raise ValueError(f"qo_indptr {qo_indptr.shape} and kv_indptr {kv_indptr.shape} must "
                          "both be [B + 1] for the same B")
+
+
+def _check_tensors(q, k, v, *, sm_scale) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"{name} must have shape [T, H, D], got {x.shape}")
@@ -98,9 +112,6 @@ def check_prefill_args(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal) -> in
     if not (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
             and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    return qo_indptr.shape[0] - 1
 
 
 def validate_prefill_inputs(qo_indptr, kv_indptr, num_q: int, num_kv: int, *,
@@ -128,45 +139,56 @@ def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
-                kv_indptr: jax.Array, *, sm_scale: float, causal: bool = True,
-                config: MgpuPrefillConfig | None = None, max_kv_len: int | None = None,
-                q_scale=None, k_scale=None, v_scale=None,
-                interpret=False) -> tuple[jax.Array, jax.Array]:
-    """Ragged multi-head attention over token CSRs (prefill / extend), Mosaic GPU kernel.
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("operands", "gathers", "lse_cols"),
+                   meta_fields=("num_q", "num_kv", "causal", "config", "geometry",
+                                "interpret"))
+@dataclasses.dataclass(frozen=True)
+class PrefillStep:
+    """`mha_prefill`'s schedule for one batch of token CSRs (`prefill_step`): built once, it
+    serves every layer whose q / k / v have these row counts, so a layer costs the kernel and
+    the lse gather alone (`python -m bench.prefill`: the per-layer column). A pytree: the
+    arrays are its leaves, the rest is static.
 
-    q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (`HEAD_DIMS`): each bfloat16, or fp8
-        (float8_e4m3fn / float8_e4m3fnuz) standing for x_scale * float(x), as SGLang's fp8
-        prefill passes them (unit scales there). q_scale / k_scale / v_scale: None (1), a
-        positive float or a float32 array of shape () or [1]; only for an fp8 operand. An fp8
-        operand is dequantized to bfloat16 before the kernel (exact at scale 1, one bf16
-        rounding of x * scale otherwise); the kernel computes in bf16 as for bf16 inputs
-        (docs/prefill_kernel.md, "fp8 inputs").
-    qo_indptr, kv_indptr: int32 [B + 1], request i's queries are q rows
-        [qo_indptr[i], qo_indptr[i + 1]), its keys k / v rows [kv_indptr[i], kv_indptr[i + 1]).
-    causal: bottom-right: query j of a request with q_len queries and kv_len keys sees keys
-        < kv_len - q_len + 1 + j (needs kv_len >= q_len); False: every key of its request.
-    sm_scale: softmax scale (static positive float). config: `MgpuPrefillConfig`, or None:
-        `prefill_kernel_config` of the longest request's kv_len, read from concrete indptrs or
-        given as `max_kv_len` (a host-side hint, e.g. SGLang's seq_lens_cpu maximum; a static
-        int) where the indptrs are traced; with neither, the default config.
-    interpret: False (compiled, sm_90a), True (Mosaic GPU interpret mode, CPU) or Pallas's GPU
-        interpreter parameters.
-
-    Returns out [Tq, H, 128] (q's dtype; bfloat16 for an fp8 q) and lse [Tq, H] float32 (natural
-    log of the softmax denominator of the scaled scores). A query with no visible key (a request
-    with kv_len 0, rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of k / v outside every
-    request (NaN, Inf) never reach an output. Index values are checked here when concrete
-    (`validate_prefill_inputs`); under an outer jit they are the caller's contract and nothing
-    is read or written out of bounds. The kernel needs every request to start on a multiple of 8
-    rows (`ROW_ALIGN`); unless concrete indptrs show that they do, q, k, v and out are copied
-    through an aligned layout (docs/prefill_kernel.md, "Invariants").
+    operands: the kernel's six int32 operands (request starts and lengths, tile schedule).
+    gathers: (q_src, kv_src, out_rows), the realigned layout's row indices, or () where every
+        request starts on a multiple of 8 rows (known from concrete indptrs) and q / k / v
+        reach the kernel as they are (`prefill_layout`).
+    lse_cols: [num_q] each query row's column of the kernel's lse tiles viewed [H, N * 128].
     """
-    check_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale=sm_scale, causal=causal)
-    scales = tuple(one_scale(f"{n}_scale", s, x.dtype, who=n)
-                   for n, s, x in (("q", q_scale, q), ("k", k_scale, k), ("v", v_scale, v)))
+
+    operands: tuple
+    gathers: tuple
+    lse_cols: jax.Array
+    num_q: int
+    num_kv: int
+    causal: bool
+    config: MgpuPrefillConfig
+    geometry: PrefillGeometry
+    interpret: object
+
+    @property
+    def realigned(self) -> bool:
+        return bool(self.gathers)
+
+
+def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv: int, *,
+                 causal: bool = True, config: MgpuPrefillConfig | None = None,
+                 max_kv_len: int | None = None, interpret=False) -> PrefillStep:
+    """The schedule of `mha_prefill` over token CSRs qo_indptr / kv_indptr (int32 [B + 1]) for
+    q of num_q rows and k / v of num_kv rows: checked index values where concrete
+    (`validate_prefill_inputs`, with `causal`'s kv_len >= q_len), the tile config
+    (`config`, or `prefill_kernel_config` of the longest kv_len from concrete indptrs or of
+    `max_kv_len`), and the kernel's index operands. A serving step builds it once for all its
+    layers: `mha_prefill(q, k, v, step=step, sm_scale=...)`."""
+    for name, n in (("num_q", num_q), ("num_kv", num_kv)):
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0 (a row count), got {n!r}")
+    _check_indptrs(qo_indptr, kv_indptr)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
     if _is_concrete(qo_indptr, kv_indptr):
-        validate_prefill_inputs(qo_indptr, kv_indptr, q.shape[0], k.shape[0], causal=causal)
+        validate_prefill_inputs(qo_indptr, kv_indptr, num_q, num_kv, causal=causal)
     if config is None:
         if max_kv_len is None and _is_concrete(kv_indptr):
             max_kv_len = int(np.max(np.diff(np.asarray(kv_indptr))))
@@ -178,8 +200,88 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array,
     # Starts already on 8-row boundaries (known when the indptrs are concrete) need no copy.
     realign = not (_is_concrete(qo_indptr, kv_indptr)
                    and _starts_aligned(qo_indptr, kv_indptr))
-    return _mha_prefill(q, k, v, qo_indptr, kv_indptr, scales, sm_scale=float(sm_scale),
-                        causal=causal, config=config, interpret=interpret, realign=realign)
+    geometry = prefill_geometry(num_q, num_kv, qo_indptr.shape[0] - 1,
+                                block_kv=config.block_kv, interpret=interpret, realign=realign)
+    if num_q == 0:
+        operands, gathers, lse_cols = (), (), jnp.zeros((0,), jnp.int32)
+    else:
+        operands, gathers, lse_cols = _schedule(qo_indptr, kv_indptr, num_q=num_q,
+                                                num_kv=num_kv, geometry=geometry,
+                                                realign=realign)
+    return PrefillStep(tuple(operands), tuple(gathers), lse_cols, int(num_q), int(num_kv),
+                       causal, config, geometry, interpret)
+
+
+def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array | None = None,
+                kv_indptr: jax.Array | None = None, *, sm_scale: float,
+                causal: bool | None = None, config: MgpuPrefillConfig | None = None,
+                max_kv_len: int | None = None, q_scale=None, k_scale=None, v_scale=None,
+                interpret=None, step: PrefillStep | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """Ragged multi-head attention over token CSRs (prefill / extend), Mosaic GPU kernel.
+
+    q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (`HEAD_DIMS`): each bfloat16, or fp8
+        (float8_e4m3fn / float8_e4m3fnuz) standing for x_scale * float(x), as SGLang's fp8
+        prefill passes them (unit scales there). q_scale / k_scale / v_scale: None (1), a
+        positive float or a float32 array of shape () or [1]; only for an fp8 operand. An fp8
+        operand is dequantized to bfloat16 before the kernel (exact at scale 1, one bf16
+        rounding of x * scale otherwise); the kernel computes in bf16 as for bf16 inputs
+        (docs/prefill_kernel.md, "fp8 inputs").
+    qo_indptr, kv_indptr: int32 [B + 1], request i's queries are q rows
+        [qo_indptr[i], qo_indptr[i + 1]), its keys k / v rows [kv_indptr[i], kv_indptr[i + 1]).
+    step: instead of the indptrs, a `PrefillStep` of them (`prefill_step`), built once for the
+        layers of a serving step; causal, config / max_kv_len and interpret are then the
+        step's (passing a different one is an error).
+    causal: bottom-right: query j of a request with q_len queries and kv_len keys sees keys
+        < kv_len - q_len + 1 + j (needs kv_len >= q_len); False: every key of its request.
+        None: the step's, else True.
+    sm_scale: softmax scale (static positive float). config: `MgpuPrefillConfig`, or None:
+        `prefill_kernel_config` of the longest request's kv_len, read from concrete indptrs or
+        given as `max_kv_len` (a host-side hint, e.g. SGLang's seq_lens_cpu maximum; a static
+        int) where the indptrs are traced; with neither, the default config.
+    interpret: False (compiled, sm_90a), True (Mosaic GPU interpret mode, CPU) or Pallas's GPU
+        interpreter parameters; None: the step's, else False.
+
+    Returns out [Tq, H, 128] (q's dtype; bfloat16 for an fp8 q) and lse [Tq, H] float32 (natural
+    log of the softmax denominator of the scaled scores). A query with no visible key (a request
+    with kv_len 0, rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of k / v outside every
+    request (NaN, Inf) never reach an output. Index values are checked here when concrete
+    (`validate_prefill_inputs`); under an outer jit they are the caller's contract and nothing
+    is read or written out of bounds. The kernel needs every request to start on a multiple of 8
+    rows (`ROW_ALIGN`); unless concrete indptrs show that they do, q, k, v and out are copied
+    through an aligned layout (docs/prefill_kernel.md, "Invariants").
+    """
+    _check_tensors(q, k, v, sm_scale=sm_scale)
+    if step is None:
+        if qo_indptr is None or kv_indptr is None:
+            raise ValueError("mha_prefill needs qo_indptr and kv_indptr, or step=")
+        step = prefill_step(qo_indptr, kv_indptr, q.shape[0], k.shape[0],
+                            causal=True if causal is None else causal, config=config,
+                            max_kv_len=max_kv_len,
+                            interpret=False if interpret is None else interpret)
+    else:
+        _check_step(step, q, k, qo_indptr, kv_indptr, causal=causal, config=config,
+                    max_kv_len=max_kv_len, interpret=interpret)
+    scales = tuple(one_scale(f"{n}_scale", s, x.dtype, who=n)
+                   for n, s, x in (("q", q_scale, q), ("k", k_scale, k), ("v", v_scale, v)))
+    return _mha_prefill(q, k, v, step, scales, sm_scale=float(sm_scale))
+
+
+def _check_step(step, q, k, qo_indptr, kv_indptr, *, causal, config, max_kv_len, interpret):
+    """A step given to `mha_prefill`: of these row counts, and nothing it fixed passed again."""
+    if not isinstance(step, PrefillStep):
+        raise TypeError(f"step must be a PrefillStep (prefill_step), got {type(step).__name__}")
+    if qo_indptr is not None or kv_indptr is not None:
+        raise ValueError("pass the indptrs or step=, not both (the step holds its indptrs)")
+    if config is not None or max_kv_len is not None:
+        raise ValueError("config / max_kv_len are the step's: pass them to prefill_step")
+    for name, got, want in (("causal", causal, step.causal),
+                            ("interpret", interpret, step.interpret)):
+        if got is not None and got != want:
+            raise ValueError(f"{name}={got!r} disagrees with the step's {name}={want!r}")
+    if q.shape[0] != step.num_q or k.shape[0] != step.num_kv:
+        raise ValueError(f"q has {q.shape[0]} rows and k / v {k.shape[0]}; the step was built "
+                         f"for num_q={step.num_q} and num_kv={step.num_kv}")
 
 
 def _starts_aligned(qo_indptr, kv_indptr) -> bool:
@@ -189,40 +291,42 @@ def _starts_aligned(qo_indptr, kv_indptr) -> bool:
                 or np.any(np.asarray(kv_indptr)[:-1] % ROW_ALIGN))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config", "interpret",
-                                             "realign"))
-def _mha_prefill(q, k, v, qo_indptr, kv_indptr, scales=(None, None, None), *, sm_scale,
-                 causal, config, interpret, realign=True):
+@functools.partial(jax.jit, static_argnames=("num_q", "num_kv", "geometry", "realign"))
+def _schedule(qo_indptr, kv_indptr, *, num_q, num_kv, geometry, realign):
+    """(kernel index operands, realigned row gathers or (), lse columns) of a `PrefillStep`."""
+    if realign:
+        lay = prefill_layout(qo_indptr, kv_indptr, num_q, num_kv, geometry)
+        return lay[:6], (lay.q_src, lay.kv_src, lay.out_rows), lay.lse_cols
+    # Every request starts on a multiple of 8 already: the tensors only get the rows a TMA
+    # box needs. Rows past qo_indptr[-1] form one more request with no keys: the kernel
+    # writes their out 0 and lse +inf itself.
+    qo = jnp.concatenate([qo_indptr, jnp.array([num_q], jnp.int32)])
+    kv = jnp.concatenate([kv_indptr, kv_indptr[-1:]])
+    operands = (qo, kv, qo[1:] - qo[:-1], kv[1:] - kv[:-1],
+                *tile_schedule(qo, geometry.num_slots))
+    return operands, (), lse_columns(qo, num_q)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _mha_prefill(q, k, v, step, scales=(None, None, None), *, sm_scale):
     q, k, v = (_dequantized(x, s) for x, s in zip((q, k, v), scales))
     tq, h, _ = q.shape
-    tk = k.shape[0]
     if tq == 0:
         return (jnp.zeros((0, h, V_HEAD_DIM), q.dtype), jnp.zeros((0, h), jnp.float32))
-    geometry = prefill_geometry(tq, tk, qo_indptr.shape[0] - 1, block_kv=config.block_kv,
-                                interpret=interpret, realign=realign)
-    if realign:
-        lay = prefill_layout(qo_indptr, kv_indptr, tq, tk, geometry)
-        operands = lay[:6]  # starts, lengths, tile schedule
-        qp = q[lay.q_src]
-        kp, vp = ((x[lay.kv_src] if tk else jnp.zeros((geometry.kv_rows,) + x.shape[1:],
-                                                      x.dtype)) for x in (k, v))
+    geometry = step.geometry
+    if step.realigned:
+        q_src, kv_src, out_rows = step.gathers
+        qp = q[q_src]
+        kp, vp = ((x[kv_src] if step.num_kv else
+                   jnp.zeros((geometry.kv_rows,) + x.shape[1:], x.dtype)) for x in (k, v))
     else:
-        # Every request starts on a multiple of 8 already: the tensors only get the rows a
-        # TMA box needs. Rows past qo_indptr[-1] form one more request with no keys: the
-        # kernel writes their out 0 and lse +inf itself.
-        qo = jnp.concatenate([qo_indptr, jnp.array([tq], jnp.int32)])
-        kv = jnp.concatenate([kv_indptr, kv_indptr[-1:]])
-        operands = (qo, kv, qo[1:] - qo[:-1], kv[1:] - kv[:-1],
-                    *tile_schedule(qo, geometry.num_slots))
         qp = _pad_rows(q, geometry.q_rows)
         kp, vp = _pad_rows(k, geometry.kv_rows), _pad_rows(v, geometry.kv_rows)
     kernel = prefill_kernel(geometry.q_rows, h, geometry.num_reqs, q.dtype, sm_scale=sm_scale,
-                            causal=causal, config=config, interpret=interpret)
-    out, lse_tiles = kernel(*operands, qp, kp, vp)
-    lse_tiles = lse_tiles.reshape(h, -1)
-    if realign:
-        return out[lay.out_rows], lse_tiles[:, lay.lse_cols].T
-    return out[:tq], lse_tiles[:, lse_columns(qo, tq)].T
+                            causal=step.causal, config=step.config, interpret=step.interpret)
+    out, lse_tiles = kernel(*step.operands, qp, kp, vp)
+    lse = lse_tiles.reshape(h, -1)[:, step.lse_cols].T
+    return (out[out_rows] if step.realigned else out[:tq]), lse
 
 
 def _dequantized(x, scale):
