@@ -26,8 +26,9 @@ Without --sweep each case runs the config `mha_prefill` picks for its lengths
 torch launcher (`launcher_us`: device and host time per call, bit-identity with the JAX path's
 out). Each row also carries a layer of a serving step (`layer_us`, `layer_tflops`): the call
 with a `prefill_step` built once outside it, so the schedule's small XLA kernels (built once a
-step for all its layers) are not in it, and its bit-identity with the call (`layer_bitwise`). FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request
-counting half of q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
+step for all its layers) are not in it, and its bit-identity with the call (`layer_bitwise`).
+FLOPs counted: 2 x H x (192 + 128) per visible (query, key) pair, a causal request counting
+half of q_len x kv_len. Times are device time per call (`timing.device_kernel_times`:
 profiler spans, each call queued behind a spin kernel so host gaps do not count); torch is timed
 with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius error of
 out against `mha_attention_reference` (float32) on two heads.

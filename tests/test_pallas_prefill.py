@@ -410,9 +410,9 @@ def test_kernel_tiles_start_on_8_row_boundaries(q_lens, kv_lens, realigned, monk
                                       np.asarray(k[b:b + kv_lens[r]]))
 
 
-@pytest.mark.parametrize("q_lens,kv_lens", [([70, 0, 1], [100, 5, 33]),
-                                             ([64, 8, 16], [64, 8, 16])])
-def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens,
+@pytest.mark.parametrize("q_lens,kv_lens,realigned", [([70, 0, 1], [100, 5, 33], True),
+                                                       ([64, 8, 16], [64, 8, 16], False)])
+def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens, realigned,
                                                                monkeypatch):
     """`prefill_step` builds the schedule (the realigned layout where starts are off 8 rows)
     once; each layer's `mha_prefill(step=...)` hands the kernel what the call with the
@@ -430,7 +430,7 @@ def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens,
     _clear_caches(prefill_mod)
     step = prefill_mod.prefill_step(qo, kv, layers[0][0].shape[0], layers[0][1].shape[0],
                                     config=cfg, interpret=True)
-    assert step.realigned == (q_lens != kv_lens) and len(built) == int(step.realigned)
+    assert step.realigned == realigned and len(built) == int(realigned)
     for q, k, v, _, _ in layers:
         before = len(built)
         with_step, _ = _kernel_inputs(monkeypatch, lambda: mha_prefill(

@@ -146,9 +146,9 @@ def _is_concrete(*xs) -> bool:
 @dataclasses.dataclass(frozen=True)
 class PrefillStep:
     """`mha_prefill`'s schedule for one batch of token CSRs (`prefill_step`): built once, it
-    serves every layer whose q / k / v have these row counts, so a layer costs the kernel and
-    the lse gather alone (`python -m bench.prefill`: the per-layer column). A pytree: the
-    arrays are its leaves, the rest is static.
+    serves every layer whose q / k / v have these row counts, so a layer runs only its own
+    copies, the kernel and the lse gather (`python -m bench.prefill`: `layer_us`). A pytree:
+    the arrays are its leaves, the rest is static.
 
     operands: the kernel's six int32 operands (request starts and lengths, tile schedule).
     gathers: (q_src, kv_src, out_rows), the realigned layout's row indices, or () where every
