@@ -119,11 +119,12 @@ def test_mha_extend_equals_torch_float32(prefix, extend):
 def test_mha_extend_runs_the_prefill_kernel_in_interpret_mode(monkeypatch):
     """The pallas path as the backend calls it, the kernel in Mosaic GPU interpret mode (2
     heads, a prefix in one request)."""
-    from funcmla.attention.pallas import mha_prefill
+    from funcmla.attention.pallas import mha_prefill, prefill_step
 
-    # the backend passes the config of the step's lengths (64-token tiles here)
-    monkeypatch.setattr(mx, "_pallas_prefill", lambda: functools.partial(
-        mha_prefill, interpret=True))
+    # the step's config comes from its lengths (64-token tiles here)
+    monkeypatch.setattr(mx, "_pallas_step", lambda: functools.partial(
+        prefill_step, interpret=True))
+    monkeypatch.setattr(mx, "_pallas_prefill", lambda: mha_prefill)
     backend, out, want, *_ = _step(2, [0, 70], [9, 20], 5, backend_name="pallas")
     assert backend.last_backend == "pallas" and backend.last_fallback_reason is None
     assert rel_err(out, want) < 8e-3
@@ -199,7 +200,7 @@ def test_mha_extend_through_the_torch_launcher(prefix, extend, monkeypatch):
 def test_mha_extend_says_why_the_launcher_did_not_run(monkeypatch):
     """On a machine without CUDA the pallas MHA extend runs through JAX (here the jitted
     prefill's stand-in); last_launcher_reason says why, or that torch_launcher is off."""
-    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel([]))
+    _reference_as_kernel(monkeypatch, [])
     backend, out, want, layer, fb, (q, k, v) = _step(2, [0, 3], [9, 4], 9, backend_name="pallas")
     assert (backend.last_backend, backend.last_via) == ("pallas", "jax")
     assert "prefill launcher is unavailable" in backend.last_launcher_reason
@@ -258,20 +259,29 @@ def test_fp8_prefix_rows_scale_without_a_host_read(monkeypatch):
     assert torch.equal(k_f[..., 128:], lat[:, None, 512:].expand(9, 4, 64))
 
 
-def _reference_as_kernel(seen, configs=None):
-    """A stand-in for the jitted prefill: the float32 reference on exactly the inputs the
-    backend hands the kernel (their shapes recorded in `seen`, the kernel config in
-    `configs`), out in bf16 as the kernel's."""
+def _reference_as_kernel(monkeypatch, seen, configs=None, steps=None):
+    """Stand-ins for the jitted step and prefill: the step keeps the bucketed CSRs it is
+    built from (each build recorded in `steps`) and the config `prefill_step` would pick; a
+    layer runs the float32 reference on exactly the inputs the backend hands the kernel (their
+    shapes recorded in `seen`, the config in `configs`), out in bf16 as the kernel's."""
     configs = [] if configs is None else configs
+    steps = [] if steps is None else steps
+    from funcmla.attention.pallas.prefill import prefill_kernel_config
     from funcmla.attention.reference import mha_attention_reference
 
-    def run(q, k, v, qo, kv, *, sm_scale, causal, config):
-        seen.append(tuple(tuple(x.shape) for x in (q, k, v, qo, kv)))
-        configs.append(config)
-        out, lse = mha_attention_reference(q, k, v, qo, kv, sm_scale=sm_scale, causal=causal)
+    def build(qo, kv, *, num_q, num_kv, causal, max_kv_len):
+        steps.append((num_q, num_kv))
+        return dict(qo=qo, kv=kv, causal=causal, config=prefill_kernel_config(max_kv_len))
+
+    def run(q, k, v, *, step, sm_scale):
+        seen.append(tuple(tuple(x.shape) for x in (q, k, v, step["qo"], step["kv"])))
+        configs.append(step["config"])
+        out, lse = mha_attention_reference(q, k, v, step["qo"], step["kv"], sm_scale=sm_scale,
+                                           causal=step["causal"])
         return out.astype(q.dtype), lse
 
-    return lambda: run
+    monkeypatch.setattr(mx, "_pallas_step", lambda: build)
+    monkeypatch.setattr(mx, "_pallas_prefill", lambda: run)
 
 
 @pytest.mark.parametrize("prefix,extends", [
@@ -284,12 +294,18 @@ def test_pallas_path_compiles_once_per_bucket_and_reads_nothing_on_the_host(
     / v rows at `prefill_capacity`, CSRs at `prefill_batch_capacity` requests), so the jitted
     prefill compiles once; the padded rows and requests change nothing (out equals the float32
     restatement); and a layer reads no device value on the host (no sync per layer)."""
-    seen = []
-    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel(seen))
+    seen, steps = [], []
+    _reference_as_kernel(monkeypatch, seen, steps=steps)
     for extend in extends:
-        backend, out, want, *_ = _step(4, prefix, extend, 7, "pallas", monkeypatch=monkeypatch)
+        backend, out, want, layer, fb, (q, k, v) = _step(4, prefix, extend, 7, "pallas",
+                                                         monkeypatch=monkeypatch)
         assert backend.last_backend == "pallas" and rel_err(out, want) < 8e-3
     assert len(seen) == 2 and seen[0] == seen[1], seen
+    assert len(steps) == 2  # one step schedule a step ...
+    with monkeypatch.context() as m:  # ... which its next layer reuses, reading nothing
+        _no_host_reads(m)
+        again = backend.forward_extend(q, k, v, layer, fb, save_kv_cache=False)
+    assert len(steps) == 2 and len(seen) == 3 and torch.equal(again, out.reshape(again.shape))
     (qs, ks_, vs_, qos, kvs), = set(seen)
     assert qs[0] == 128 and qos == kvs == (9,)  # 8 requests + 1
 
@@ -305,7 +321,7 @@ def test_the_step_s_longest_kv_len_picks_the_kernel_config(prefix, extend, want,
     import tests.test_interop_sglang as tis
 
     configs = []
-    monkeypatch.setattr(mx, "_pallas_prefill", _reference_as_kernel([], configs))
+    _reference_as_kernel(monkeypatch, [], configs)
     monkeypatch.setattr(tis, "MAX_CTX", 2048)  # room for requests past SHORT_KV_LEN
     _step(2, prefix, extend, 4, "pallas", monkeypatch=monkeypatch)
     assert configs == [want]

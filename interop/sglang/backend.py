@@ -168,6 +168,7 @@ class FuncMLAAttnBackend:
         self.last_launcher_reason: str | None = None  # an extend's, where JAX ran it
         self._mha_launchers: dict = {}  # (PrefillLaunchConfig, device) -> launcher or reason
         self._mha_step = None  # this step's MHA extend layout (mha_extend._launched)
+        self._mha_jax_step = None  # this step's MHA extend PrefillStep (mha_extend._jax_step)
         self._ext_step = None  # this step's extend-launcher layout (layer_launch.extend_launch)
         self.torch_launcher = torch_launcher
         self._kv_indices_full: torch.Tensor | None = None  # static-capacity view (launcher)
@@ -612,7 +613,8 @@ class FuncMLAAttnBackend:
     @forward_metadata.setter
     def forward_metadata(self, fm: ForwardMetadata | None) -> None:
         self._forward_metadata = fm
-        self._step_key_now = self._mha_step = self._ext_step = None  # a new step's values
+        # a new step's values
+        self._step_key_now = self._mha_step = self._mha_jax_step = self._ext_step = None
 
     def _step_key(self) -> tuple:
         """What a decode launch depends on from the step: (s_q, kv_indptr, kv_indices at

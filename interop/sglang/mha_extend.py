@@ -26,7 +26,8 @@ row order and decompressed there (`kv_laid_out`), so the launcher gathers neithe
 bytes move per row and head instead of 2944, over the layout's rows (the bucket's capacity, at
 most 12.5% above the token count, plus 8-row gaps). Elsewhere, or where the launcher cannot run
 (`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at bucket
-shapes (`_bucketed`), so it compiles once per bucket rather than once per step. Either way a
+shapes (`_bucket_rows`, `_bucket_indptrs`), so it compiles once per bucket rather than once per
+step, with the step's `prefill_step` built at its first layer for all of them (`_jax_step`). Either way a
 layer reads no device value on the host: the token counts, whether any request has a prefix and
 the longest kv_len (which picks the kernel's tile config, `prefill_kernel_config`) come from the
 step's host lengths (`backend._extend_rows`, set by `init_forward_metadata`).
@@ -54,16 +55,29 @@ def is_mha_extend(layer) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _pallas_step():
+    """`prefill_step` jitted (imported on first use; tests swap in interpret mode or a
+    stand-in): the step's schedule from its bucketed CSRs, built once for all its layers.
+    Under jit the index values are not read on the host (no device-to-host sync): they are the
+    step's metadata, built by funcmla and checked once from the batch's host fields in
+    `init_forward_metadata`."""
+    import jax
+
+    from funcmla.attention.pallas import prefill_step
+
+    return jax.jit(prefill_step, static_argnames=("num_q", "num_kv", "causal", "max_kv_len",
+                                                  "interpret"))
+
+
+@functools.lru_cache(maxsize=None)
 def _pallas_prefill():
-    """The Pallas prefill entry point, jitted (imported on first use; tests swap in interpret
-    mode). Under jit the index values are not re-read on the host per layer (no
-    device-to-host sync): they are the step's metadata, built by funcmla and checked once from
-    the batch's host fields in `init_forward_metadata`."""
+    """One layer of the Pallas prefill, jitted: `mha_prefill(q, k, v, step=step)` (imported
+    on first use; tests swap in a stand-in)."""
     import jax
 
     from funcmla.attention.pallas import mha_prefill
 
-    return jax.jit(mha_prefill, static_argnames=("sm_scale", "causal", "config", "interpret"))
+    return jax.jit(mha_prefill, static_argnames=("sm_scale",))
 
 
 def _heads(x: torch.Tensor, name: str, heads: int, d: int) -> torch.Tensor:
@@ -167,9 +181,10 @@ def _attend(backend, q3, kv, kv_tokens: int, qo_indptr, kv_indptr, sm_scale,
         if q3.dtype == torch.bfloat16:
             if not backend.torch_launcher:
                 backend.last_launcher_reason = "torch_launcher is off"
-            args = [to_jax(x) for x in _bucketed(q3, k3, v3, qo_indptr, kv_indptr)]
-            out, _ = _pallas_prefill()(*args, sm_scale=float(sm_scale), causal=True,
-                                       config=_kernel_config(max_kv_len))
+            q_j, k_j, v_j = (to_jax(_bucket_rows(x)) for x in (q3, k3, v3))
+            step = _jax_step(backend, qo_indptr, kv_indptr, q_j.shape[0], k_j.shape[0],
+                             max_kv_len)
+            out, _ = _pallas_prefill()(q_j, k_j, v_j, step=step, sm_scale=float(sm_scale))
             return to_torch(out)[:q3.shape[0]], "pallas", None, "jax"
         reason = f"this MHA extend runs the prefill kernel on bfloat16 q, q is {q3.dtype}"
     elif requested == "aiter":
@@ -237,19 +252,38 @@ def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_l
     return out, None
 
 
-def _bucketed(q3, k3, v3, qo_indptr, kv_indptr):
-    """The jitted prefill's inputs at bucket shapes, so that it compiles once per bucket, not
-    per step: q / k / v with their rows padded to `prefill_capacity` (q rows past
-    qo_indptr[-1] get out 0, k / v rows past kv_indptr[-1] are never read) and the CSRs to
-    `prefill_batch_capacity` requests (the extra ones empty: the last entry repeated). Each
-    pad is one device copy; nothing is read on the host."""
-    from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
+def _jax_step(backend, qo_indptr, kv_indptr, q_rows: int, kv_rows: int, max_kv_len: int):
+    """The step's `PrefillStep` for the JAX path over its bucketed CSRs and q / k / v rows,
+    built at the step's first layer and kept until the next step's metadata (the
+    forward_metadata setter drops it), so each later layer runs the kernel and its copies
+    alone."""
+    key = (q_rows, kv_rows, qo_indptr.shape[0], max_kv_len)
+    cached = backend._mha_jax_step
+    if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
+            and cached[2] == key:
+        return cached[3]
+    qo_b, kv_b = (to_jax(x) for x in _bucket_indptrs(qo_indptr, kv_indptr))
+    step = _pallas_step()(qo_b, kv_b, num_q=q_rows, num_kv=kv_rows, causal=True,
+                          max_kv_len=max_kv_len)
+    backend._mha_jax_step = (qo_indptr, kv_indptr, key, step)
+    return step
 
-    def rows(x):
-        pad = prefill_capacity(x.shape[0]) - x.shape[0]
-        return F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x.contiguous()
+
+def _bucket_rows(x):
+    """x [T, H, d] with its rows padded to `prefill_capacity`, so that the jitted prefill
+    compiles once per bucket, not per step (q rows past qo_indptr[-1] get out 0, k / v rows
+    past kv_indptr[-1] are never read): one device copy, nothing read on the host."""
+    from funcmla.attention.pallas.prefill_layout import prefill_capacity
+
+    pad = prefill_capacity(x.shape[0]) - x.shape[0]
+    return F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x.contiguous()
+
+
+def _bucket_indptrs(qo_indptr, kv_indptr):
+    """The CSRs over `prefill_batch_capacity` requests (the extra ones empty: the last entry
+    repeated), the step's bucket; nothing read on the host."""
+    from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity
 
     extra = prefill_batch_capacity(qo_indptr.shape[0] - 1) + 1 - qo_indptr.shape[0]
-    ip = [torch.cat([x, x[-1:].expand(extra)]) if extra else x.contiguous()
-          for x in (qo_indptr, kv_indptr)]
-    return rows(q3), rows(k3), rows(v3), ip[0], ip[1]
+    return [torch.cat([x, x[-1:].expand(extra)]) if extra else x.contiguous()
+            for x in (qo_indptr, kv_indptr)]
