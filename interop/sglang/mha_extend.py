@@ -28,9 +28,10 @@ most 12.5% above the token count, plus 8-row gaps). Elsewhere, or where the laun
 (`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at bucket
 shapes (`_bucket_rows`, `_bucket_indptrs`), so it compiles once per bucket rather than once per
 step, with the step's `prefill_step` built at its first layer for all of them (`_jax_step`).
-Either way a layer reads no device value on the host: the token counts, whether any request has a prefix and
-the longest kv_len (which picks the kernel's tile config, `prefill_kernel_config`) come from the
-step's host lengths (`backend._extend_rows`, set by `init_forward_metadata`).
+Either way a layer reads no device value on the host: the token counts, whether any request
+has a prefix and the longest kv_len (which picks the kernel's tile config,
+`prefill_kernel_config`) come from the step's host lengths (`backend._extend_rows`, set by
+`init_forward_metadata`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Ragged MHA prefill: argument checks and the entry point of the Mosaic GPU prefill kernel.
 
 `mha_prefill(q, k, v, qo_indptr, kv_indptr, sm_scale=..., causal=...)` runs
-`prefill_mgpu.prefill_kernel` on checked arguments and returns (out [Tq, H, 128], lse [Tq, H]).
-`check_prefill_args` holds every static check (one home), `validate_prefill_inputs` the eager
-check of index values (also run by `mha_prefill` when the indptrs are concrete),
-`prefill_kernel_config` the tile configuration for the batch's longest request (one home: the
-torch launcher and the SGLang backend ask it too). Partial results over disjoint key sets
+`prefill_mgpu.prefill_kernel` on checked arguments and returns (out [Tq, H, 128], lse [Tq, H]);
+`prefill_step` builds the schedule it runs on once for a serving step's layers.
+`_check_tensors` and `_check_indptrs` hold the static checks (one home each),
+`validate_prefill_inputs` the eager check of index values (also run by `prefill_step` when the
+indptrs are concrete), `prefill_kernel_config` the tile configuration for the batch's longest
+request (one home: the torch launcher and the SGLang backend ask it too). Partial results over disjoint key sets
 combine with `merge.merge_attention_states`. Design and numbers: docs/prefill_kernel.md;
 reproduce with `python -m bench.prefill`.
 """
@@ -40,8 +41,7 @@ from funcmla.checks import check_indptr
 from funcmla.guards import EAGER
 from funcmla.layout import expect_index_array
 
-__all__ = ["mha_prefill", "prefill_step", "PrefillStep", "check_prefill_args",
-           "validate_prefill_inputs",
+__all__ = ["mha_prefill", "prefill_step", "PrefillStep", "validate_prefill_inputs",
            "prefill_kernel_config", "HEAD_DIMS", "SHORT_KV_LEN", "SHORT_CONFIG"]
 
 # The (q/k head dim, v head dim) pairs the kernel takes: DeepSeek's decompressed MHA
@@ -70,18 +70,9 @@ def prefill_kernel_config(max_kv_len: int | None) -> MgpuPrefillConfig:
     return SHORT_CONFIG if max_kv_len <= SHORT_KV_LEN else MgpuPrefillConfig()
 
 
-def check_prefill_args(q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal) -> int:
-    """Static checks of `mha_prefill`'s arguments (shapes, dtypes, head dims, scale); returns
-    the request count B. Raises TypeError (dtypes) or ValueError naming the argument and the
-    value or limit."""
-    _check_indptrs(qo_indptr, kv_indptr)
-    _check_tensors(q, k, v, sm_scale=sm_scale)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    return qo_indptr.shape[0] - 1
-
-
 def _check_indptrs(qo_indptr, kv_indptr) -> None:
+    """Static checks of the token CSRs (dtype, shape [B + 1], B >= 1, one B for both): a
+    TypeError (dtype) or ValueError naming the argument and the value."""
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
         expect_index_array(x, name)
         if x.dtype != jnp.int32:
@@ -94,6 +85,8 @@ def _check_indptrs(qo_indptr, kv_indptr) -> None:
 
 
 def _check_tensors(q, k, v, *, sm_scale) -> None:
+    """Static checks of q / k / v (rank, dtype, head dims, heads, token counts) and sm_scale:
+    a TypeError (dtype) or ValueError naming the argument and the value or limit."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"{name} must have shape [T, H, D], got {x.shape}")
@@ -187,10 +180,12 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
     _check_indptrs(qo_indptr, kv_indptr)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if _is_concrete(qo_indptr, kv_indptr):
+    concrete_kv = _is_concrete(kv_indptr)
+    concrete = concrete_kv and _is_concrete(qo_indptr)
+    if concrete:
         validate_prefill_inputs(qo_indptr, kv_indptr, num_q, num_kv, causal=causal)
     if config is None:
-        if max_kv_len is None and _is_concrete(kv_indptr):
+        if max_kv_len is None and concrete_kv:
             max_kv_len = int(np.max(np.diff(np.asarray(kv_indptr))))
         config = prefill_kernel_config(max_kv_len)
     elif max_kv_len is not None:
@@ -198,8 +193,7 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
     if not isinstance(config, MgpuPrefillConfig):
         raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
     # Starts already on 8-row boundaries (known when the indptrs are concrete) need no copy.
-    realign = not (_is_concrete(qo_indptr, kv_indptr)
-                   and _starts_aligned(qo_indptr, kv_indptr))
+    realign = not (concrete and _starts_aligned(qo_indptr, kv_indptr))
     geometry = prefill_geometry(num_q, num_kv, qo_indptr.shape[0] - 1,
                                 block_kv=config.block_kv, interpret=interpret, realign=realign)
     if num_q == 0:
