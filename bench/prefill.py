@@ -79,11 +79,16 @@ from .timing import device_kernel_times, environment, torch_host_us, torch_queue
 
 SM_SCALE = MLADims().sm_scale
 D_QK, D_V = 192, 128
+# 16 requests of 1017-1031 tokens (16384 in all), starting off 8-row boundaries as a serving
+# step's extend lengths do: the kernel reads each from its 8-row group, with no copy.
+RAGGED_1K = [1021, 1030, 1019, 1027, 1025, 1018, 1031, 1023, 1026, 1020, 1029, 1022, 1024,
+             1028, 1017, 1024]
 # (name, heads, request lengths, causal)
 MHA_CASES = [
     ("causal 1x16k H128", 128, [16384], True),
     ("causal 16x1k H16", 16, [1024] * 16, True),
     ("causal 16x1k H128", 128, [1024] * 16, True),
+    ("causal 16x1k ragged H128", 128, RAGGED_1K, True),  # no dense baseline: unequal lengths
 ]
 SWEEP = [MgpuPrefillConfig(),
          MgpuPrefillConfig(pingpong=False),
@@ -255,6 +260,8 @@ def torch_sdpa_us(q, k, v, qo, causal: bool, reps: int, calls: int = 5) -> dict:
     if not torch.cuda.is_available():
         return {}
     q_lens = np.diff(np.asarray(qo))
+    if len(set(q_lens.tolist())) != 1:
+        return {}  # [B, H, L, d] views need equal lengths
     b, length = len(q_lens), int(q_lens[0])
     h = q.shape[1]
 
@@ -381,8 +388,8 @@ def mha_rows(args) -> list[dict]:
             if past_deadline(args):
                 log(f"   time limit: {name} {cfg_name(cfg)} not run")
                 continue
-            # the CSRs are the call's constants, as the host knows them: starts on 8-row
-            # boundaries then need no realigning copy (`prefill.ROW_ALIGN`)
+            # the CSRs are the call's constants, as the host knows them (checked and
+            # configured eagerly, as `mha_prefill` does with concrete indptrs)
             f = jax.jit(lambda q_, k_, v_, c=cfg: mha_prefill(
                 q_, k_, v_, qo, kv, sm_scale=SM_SCALE, causal=causal, config=c))
             # A layer of a serving step: the step's schedule (`prefill_step`) built once,

@@ -147,13 +147,14 @@ def attend_f64(q, k, v, causal: bool, scale: float):
 class ContractPrefillKernel:
     """Stands in for MosaicKernel: a host launch function that reads the eleven buffers and
     writes what the kernel's contract says (`prefill_kernel`): per tile slot, 128 query rows of
-    its request against that request's keys (float64, `attend_f64`), out rows at the request's
-    realigned start, lse in the slot's [2, 64] block."""
+    its request against that request's keys (float64, `attend_f64`), its rows counted from the
+    8-row group of the request's first row (`row_leads`), out rows in place, lse in the slot's
+    [2, 64] block."""
 
     def __init__(self, call, index, *, causal: bool, scale: float, log: list):
         import jax.numpy as jnp
 
-        from funcmla.attention.pallas.prefill_mgpu import BLOCK_Q
+        from funcmla.attention.pallas.prefill_mgpu import BLOCK_Q, ROW_ALIGN
         from funcmla.interop import _launch
 
         self.call, self.function, self.host_abi = call, 0xC0DE, _launch.HOST_ABI_DIRECT
@@ -171,12 +172,14 @@ class ContractPrefillKernel:
             for s, r in enumerate(req):
                 if r < 0:
                     continue
-                n, m = q_lens[r], kv_lens[r]
-                rows = np.arange(first[s], min(first[s] + BLOCK_Q, n))
+                n, m, lead = q_lens[r], kv_lens[r], qo[r] % ROW_ALIGN
+                tile = np.arange(first[s], first[s] + BLOCK_Q)  # counted from the 8-row group
+                live = (tile >= lead) & (tile < lead + n)
+                rows = tile[live] - lead
                 o, l = attend_f64(q[qo[r]:qo[r] + n], k[kv[r]:kv[r] + m], v[kv[r]:kv[r] + m],
                                   causal, scale)
                 out[qo[r] + rows] = o[rows]
-                lse.reshape(lse.shape[0], -1, BLOCK_Q)[:, s, rows - first[s]] = l[rows].T
+                lse.reshape(lse.shape[0], -1, BLOCK_Q)[:, s, np.flatnonzero(live)] = l[rows].T
 
         self._cb = _launch._HOST_FN[self.host_abi](host)
         self.host = ctypes.cast(self._cb, ctypes.c_void_p).value

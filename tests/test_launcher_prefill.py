@@ -168,22 +168,47 @@ def test_launcher_wires_the_layout_and_gathers_back(native, q_lens, kv_lens):
 
 
 @needs_launcher
-def test_laid_out_k_v_give_the_gathered_call_s_bits():
-    """k / v handed over in the step's layout (kv_laid_out=True: row r is token
-    step.layout.kv_src[r]) reach the kernel as the launcher's own gathers would: out and lse
+def test_laid_out_k_v_give_the_copied_call_s_bits():
+    """k / v handed over with the kernel's row count (kv_laid_out=True: row r is token r, the
+    rows past num_kv unused) reach the kernel as the launcher's own copies would: out and lse
     bit-equal, for bf16 and for fp8 rows with a scale."""
     lau, log = _launcher(False)
     q, k, v, qo, kv = _batch(np.random.default_rng(7), [70, 0, 1, 64], [100, 0, 33, 64])
     step = lau.layout(qo, kv, q.shape[0], k.shape[0])
-    src = step.layout.kv_src.long()
-    assert src.shape[0] == lau.geometry.kv_rows
+    rows = torch.arange(lau.geometry.kv_rows).clamp(max=k.shape[0] - 1)
     k8 = k.to(torch.float8_e4m3fn)
     for kk, scale in ((k, None), (k8, 0.5)):
         want = lau(q, kk, v, step=step, k_scale=scale)
         n = len(log)
-        got = lau(q, kk[src], v[src], step=step, k_scale=scale, kv_laid_out=True)
+        got = lau(q, kk[rows], v[rows], step=step, k_scale=scale, kv_laid_out=True)
         assert len(log) == n + 1
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_launcher
+def test_tensors_with_the_kernel_s_rows_are_read_and_written_in_place():
+    """q / k / v with the geometry's rows (contiguous bf16) reach the kernel as they are, and
+    out returned is the kernel's own out (its first Tq rows); the caller's out of the kernel's
+    rows is written by the kernel itself. Fewer rows: one padding copy each, same bits."""
+    lau, log = _launcher(False)
+    g = lau.geometry
+    rng = np.random.default_rng(9)
+    q, k, v, qo, kv = _batch(rng, [70, 0, 1, 64], [100, 0, 33, 64])
+    pad = [torch.cat([x, x[:1].expand(n - x.shape[0], -1, -1)])
+           for x, n in ((q, g.q_rows), (k, g.kv_rows), (v, g.kv_rows))]
+    want = lau(q, k, v, qo, kv)
+    n = len(log)
+    out = torch.empty((g.q_rows, H, 128), dtype=torch.bfloat16)
+    got = lau(pad[0], pad[1], pad[2], qo, kv, out=out)
+    ptrs = log[n][2]
+    assert ptrs[6:10] == (pad[0].data_ptr(), pad[1].data_ptr(), pad[2].data_ptr(),
+                          out.data_ptr())
+    assert got[0] is out
+    assert torch.equal(out[:q.shape[0]], want[0])
+    assert torch.equal(got[1][:q.shape[0]], want[1])
+    got = lau(q, k, v, qo, kv)
+    assert got[0].untyped_storage().data_ptr() == log[-1][2][9]  # a view of the kernel's out
+    assert got[0].shape == q.shape[:2] + (128,)
 
 
 @needs_launcher

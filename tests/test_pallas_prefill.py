@@ -22,9 +22,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jax.experimental import pallas as pl
+
 from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
 from funcmla.attention.pallas.prefill import SHORT_CONFIG
-from funcmla.attention.pallas.prefill_mgpu import tile_schedule
+from funcmla.attention.pallas.prefill_mgpu import num_tile_slots, tile_schedule
 from funcmla.attention.reference import mha_attention_reference
 from tests.trace_checks import assert_profiled_like_plain
 
@@ -149,18 +151,26 @@ def test_lowers_for_cuda(heads, causal, config):
     assert "mha_prefill_mgpu" in text
 
 
-def test_tile_schedule_covers_each_request_once():
-    """Every query row of every request is in exactly one (slot, 128-row tile); unused slots
-    are -1; the static slot count ceil(Tq / 128) + B suffices for any split."""
-    q_lens = [0, 300, 128, 1, 0, 129]
-    qo = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    slots = -(-sum(q_lens) // 128) + len(q_lens)
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=8), st.integers(0, 7))
+def test_tile_schedule_covers_each_request_once(q_lens, offset):
+    """Counted from the 8-row group of its first row (`row_leads`), every query row of every
+    request is in exactly one (slot, 128-row tile), every tile starts on a multiple of 128
+    there (so on a multiple of 8 in q's rows), unused slots are -1, and the static slot count
+    `num_tile_slots` suffices for any lengths and starts (`offset`: rows before the first)."""
+    starts = offset + np.concatenate([[0], np.cumsum(q_lens)])
+    qo = jnp.asarray(starts, jnp.int32)
+    slots = num_tile_slots(int(starts[-1]), len(q_lens))
     req, first = map(np.asarray, tile_schedule(qo, slots))
+    leads = starts[:-1] % 8
     live = [(int(r), int(f)) for r, f in zip(req, first) if r >= 0]
-    assert len(live) == len(set(live)) == sum(-(-n // 128) for n in q_lens)
-    assert all(0 <= f < q_lens[r] and f % 128 == 0 for r, f in live)
-    covered = {(r, f + j) for r, f in live for j in range(128) if f + j < q_lens[r]}
-    assert covered == {(b, j) for b, n in enumerate(q_lens) for j in range(n)}
+    assert len(live) == len(set(live)) <= slots
+    assert all(f % 128 == 0 and f < leads[r] + q_lens[r] for r, f in live)
+    assert all((starts[r] - leads[r] + f) % 8 == 0 for r, f in live)
+    covered = [(r, f + j - leads[r]) for r, f in live for j in range(128)
+               if leads[r] <= f + j < leads[r] + q_lens[r]]
+    assert sorted(covered) == [(b, j) for b, n in enumerate(q_lens) for j in range(n)]
+    assert all(r == -1 and f == 0 for r, f in zip(req, first) if r < 0)
 
 
 def _np_attention(q, k, v, qo, kv, causal):
@@ -345,13 +355,13 @@ def test_gpu_profile_names_every_phase(tmp_path):
 
 def _kernel_inputs(monkeypatch, run) -> tuple[dict, object]:
     """(what `run()`, an `mha_prefill` call, hands the kernel: its nine operands by name,
-    "qo_a" ... "vp", run()'s result). The kernel is replaced by zeros of its output shapes (these
+    "qo" ... "vp", run()'s result). The kernel is replaced by zeros of its output shapes (these
     tests check its inputs; its results: the interpret cases)."""
     from funcmla.attention.pallas import prefill as prefill_mod
 
     seen = {}
     real_kernel = prefill_mod.prefill_kernel
-    names = ("qo_a", "kv_a", "q_lens", "kv_lens", "tile_req", "tile_first", "qp", "kp", "vp")
+    names = ("qo", "kv", "q_lens", "kv_lens", "tile_req", "tile_first", "qp", "kp", "vp")
 
     def spy(*args, **kw):  # runs while `_mha_prefill` traces
         def call(*ops):
@@ -375,48 +385,62 @@ def _clear_caches(prefill_mod):
     prefill_mod._schedule.clear_cache()
 
 
-@pytest.mark.parametrize("q_lens,kv_lens,realigned", [
-    ([70, 0, 1], [100, 5, 33], True),    # starts 70, 71 / 100, 105: copied to 8-row starts
-    ([64, 8, 16], [64, 8, 16], False),   # every start on 8 rows already: no copy
-])
-def test_kernel_tiles_start_on_8_row_boundaries(q_lens, kv_lens, realigned, monkeypatch):
-    """Mosaic GPU's TMA reads a tile of the 8-row-tiled q / k / v from its 8-row group: a
-    request starting mid-group would read the wrong rows on the GPU (the interpreter reads
-    exact rows, so only this contract shows it on a CPU). Whatever the caller's CSRs, the
-    kernel gets starts on multiples of 8 and each request's rows at its start."""
-    from funcmla.attention.pallas import prefill as prefill_mod
+class _RecordingTMA:
+    """`plgpu` as the prefill kernel sees it, recording the first row of every TMA copy of a
+    row range of q / k / v / out (`jax.debug.callback`, so the interpreter reports the traced
+    value) as (kind, row, rows): "read" for q / k / v into 8-row-tiled shared memory, "write"
+    for out (a 64-row copy is the swizzled, 8-row-tiled staging; shorter ones row-major)."""
 
+    def __init__(self, plgpu):
+        self._plgpu, self.seen = plgpu, []
+
+    def __getattr__(self, name):
+        return getattr(self._plgpu, name)
+
+    def _record(self, kind, gmem):
+        first = gmem.transforms[-1].indices[0]
+        if isinstance(first, type(pl.ds(0, 1))):  # a row range (lse's: a head and a slot)
+            jax.debug.callback(lambda row, n=first.size: self.seen.append((kind, int(row), n)),
+                               first.start)
+
+    def copy_gmem_to_smem(self, src, dst, *args, **kw):
+        self._record("read", src)
+        return self._plgpu.copy_gmem_to_smem(src, dst, *args, **kw)
+
+    def copy_smem_to_gmem(self, src, dst, *args, **kw):
+        self._record("write", dst)
+        return self._plgpu.copy_smem_to_gmem(src, dst, *args, **kw)
+
+
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_tma_copies_of_tiled_rows_start_on_8_row_boundaries(causal, monkeypatch):
+    """Mosaic GPU's TMA copies a row range into 8-row-tiled shared memory from the tensor viewed
+    as 8-row groups, so a copy starting mid-group reads (or writes) the wrong rows on the GPU;
+    the interpreter moves exact rows, so only the kernel's copies show it on a CPU. With every
+    start off 8 rows, the kernel reads q / k / v and writes full 64-row halves of out from
+    multiples of 8 only, writes each output row once (the rows past qo_indptr[-1] too), and
+    matches the float32 reference."""
+    from funcmla.attention.pallas import prefill_mgpu
+
+    q_lens, kv_lens = [70, 3, 1, 60], [100, 5, 33, 61]  # q starts 70, 73, 74; kv 100, 105, 138
+    rec = _RecordingTMA(prefill_mgpu.plgpu)
+    monkeypatch.setattr(prefill_mgpu, "plgpu", rec)
     q, k, v, qo, kv = make(np.random.default_rng(2), 1, q_lens, kv_lens, poison=np.nan)
-    seen = {}
-    real_layout = prefill_mod.prefill_layout
-
-    def layout(*args):
-        seen["layouts"] = seen.get("layouts", 0) + 1
-        return real_layout(*args)
-
-    monkeypatch.setattr(prefill_mod, "prefill_layout", layout)
-    seen.update(_kernel_inputs(monkeypatch, lambda: mha_prefill(
-        q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=MgpuPrefillConfig(block_kv=64),
-        interpret=True))[0])
-    assert not (seen["qo_a"][:-1] % 8).any() and not (seen["kv_a"][:-1] % 8).any()  # starts
-    assert seen.get("layouts", 0) == (1 if realigned else 0)  # q, k, v copied through it
-    qo_h, kv_h = np.asarray(qo), np.asarray(kv)
-    for r in range(len(q_lens)):
-        a, b = seen["qo_a"][r], qo_h[r]
-        np.testing.assert_array_equal(np.asarray(seen["qp"][a:a + q_lens[r]]),
-                                      np.asarray(q[b:b + q_lens[r]]))
-        a, b = seen["kv_a"][r], kv_h[r]
-        np.testing.assert_array_equal(np.asarray(seen["kp"][a:a + kv_lens[r]]),
-                                      np.asarray(k[b:b + kv_lens[r]]))
+    out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=causal,
+                           config=MgpuPrefillConfig(block_kv=64), interpret=True)
+    check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=causal))
+    reads = [r for kind, r, _ in rec.seen if kind == "read"]
+    tiled_writes = [r for kind, r, n in rec.seen if kind == "write" and n == 64]
+    assert reads and all(r % 8 == 0 for r in reads + tiled_writes), rec.seen
+    written = sorted(r + i for kind, r, n in rec.seen if kind == "write" for i in range(n))
+    assert written == list(range(q.shape[0])), written  # each row of q's once (no key: 0)
 
 
-@pytest.mark.parametrize("q_lens,kv_lens,realigned", [([70, 0, 1], [100, 5, 33], True),
-                                                       ([64, 8, 16], [64, 8, 16], False)])
-def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens, realigned,
-                                                               monkeypatch):
-    """`prefill_step` builds the schedule (the realigned layout where starts are off 8 rows)
-    once; each layer's `mha_prefill(step=...)` hands the kernel what the call with the
-    indptrs does, for its own q / k / v, and builds no layout of its own."""
+@pytest.mark.parametrize("q_lens,kv_lens", [([70, 0, 1], [100, 5, 33]), ([64, 8, 16], [64, 8, 16])])
+def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens, monkeypatch):
+    """`prefill_step` builds the schedule once; each layer's `mha_prefill(step=...)` hands the
+    kernel what the call with the indptrs does, for its own q / k / v (as they are, padded to
+    the kernel's rows), and builds no layout of its own."""
     from funcmla.attention.pallas import prefill as prefill_mod
 
     rng = np.random.default_rng(4)
@@ -430,7 +454,7 @@ def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens,
     _clear_caches(prefill_mod)
     step = prefill_mod.prefill_step(qo, kv, layers[0][0].shape[0], layers[0][1].shape[0],
                                     config=cfg, interpret=True)
-    assert step.realigned == realigned and len(built) == int(realigned)
+    assert len(built) == 1
     for q, k, v, _, _ in layers:
         before = len(built)
         with_step, _ = _kernel_inputs(monkeypatch, lambda: mha_prefill(
@@ -442,17 +466,20 @@ def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens,
         for name in direct:
             np.testing.assert_array_equal(np.asarray(with_step[name]),
                                           np.asarray(direct[name]), err_msg=name)
+        for name, x in (("qp", q), ("kp", k), ("vp", v)):  # in place: row r is row r
+            np.testing.assert_array_equal(np.asarray(with_step[name][:x.shape[0]]),
+                                          np.asarray(x), err_msg=name)
 
 
 def test_a_step_builds_under_jit_from_traced_indptrs():
-    """Under jit the indptrs are traced: the step realigns (starts unknown), takes the config
-    of its `max_kv_len` hint, and comes out of the jit as a pytree of its arrays."""
+    """Under jit the indptrs are traced: the step takes the config of its `max_kv_len` hint and
+    comes out of the jit as a pytree of its arrays."""
     from funcmla.attention.pallas.prefill import PrefillStep, prefill_step
 
     qo = jnp.asarray([0, 64, 72], jnp.int32)
     step = jax.jit(lambda a, b: prefill_step(a, b, 80, 80, max_kv_len=64,
                                              interpret=True))(qo, qo)
-    assert isinstance(step, PrefillStep) and step.realigned
+    assert isinstance(step, PrefillStep) and len(step.operands) == 6
     assert step.config == SHORT_CONFIG and step.num_q == 80 and step.lse_cols.shape == (80,)
 
 

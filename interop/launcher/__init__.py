@@ -22,7 +22,7 @@ Modules, in the order a launcher is built:
                every batch within a configuration's capacities.
   prefill      `PrefillLauncher` / `torch_mha_prefill`: `mha_prefill`'s Mosaic GPU kernel for
                every batch within a configuration's capacities (prefill_layout: its
-               realigned layout in torch ops).
+               index arrays in torch ops).
   torch_entry  `torch_decode`, `torch_extend` and the torch ops (`torch.ops.funcmla.*`).
   segments     `funcmla.segments.segment_positions` in torch ops (the per-step layouts).
   support      the jaxlib versions the extraction was tested on.

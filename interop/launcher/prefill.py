@@ -2,15 +2,17 @@
 
 A launcher serves every batch within its capacities (`PrefillLaunchConfig`: heads, up to
 q_capacity q rows, kv_capacity k / v rows and `batch` requests), so one compile covers the
-token counts of many serving steps (the buckets of `prefill_capacity`). Per step, the realigned
-layout (`funcmla.attention.pallas.prefill_layout`) is computed on the device in torch ops
-(`prefill_layout.torch_prefill_layout`) and shared by the step's layers; per layer, q / k / v
-are gathered into it (three torch gathers), the kernel runs through its Mosaic GPU host
-function in one foreign call (`interop/_launch.py`), and out / lse are gathered back. All of it
-is stream-ordered on `torch.cuda.current_stream()` and capturable in a CUDA graph. The kernel
-is the module `mha_prefill` lowers for the same geometry, compiled by jaxlib's own
-`MosaicGpuCompile` (`mosaic.py`); the gathers are copies, so outputs equal `mha_prefill`
-under jit bit for bit. Design and numbers: docs/torch_launcher.md ("Prefill").
+token counts of many serving steps (the buckets of `prefill_capacity`). Per step, the kernel's
+index arrays (`funcmla.attention.pallas.prefill_layout`) are computed on the device in torch
+ops (`prefill_layout.torch_prefill_layout`) and shared by the step's layers; per layer, q / k / v
+reach the kernel as they are where they already have the capacity's rows (else one copy each
+pads them to it: the compiled TMA descriptors carry static row counts), the kernel runs
+through its Mosaic GPU host function in one foreign call (`interop/_launch.py`), out is the
+first Tq rows of the kernel's and lse is gathered from its tiles. All of it is stream-ordered
+on `torch.cuda.current_stream()` and capturable in a CUDA graph. The kernel is the module
+`mha_prefill` lowers for the same geometry, compiled by jaxlib's own `MosaicGpuCompile`
+(`mosaic.py`); the copies are exact, so outputs equal `mha_prefill` under jit bit for bit.
+Design and numbers: docs/torch_launcher.md ("Prefill").
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ __all__ = ["PrefillLaunchConfig", "PrefillPlan", "PrefillStep", "PrefillLauncher
            "prefill_plan", "prefill_launcher", "prefill_capacity", "prefill_batch_capacity",
            "torch_mha_prefill"]
 
-# The kernel's buffers in the host function's order: the six layout arrays, q / k / v in the
-# realigned layout, then its two results. They are also the program's per-call pointer slots.
+# The kernel's buffers in the host function's order: the six layout arrays, q / k / v padded
+# to the geometry's rows, then its two results. They are also the program's per-call pointer slots.
 BUFFERS = ("qo_indptr", "kv_indptr", "q_lens", "kv_lens", "tile_req", "tile_first", "q", "k",
            "v", "out", "lse_tiles")
 
@@ -159,7 +161,7 @@ def _prefill_plan(config: PrefillLaunchConfig) -> PrefillPlan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrefillStep:
-    """One step's realigned layout on the device (`PrefillLauncher.layout`), for calls with
+    """One step's kernel index arrays on the device (`PrefillLauncher.layout`), for calls with
     num_q q rows and num_kv k / v rows; every layer of the step reuses it."""
 
     config: PrefillLaunchConfig
@@ -177,10 +179,12 @@ class PrefillLauncher:
     kv_indptr=None, *, step=None, out=None [Tq, H, 128] bf16, lse=None [Tq, H] float32,
     q_scale=None, k_scale=None, v_scale=None, return_lse=True, kv_laid_out=False) -> (out, lse):
     the CSRs or a step of this launcher for (Tq, Tk); return_lse=False skips lse's gather and
-    returns (out, None); kv_laid_out=True (with step=) takes k / v already in the step's layout,
-    [geometry.kv_rows, H, d] with row r holding token `step.layout.kv_src[r]`, and skips their
-    gathers (a caller that makes k / v, as SGLang's prefix decompression does, makes them in
-    that order and saves a pass over both). Each of q / k / v is bfloat16, or fp8 (float8_e4m3fn
+    returns (out, None); kv_laid_out=True (with step=) takes k / v already padded to the
+    kernel's rows, [geometry.kv_rows, H, d] with row r holding token r of the step's num_kv
+    (the rows past it unused), and skips their copies (a caller that makes k / v, as SGLang's
+    prefix decompression does, makes them that size and saves a pass over both). q, k or v
+    that has the kernel's rows (geometry.q_rows / kv_rows), contiguous, bf16 and 16-byte
+    aligned is read in place. Each of q / k / v is bfloat16, or fp8 (float8_e4m3fn
     / float8_e4m3fnuz) standing for float(x) * its scale (None: 1; a positive float, or a
     float32 tensor of shape () or [1]), dequantized to bf16 as `mha_prefill` does. Semantics are
     `mha_prefill`'s (bottom-right causal or full; a query with no key: out 0, lse +inf). Tensors
@@ -294,21 +298,21 @@ class PrefillLauncher:
         if not return_lse and lse is not None:
             raise LauncherArgumentError("lse= is given with return_lse=False")
         dev = self.device
-        if out is None:
-            out = torch.empty(out_shape, dtype=torch.bfloat16, device=dev)
         if lse is None and return_lse:
             lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
         if tq == 0:
+            if out is None:
+                out = torch.empty(out_shape, dtype=torch.bfloat16, device=dev)
             return out, lse
         lay = step.layout
-        # fp8 rows are gathered as bytes, then dequantized (`_bf16`)
-        qp = _bf16(torch, q.index_select(0, lay.q_src), scales[0])
-        kp, vp = ((_bf16(torch, x.contiguous() if kv_laid_out
-                         else x.index_select(0, lay.kv_src), s)
-                   if tk else
-                   torch.zeros((g.kv_rows,) + tuple(x.shape[1:]), dtype=torch.bfloat16,
-                               device=dev)) for x, s in ((k, scales[1]), (v, scales[2])))
-        out_p = torch.empty((g.q_rows, h, V_HEAD_DIM), dtype=torch.bfloat16, device=dev)
+        qp = _kernel_rows(torch, q, g.q_rows, scales[0])
+        kp, vp = (_kernel_rows(torch, x, g.kv_rows, s)
+                  for x, s in ((k, scales[1]), (v, scales[2])))
+        # the kernel writes rows [0, Tq) of its out in place; out is those rows (a view of a
+        # fresh tensor), or the caller's out when it has the kernel's rows
+        direct = out is not None and tq == g.q_rows and out.data_ptr() % 16 == 0
+        out_p = out if direct else torch.empty((g.q_rows, h, V_HEAD_DIM),
+                                               dtype=torch.bfloat16, device=dev)
         lse_t = torch.empty((h, g.num_slots, 2, ROWS), dtype=torch.float32, device=dev)
         ptrs = [t.data_ptr() for t in (*lay[:6], qp, kp, vp, out_p, lse_t)]
         p = self.program
@@ -319,7 +323,10 @@ class PrefillLauncher:
             from funcmla.interop import _cuda_driver as cd
 
             cd.driver().check_launch(rc, self.plan.call.name)
-        torch.index_select(out_p, 0, lay.out_rows, out=out)
+        if out is None:
+            out = out_p[:tq]
+        elif not direct:
+            out.copy_(out_p[:tq])
         if return_lse:
             # rows of the transposed tiles: 28.2 us against 35.1 for index_select on the
             # columns and a transposing copy (H200, 16 x 1k H128; docs/prefill_kernel.md)
@@ -368,15 +375,25 @@ class PrefillLauncher:
                 "launch": self.program.how, "kernel": self.kernel.info()}
 
 
-def _bf16(torch, x, scale):
-    """x as the kernel's bfloat16: a bf16 x as it is; an fp8 one as float(x) * scale rounded
-    once to bf16, the float32 operations of `mha_prefill`'s dequantization (bit-equal)."""
-    if x.dtype is torch.bfloat16:
+def _kernel_rows(torch, x, rows: int, scale):
+    """x [T, H, d] as the kernel reads it: bfloat16, contiguous, 16-byte aligned, `rows` rows
+    (T <= rows). Such an x as it is; else a new tensor whose first T rows are x (an fp8 one as
+    float(x) * scale rounded once to bf16, the float32 operations of `mha_prefill`'s
+    dequantization: bit-equal) and whose other rows are left unset: they belong to no request,
+    and the kernel never lets such rows reach an output (docs/prefill_kernel.md)."""
+    if (x.dtype is torch.bfloat16 and x.shape[0] == rows and x.is_contiguous()
+            and x.data_ptr() % 16 == 0):
         return x
-    y = x.float()
-    if scale is not None:
-        y.mul_(scale)
-    return y.to(torch.bfloat16)
+    buf = torch.empty((rows,) + tuple(x.shape[1:]), dtype=torch.bfloat16, device=x.device)
+    t = x.shape[0]
+    if t and x.dtype is torch.bfloat16:
+        buf[:t].copy_(x)
+    elif t:
+        y = x.float()
+        if scale is not None:
+            y.mul_(scale)
+        buf[:t].copy_(y)  # float32 -> bf16, rounded once
+    return buf
 
 
 _LAUNCHERS: dict[tuple[PrefillLaunchConfig, int], PrefillLauncher] = {}

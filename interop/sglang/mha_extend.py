@@ -20,11 +20,11 @@ the float32 `mha_attention_reference` (backend "reference"; AITER's own MHA is n
 "aiter" runs the reference and records why). On an NVIDIA GPU with `torch_launcher` on, the
 pallas path runs the kernel through the torch prefill launcher
 (`funcmla.interop.launcher.prefill`: on torch's stream, no JAX dispatch, no DLPack): one
-launcher per bucket of (q rows, k / v rows, requests), the step's realigned layout computed once
-for all its layers (`_launched`). With a prefix, the latent rows are gathered in the layout's
-row order and decompressed there (`kv_laid_out`), so the launcher gathers neither k nor v: 1664
-bytes move per row and head instead of 2944, over the layout's rows (the bucket's capacity, at
-most 12.5% above the token count, plus 8-row gaps). Elsewhere, or where the launcher cannot run
+launcher per bucket of (q rows, k / v rows, requests), the step's kernel index arrays computed
+once for all its layers (`_launched`). With a prefix, the latent rows are decompressed straight
+into the kernel's row count (`kv_laid_out`: the bucket's capacity, at most 12.5% above the
+token count, the rows past the tokens repeating the last one), so the launcher copies neither
+k nor v: 1664 bytes move per row and head instead of 2944. Elsewhere, or where the launcher cannot run
 (`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at bucket
 shapes (`_bucket_rows`, `_bucket_indptrs`), so it compiles once per bucket rather than once per
 step, with the step's `prefill_step` built at its first layer for all of them (`_jax_step`).
@@ -152,7 +152,7 @@ def mha_extend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool) -> t
 
         def kv(src=None):
             """k, v of the batch's tokens decompressed: all in order, or the tokens `src`
-            (a launcher layout's row map) in that order."""
+            (the launcher's k / v rows) in that order."""
             rows = flat[(slots if src is None else slots.index_select(0, src)).long()]
             return _decompress(rows, kv_b_proj, heads, q3.dtype, layer.k_scale)
 
@@ -167,7 +167,7 @@ def _attend(backend, q3, kv, kv_tokens: int, qo_indptr, kv_indptr, sm_scale,
     """(out [T, H, 128] in q's dtype, the backend that ran, why the reference ran instead of
     the requested backend or None, how it ran: "launcher" or "jax"). kv: (k [Tk, H, 192],
     v [Tk, H, 128]), or a function of a row map making them (all Tk tokens for None); the
-    launcher makes them in its layout's order. The prefill kernel's tile config is
+    launcher makes them with its kernel's row count. The prefill kernel's tile config is
     `prefill_kernel_config` of the step's longest kv_len (a host fact). Sets
     backend.last_launcher_reason."""
     reason = backend.last_launcher_reason = None
@@ -215,9 +215,10 @@ def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_l
     """(out [T, H, 128], None) through the torch prefill launcher of the step's buckets, or
     (None, why not). The launcher (or the reason it is unavailable) is cached per
     configuration, the step's layout until the next step's metadata (the forward_metadata
-    setter drops it) for the same CSRs and shapes: every layer after the step's first costs the
-    gathers, one launch and out's gather, no lse. k / v made here (`kv` a function) are made
-    in the layout's row order, so the launcher gathers neither."""
+    setter drops it) for the same CSRs and shapes: every layer after the step's first costs
+    q's padding copy where q has fewer rows than the bucket, and one launch; no lse. k / v made
+    here (`kv` a function) are made with the kernel's row count, so the launcher copies
+    neither."""
     from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
     from funcmla.interop.launcher.errors import LauncherUnavailable
     from funcmla.interop.launcher.prefill import PrefillLaunchConfig
@@ -227,7 +228,7 @@ def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_l
     cached = backend._mha_step
     if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
             and cached[2] == key:
-        launcher, step = cached[3], cached[4]
+        launcher, step, rows = cached[3], cached[4], cached[5]
     else:
         config = PrefillLaunchConfig(num_heads=heads, q_capacity=prefill_capacity(tq),
                                      kv_capacity=prefill_capacity(tk),
@@ -244,12 +245,14 @@ def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_l
         if isinstance(launcher, str):
             return None, launcher
         step = launcher.layout(qo_indptr, kv_indptr, tq, tk)
-        backend._mha_step = (qo_indptr, kv_indptr, key, launcher, step)
+        # the token of each of the kernel's k / v rows: token r, then the last one repeated
+        rows = torch.arange(launcher.geometry.kv_rows, dtype=torch.int32,
+                            device=q3.device).clamp_(max=max(tk - 1, 0))
+        backend._mha_step = (qo_indptr, kv_indptr, key, launcher, step, rows)
     if isinstance(kv, tuple):
         out, _ = launcher(q3, *kv, step=step, return_lse=False)
     else:
-        out, _ = launcher(q3, *kv(step.layout.kv_src), step=step, return_lse=False,
-                          kv_laid_out=True)
+        out, _ = launcher(q3, *kv(rows), step=step, return_lse=False, kv_laid_out=True)
     return out, None
 
 

@@ -27,12 +27,9 @@ from funcmla.attention.pallas.prefill_mgpu import (
     V_HEAD_DIM,
     MgpuPrefillConfig,
     prefill_kernel,
-    tile_schedule,
 )
 from funcmla.attention.pallas.prefill_layout import (
-    ROW_ALIGN,
     PrefillGeometry,
-    lse_columns,
     prefill_geometry,
     prefill_layout,
 )
@@ -133,25 +130,23 @@ def _is_concrete(*xs) -> bool:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("operands", "gathers", "lse_cols"),
+                   data_fields=("operands", "lse_cols"),
                    meta_fields=("num_q", "num_kv", "causal", "config", "geometry",
                                 "interpret"))
 @dataclasses.dataclass(frozen=True)
 class PrefillStep:
     """`mha_prefill`'s schedule for one batch of token CSRs (`prefill_step`): built once, it
-    serves every layer whose q / k / v have these row counts, so a layer runs only its own
-    copies, the kernel and the lse gather (`python -m bench.prefill`: `layer_us`). A pytree:
-    the arrays are its leaves, the rest is static.
+    serves every layer whose q / k / v have these row counts, so a layer runs only the kernel
+    and the lse gather (and a row padding where a row count is not a multiple of 8 or is
+    under a tile; `python -m bench.prefill`: `layer_us`). A pytree: the arrays are its leaves,
+    the rest is static.
 
-    operands: the kernel's six int32 operands (request starts and lengths, tile schedule).
-    gathers: (q_src, kv_src, out_rows), the realigned layout's row indices, or () where every
-        request starts on a multiple of 8 rows (known from concrete indptrs) and q / k / v
-        reach the kernel as they are (`prefill_layout`).
+    operands: the kernel's six int32 operands (request starts and lengths, tile schedule;
+        `prefill_layout`).
     lse_cols: [num_q] each query row's column of the kernel's lse tiles viewed [H, N * 128].
     """
 
     operands: tuple
-    gathers: tuple
     lse_cols: jax.Array
     num_q: int
     num_kv: int
@@ -159,10 +154,6 @@ class PrefillStep:
     config: MgpuPrefillConfig
     geometry: PrefillGeometry
     interpret: object
-
-    @property
-    def realigned(self) -> bool:
-        return bool(self.gathers)
 
 
 def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv: int, *,
@@ -192,18 +183,15 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
         raise ValueError("max_kv_len picks the config: pass one of config and max_kv_len")
     if not isinstance(config, MgpuPrefillConfig):
         raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
-    # Starts already on 8-row boundaries (known when the indptrs are concrete) need no copy.
-    realign = not (concrete and _starts_aligned(qo_indptr, kv_indptr))
     geometry = prefill_geometry(num_q, num_kv, qo_indptr.shape[0] - 1,
-                                block_kv=config.block_kv, interpret=interpret, realign=realign)
+                                block_kv=config.block_kv, interpret=interpret)
     if num_q == 0:
-        operands, gathers, lse_cols = (), (), jnp.zeros((0,), jnp.int32)
+        operands, lse_cols = (), jnp.zeros((0,), jnp.int32)
     else:
-        operands, gathers, lse_cols = _schedule(qo_indptr, kv_indptr, num_q=num_q,
-                                                num_kv=num_kv, geometry=geometry,
-                                                realign=realign)
-    return PrefillStep(tuple(operands), tuple(gathers), lse_cols, int(num_q), int(num_kv),
-                       causal, config, geometry, interpret)
+        operands, lse_cols = _schedule(qo_indptr, kv_indptr, num_q=num_q, num_kv=num_kv,
+                                       geometry=geometry)
+    return PrefillStep(tuple(operands), lse_cols, int(num_q), int(num_kv), causal, config,
+                       geometry, interpret)
 
 
 def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array | None = None,
@@ -241,9 +229,9 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array |
     with kv_len 0, rows past qo_indptr[-1]) gets out 0 and lse +inf. Rows of k / v outside every
     request (NaN, Inf) never reach an output. Index values are checked here when concrete
     (`validate_prefill_inputs`); under an outer jit they are the caller's contract and nothing
-    is read or written out of bounds. The kernel needs every request to start on a multiple of 8
-    rows (`ROW_ALIGN`); unless concrete indptrs show that they do, q, k, v and out are copied
-    through an aligned layout (docs/prefill_kernel.md, "Invariants").
+    is read or written out of bounds. Requests start on any row (the kernel reads from the 8-row
+    group holding a request's first row and masks the rows before it); q / k / v are copied
+    only to pad a row count that is not a multiple of 8 or is under one tile.
     """
     _check_tensors(q, k, v, sm_scale=sm_scale)
     if step is None:
@@ -278,27 +266,11 @@ def _check_step(step, q, k, qo_indptr, kv_indptr, *, causal, config, max_kv_len,
                          f"for num_q={step.num_q} and num_kv={step.num_kv}")
 
 
-def _starts_aligned(qo_indptr, kv_indptr) -> bool:
-    """Every q tile (including the rows past qo_indptr[-1]) and every K/V tile starts on a
-    multiple of ROW_ALIGN rows."""
-    return not (np.any(np.asarray(qo_indptr) % ROW_ALIGN)
-                or np.any(np.asarray(kv_indptr)[:-1] % ROW_ALIGN))
-
-
-@functools.partial(jax.jit, static_argnames=("num_q", "num_kv", "geometry", "realign"))
-def _schedule(qo_indptr, kv_indptr, *, num_q, num_kv, geometry, realign):
-    """(kernel index operands, realigned row gathers or (), lse columns) of a `PrefillStep`."""
-    if realign:
-        lay = prefill_layout(qo_indptr, kv_indptr, num_q, num_kv, geometry)
-        return lay[:6], (lay.q_src, lay.kv_src, lay.out_rows), lay.lse_cols
-    # Every request starts on a multiple of 8 already: the tensors only get the rows a TMA
-    # box needs. Rows past qo_indptr[-1] form one more request with no keys: the kernel
-    # writes their out 0 and lse +inf itself.
-    qo = jnp.concatenate([qo_indptr, jnp.array([num_q], jnp.int32)])
-    kv = jnp.concatenate([kv_indptr, kv_indptr[-1:]])
-    operands = (qo, kv, qo[1:] - qo[:-1], kv[1:] - kv[:-1],
-                *tile_schedule(qo, geometry.num_slots))
-    return operands, (), lse_columns(qo, num_q)
+@functools.partial(jax.jit, static_argnames=("num_q", "num_kv", "geometry"))
+def _schedule(qo_indptr, kv_indptr, *, num_q, num_kv, geometry):
+    """(kernel index operands, lse columns) of a `PrefillStep`."""
+    lay = prefill_layout(qo_indptr, kv_indptr, num_q, num_kv, geometry)
+    return lay[:6], lay.lse_cols
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -308,19 +280,13 @@ def _mha_prefill(q, k, v, step, scales=(None, None, None), *, sm_scale):
     if tq == 0:
         return (jnp.zeros((0, h, V_HEAD_DIM), q.dtype), jnp.zeros((0, h), jnp.float32))
     geometry = step.geometry
-    if step.realigned:
-        q_src, kv_src, out_rows = step.gathers
-        qp = q[q_src]
-        kp, vp = ((x[kv_src] if step.num_kv else
-                   jnp.zeros((geometry.kv_rows,) + x.shape[1:], x.dtype)) for x in (k, v))
-    else:
-        qp = _pad_rows(q, geometry.q_rows)
-        kp, vp = _pad_rows(k, geometry.kv_rows), _pad_rows(v, geometry.kv_rows)
+    qp = _pad_rows(q, geometry.q_rows)
+    kp, vp = _pad_rows(k, geometry.kv_rows), _pad_rows(v, geometry.kv_rows)
     kernel = prefill_kernel(geometry.q_rows, h, geometry.num_reqs, q.dtype, sm_scale=sm_scale,
                             causal=step.causal, config=step.config, interpret=step.interpret)
     out, lse_tiles = kernel(*step.operands, qp, kp, vp)
     lse = lse_tiles.reshape(h, -1)[:, step.lse_cols].T
-    return (out[out_rows] if step.realigned else out[:tq]), lse
+    return out[:tq], lse
 
 
 def _dequantized(x, scale):

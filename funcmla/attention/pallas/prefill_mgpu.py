@@ -16,12 +16,17 @@ q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (bf16), requests given by the tok
 
 Causal (bottom-right): query j of a request with q_len queries and kv_len keys sees keys
 < kv_len - q_len + 1 + j. Tiles wholly above the block's diagonal are neither loaded nor
-computed; tiles wholly below every row's limit run unmasked; only the diagonal and the KV tail
-tile select scores to -inf. Rows of a tile past the request's end (TMA reads of the next
-request, or zero fill past the tensor) never reach an output: their scores are per row, their
-outputs are not stored (the store is cut to the live rows, `_store_rows`), and V rows past
-kv_len are zeroed in shared memory (a select) before P V, so a NaN there is never multiplied
-by a zero weight. A request with no key gives out 0 and lse +inf.
+computed; tiles wholly below every row's limit run unmasked; only the diagonal, the KV tail
+tile and a first tile with leading keys of no request select scores to -inf.
+
+Requests start anywhere: TMA copies into 8-row-tiled shared memory must start on a multiple of
+8 rows (`ROW_ALIGN`), so a request's q and K/V tiles are read from the 8-row group holding its
+first row, and the up to 7 rows before it are masked like rows past its end. Rows of a tile
+outside the request (the previous or next request, or zero fill past the tensor) never reach
+an output: their scores are per row, their outputs are not stored (the store is cut to the
+request's rows, `_store_rows`), and V rows outside are zeroed in shared memory (a select)
+before P V, so a NaN there is never multiplied by a zero weight. A request with no key gives
+out 0 and lse +inf.
 
 Outputs: out [Tq, H, 128] (q's dtype), stored row-exactly; lse per tile slot [H, N, 2, 64]
 (natural log; `prefill.mha_prefill` gathers it to [Tq, H]). Grid (heads, tile slots): Mosaic
@@ -56,8 +61,8 @@ from funcmla.attention.pallas.mgpu_ops import (
     swizzled,
 )
 
-__all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots",
-           "tile_schedule", "first_slots", "BLOCK_Q",
+__all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots", "tile_schedule",
+           "tile_counts", "first_slots", "row_leads", "BLOCK_Q", "ROW_ALIGN",
            "HEAD_DIM", "V_HEAD_DIM", "SMEM_BYTES"]
 
 _LOG2E = 1.4426950408889634
@@ -69,6 +74,10 @@ HEAD_DIM = 192       # q / k head dim (128 nope + 64 rope)
 V_HEAD_DIM = 128     # v head dim
 _SWIZZLE = 128       # bytes; 64 bf16 columns per swizzle tile
 SMEM_BYTES = 227 * 1024  # an sm_90 block's shared-memory limit
+# Tiles are read from multiples of 8 rows: Mosaic GPU copies a tile into 8-row-tiled shared
+# memory by TMA over the tensor viewed as 8-row groups, so a copy starting inside a group
+# reads the wrong rows (H200: 0.47-0.58 relative error; the interpreter reads exact rows).
+ROW_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,23 +137,36 @@ class MgpuPrefillConfig:
         return q + ring + 1024 + 3 * 16 * self.profile_space
 
 
-def first_slots(qo_indptr: jax.Array) -> jax.Array:
-    """The first tile slot of each request [B]: request i takes ceil(q_len_i / 128)
-    consecutive slots, in request order (the tile rule of `tile_schedule`)."""
+def row_leads(starts: jax.Array) -> jax.Array:
+    """How far each start lies past the 8-row group it falls in (`ROW_ALIGN`): the kernel
+    reads a request's tiles from that group's first row and masks the leading rows."""
+    return starts % ROW_ALIGN
+
+
+def tile_counts(qo_indptr: jax.Array) -> jax.Array:
+    """q tiles (tile slots) of each request [B]: ceil((lead + q_len) / 128) for the q rows read
+    from the request's 8-row group on (`row_leads`), 0 for a request with no queries."""
     q_lens = qo_indptr[1:] - qo_indptr[:-1]
-    tiles = (q_lens + BLOCK_Q - 1) // BLOCK_Q
+    tiles = (row_leads(qo_indptr[:-1]) + q_lens + BLOCK_Q - 1) // BLOCK_Q
+    return jnp.where(q_lens > 0, tiles, 0)
+
+
+def first_slots(qo_indptr: jax.Array) -> jax.Array:
+    """The first tile slot of each request [B]: request i takes `tile_counts` consecutive
+    slots, in request order (the tile rule of `tile_schedule`)."""
+    tiles = tile_counts(qo_indptr)
     return (jnp.cumsum(tiles) - tiles).astype(jnp.int32)
 
 
 def tile_schedule(qo_indptr: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
-    """Static-size q tile schedule: for tile slot s < num_slots, (request, first query row of
-    the tile within the request), or (-1, 0) for an unused slot. Each request gets
-    ceil(q_len / 128) consecutive slots; num_slots >= ceil(Tq / 128) + B covers any split of
-    Tq rows into B requests. qo_indptr int32 [B + 1]."""
-    starts = first_slots(qo_indptr)
-    b = starts.shape[0]
-    q_lens = qo_indptr[1:] - qo_indptr[:-1]
-    ends = starts + (q_lens + BLOCK_Q - 1) // BLOCK_Q
+    """Static-size q tile schedule: for tile slot s < num_slots, (request, first row of the
+    tile counted from the request's 8-row group), or (-1, 0) for an unused slot. Each request
+    gets `tile_counts` consecutive slots; `num_tile_slots` covers any B requests over Tq rows.
+    qo_indptr int32 [B + 1]."""
+    tiles = tile_counts(qo_indptr)
+    ends = jnp.cumsum(tiles).astype(jnp.int32)
+    starts = ends - tiles
+    b = tiles.shape[0]
     slot = jnp.arange(num_slots, dtype=jnp.int32)
     req = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
     live = req < b
@@ -172,13 +194,13 @@ def _qk(q_smem, k_smem, block_kv: int, interpret: bool, while_running=None):
     return pl.run_scoped(body, plgpu.ACC((ROWS, block_kv), jnp.float32))
 
 
-def _store_rows(o_stage, o_dst_rows, n):
-    """Copies rows [0, n) of o_stage [64, D] to o_dst_rows(start, size) (a global-memory
-    slice of `size` rows), n in [0, 64): one copy per set bit of n (32, 16, ..., 1 rows), so
-    no row past n is written."""
-    off = 0
+def _store_rows(o_stage, o_dst_rows, lead, n):
+    """Copies rows [lead, n) of o_stage [64, D] to o_dst_rows(start, size) (a global-memory
+    slice of `size` rows from row `start` of the stage's), 0 <= lead <= n <= 64, n - lead < 64:
+    one copy per set bit of n - lead (32, 16, ..., 1 rows), so no row outside is written."""
+    off, count = lead, n - lead
     for size in (32, 16, 8, 4, 2, 1):
-        take = (n & size) != 0
+        take = (count & size) != 0
 
         @pl.when(take)
         def _():
@@ -202,31 +224,36 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
     req = req_ref[slot_id]
     live = req >= 0
     reqc = jnp.maximum(req, 0)
-    q_start = qo_indptr_ref[reqc]
-    q_len = q_lens_ref[reqc]
-    kv_start = kv_indptr_ref[reqc]
-    kv_len = kv_lens_ref[reqc]
-    qb0 = first_ref[slot_id]  # the block's first query row within the request
+    # A request's rows are read from the 8-row group its first row falls in (`ROW_ALIGN`):
+    # counted from there (q_base, kv_base), its rows are [q_lead, q_end) and its keys
+    # [kv_lead, kv_end). The bottom-right causal bound keeps its form in these coordinates:
+    # row r sees keys < kv_end - q_end + 1 + r.
+    q_start, kv_start = qo_indptr_ref[reqc], kv_indptr_ref[reqc]
+    q_lead, kv_lead = lax.rem(q_start, ROW_ALIGN), lax.rem(kv_start, ROW_ALIGN)  # starts >= 0
+    q_base, kv_base = q_start - q_lead, kv_start - kv_lead
+    q_end, kv_len = q_lead + q_lens_ref[reqc], kv_lens_ref[reqc]
+    kv_end = kv_lead + kv_len
+    qb0 = first_ref[slot_id]  # the block's first row, counted from q_base
 
-    # Tiles of the block: up to the last live row's causal limit (all of the KV otherwise).
+    # Tiles of the block: up to the last row's causal limit (all of the KV otherwise).
     if causal:
-        last_row = jnp.minimum(qb0 + BLOCK_Q, q_len) - 1
-        limit_max = jnp.clip(kv_len - q_len + 1 + last_row, 0, kv_len)
+        last_row = jnp.minimum(qb0 + BLOCK_Q, q_end) - 1
+        limit_max = jnp.clip(kv_end - q_end + 1 + last_row, 0, kv_end)
     else:
-        limit_max = kv_len
-    count = jnp.where(live, (limit_max + block_kv - 1) // block_kv, 0)
+        limit_max = kv_end
+    count = jnp.where(live & (kv_len > 0), (limit_max + block_kv - 1) // block_kv, 0)
 
     @pl.when(live & (wg == 2))
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
         with jax.named_scope("copy_q"):
             for w in range(2):
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + qb0 + w * ROWS, ROWS), h],
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + qb0 + w * ROWS, ROWS), h],
                                         q_smems[w], q_bar.at[w])
 
         def load_tile(i, carry):
             st = lax.rem(i, num_stages)
-            rows = pl.ds(kv_start + i * block_kv, block_kv)
+            rows = pl.ds(kv_base + i * block_kv, block_kv)
 
             for free, full, src, dst in ((k_empty, k_full, k_ref, k_smem),
                                          (v_empty, v_full, v_ref, v_smem)):
@@ -253,11 +280,13 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         q_smem = q_smems[w]
-        row0 = qb0 + w * ROWS  # this consumer's first query row within the request
-        # Keys visible to row r of this consumer: < diag + r (causal), < kv_len always.
-        diag = kv_len - q_len + 1 + row0 if causal else kv_len
-        first_limit = jnp.clip(diag, 0, kv_len)
-        n_plain = jnp.minimum(first_limit // block_kv, count)
+        row0 = qb0 + w * ROWS  # this consumer's first row, counted from q_base
+        # Keys visible to row r of this consumer: < diag + r (causal), in [kv_lead, kv_end)
+        # always. Tile 0's rows below kv_lead are not the request's: masked where kv_lead > 0.
+        diag = kv_end - q_end + 1 + row0 if causal else kv_end
+        first_limit = jnp.clip(diag, 0, kv_end)
+        n_lead = jnp.minimum((kv_lead > 0).astype(jnp.int32), count)
+        n_plain = jnp.clip(first_limit // block_kv, n_lead, count)  # plain: [n_lead, n_plain)
 
         def meet():
             """Both consumers at the turn barrier (`MgpuPrefillConfig.pingpong`)."""
@@ -280,7 +309,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                     rows_iota = iota((ROWS, block_kv), 0, interpret)
                     cols_iota = iota((ROWS, block_kv), 1, interpret)
                     base = i * block_kv
-                    keep = cols_iota < kv_len - base
+                    keep = (cols_iota < kv_end - base) & (cols_iota >= kv_lead - base)
                     if causal:
                         keep = keep & (cols_iota - rows_iota < diag - base)
                     s = jnp.where(keep, s, -jnp.inf)
@@ -299,18 +328,20 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             with jax.named_scope("wait_v"):
                 plgpu.barrier_wait(v_full.at[st])
             if masked:
-                valid = kv_len - i * block_kv
+                lo, hi = kv_lead - i * block_kv, kv_end - i * block_kv
 
-                # The KV tail tile: V rows past kv_len (the next request, or zero fill) are
-                # zeroed before P V (a select: a NaN there is never multiplied by a zero
-                # weight). Consumer 0 zeroes them and signals; consumer 1 waits for that.
-                @pl.when(valid < block_kv)
+                # The first and the KV tail tile: V rows of no key of the request (the
+                # previous or next request, or zero fill) are zeroed before P V (a select: a
+                # NaN there is never multiplied by a zero weight). Consumer 0 zeroes them and
+                # signals; consumer 1 waits for that.
+                @pl.when((lo > 0) | (hi < block_kv))
                 def _():
                     if w == 0:
                         for c in range(V_HEAD_DIM // 64):
                             ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
                             chunk = load(ref, plgpu.Layout.WGMMA, interpret)
-                            ref[...] = jnp.where(iota((block_kv, 64), 0, interpret) < valid,
+                            rows_v = iota((block_kv, 64), 0, interpret)
+                            ref[...] = jnp.where((rows_v >= lo) & (rows_v < hi),
                                                  chunk, jnp.zeros_like(chunk))
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(v_clean.at[st])
@@ -335,8 +366,9 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             plgpu.barrier_wait(q_bar.at[w])
         if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
             meet()
-        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
+        carry = lax.fori_loop(0, n_lead, functools.partial(step, masked=True),
                               (acc, m_i, l_i))
+        carry = lax.fori_loop(n_lead, n_plain, functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
                                       carry)
         if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
@@ -351,26 +383,29 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
             out = out.astype(o_stages[w].dtype)
             lse_stages[w][...] = lse
-            n_rows = jnp.clip(q_len - row0, 0, ROWS)
+            # this consumer's rows of the request: [lead, n_rows) of its 64
+            lead = jnp.clip(q_lead - row0, 0, ROWS)
+            n_rows = jnp.clip(q_end - row0, 0, ROWS)
+            full = (lead == 0) & (n_rows == ROWS)
 
             def dst(off, size):
-                return o_ref.at[pl.ds(q_start + row0 + off, size), h]
+                return o_ref.at[pl.ds(q_base + row0 + off, size), h]
 
             # q is dead (its last q k^T was waited for): the output staging reuses its memory.
-            # A full half goes through the swizzled staging (stores free of bank conflicts, one
-            # TMA copy); a partial one through the row-major one, whose rows the copies of 32,
-            # 16, ..., 1 rows can address.
-            @pl.when(n_rows == ROWS)
+            # A full half (its rows start on a multiple of 8) goes through the swizzled staging
+            # (stores free of bank conflicts, one TMA copy); a partial one through the
+            # row-major one, whose rows the copies of 32, 16, ..., 1 rows can address.
+            @pl.when(full)
             def _():
                 o_full_stages[w][...] = out
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_full_stages[w], dst(0, ROWS))
 
-            @pl.when(n_rows < ROWS)
+            @pl.when(jnp.logical_not(full))
             def _():
                 store(o_stages[w], out, interpret)
                 plgpu.commit_smem()
-                _store_rows(o_stages[w], dst, n_rows)
+                _store_rows(o_stages[w], dst, lead, n_rows)
 
             plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
         with jax.named_scope("store_wait"):
@@ -443,6 +478,7 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
 
 
 def num_tile_slots(q_rows: int, num_reqs: int) -> int:
-    """Tile slots of the static schedule: ceil(q_rows / 128) + R covers any split of q_rows
-    rows into R requests (each request's last tile may be partial)."""
-    return -(-q_rows // BLOCK_Q) + num_reqs
+    """Tile slots of the static schedule: ceil((q_rows + 7 R) / 128) + R covers any R requests
+    over q_rows rows (`tile_counts`: each request adds at most 7 leading rows and one partial
+    tile)."""
+    return -(-(q_rows + (ROW_ALIGN - 1) * num_reqs) // BLOCK_Q) + num_reqs
