@@ -211,25 +211,32 @@ def _kernel_config(max_kv_len: int):
     return prefill_kernel_config(max_kv_len)
 
 
+def _per_step(backend, attr: str, qo_indptr, kv_indptr, key, build):
+    """`build()`, kept in `backend.<attr>` for the step's CSRs (the same tensors: the step's
+    metadata) and `key`; the forward_metadata setter drops it with the step."""
+    cached = getattr(backend, attr)
+    if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
+            and cached[2] == key:
+        return cached[3]
+    value = build()
+    setattr(backend, attr, (qo_indptr, kv_indptr, key, value))
+    return value
+
+
 def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_len: int):
     """(out [T, H, 128], None) through the torch prefill launcher of the step's buckets, or
     (None, why not). The launcher (or the reason it is unavailable) is cached per
-    configuration, the step's layout until the next step's metadata (the forward_metadata
-    setter drops it) for the same CSRs and shapes: every layer after the step's first costs
-    q's padding copy where q has fewer rows than the bucket, and one launch; no lse. k / v made
-    here (`kv` a function) are made with the kernel's row count, so the launcher copies
-    neither."""
+    configuration, the step's layout for the step (`_per_step`): every layer after the step's
+    first costs q's padding copy where q has fewer rows than the bucket, and one launch; no
+    lse. k / v made here (`kv` a function) are made with the kernel's row count, so the
+    launcher copies neither."""
     from funcmla.attention.pallas.prefill_layout import prefill_batch_capacity, prefill_capacity
     from funcmla.interop.launcher.errors import LauncherUnavailable
     from funcmla.interop.launcher.prefill import PrefillLaunchConfig
 
     tq, heads = q3.shape[0], q3.shape[1]
-    key = (heads, float(sm_scale), tq, tk, qo_indptr.shape[0], max_kv_len)
-    cached = backend._mha_step
-    if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
-            and cached[2] == key:
-        launcher, step, rows = cached[3], cached[4], cached[5]
-    else:
+
+    def build():
         config = PrefillLaunchConfig(num_heads=heads, q_capacity=prefill_capacity(tq),
                                      kv_capacity=prefill_capacity(tk),
                                      batch=prefill_batch_capacity(qo_indptr.shape[0] - 1),
@@ -243,12 +250,16 @@ def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_l
                 launcher = f"the prefill launcher is unavailable: {err}"
             backend._mha_launchers[(config, q3.device)] = launcher
         if isinstance(launcher, str):
-            return None, launcher
-        step = launcher.layout(qo_indptr, kv_indptr, tq, tk)
+            return launcher, None, None
         # the token of each of the kernel's k / v rows: token r, then the last one repeated
         rows = torch.arange(launcher.geometry.kv_rows, dtype=torch.int32,
                             device=q3.device).clamp_(max=max(tk - 1, 0))
-        backend._mha_step = (qo_indptr, kv_indptr, key, launcher, step, rows)
+        return launcher, launcher.layout(qo_indptr, kv_indptr, tq, tk), rows
+
+    key = (heads, float(sm_scale), tq, tk, qo_indptr.shape[0], max_kv_len)
+    launcher, step, rows = _per_step(backend, "_mha_step", qo_indptr, kv_indptr, key, build)
+    if isinstance(launcher, str):
+        return None, launcher
     if isinstance(kv, tuple):
         out, _ = launcher(q3, *kv, step=step, return_lse=False)
     else:
@@ -258,19 +269,15 @@ def _launched(backend, q3, kv, tk: int, qo_indptr, kv_indptr, sm_scale, max_kv_l
 
 def _jax_step(backend, qo_indptr, kv_indptr, q_rows: int, kv_rows: int, max_kv_len: int):
     """The step's `PrefillStep` for the JAX path over its bucketed CSRs and q / k / v rows,
-    built at the step's first layer and kept until the next step's metadata (the
-    forward_metadata setter drops it), so each later layer runs the kernel and its copies
-    alone."""
+    built at the step's first layer and kept for the step (`_per_step`), so each later layer
+    runs the kernel and its copies alone."""
+    def build():
+        qo_b, kv_b = (to_jax(x) for x in _bucket_indptrs(qo_indptr, kv_indptr))
+        return _pallas_step()(qo_b, kv_b, num_q=q_rows, num_kv=kv_rows, causal=True,
+                              max_kv_len=max_kv_len)
+
     key = (q_rows, kv_rows, qo_indptr.shape[0], max_kv_len)
-    cached = backend._mha_jax_step
-    if cached is not None and cached[0] is qo_indptr and cached[1] is kv_indptr \
-            and cached[2] == key:
-        return cached[3]
-    qo_b, kv_b = (to_jax(x) for x in _bucket_indptrs(qo_indptr, kv_indptr))
-    step = _pallas_step()(qo_b, kv_b, num_q=q_rows, num_kv=kv_rows, causal=True,
-                          max_kv_len=max_kv_len)
-    backend._mha_jax_step = (qo_indptr, kv_indptr, key, step)
-    return step
+    return _per_step(backend, "_mha_jax_step", qo_indptr, kv_indptr, key, build)
 
 
 def _bucket_rows(x):

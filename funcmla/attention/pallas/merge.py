@@ -15,7 +15,8 @@ On the GPU every multiply, add and divide is one IEEE round-to-nearest PTX instr
 (`mul.rn.f32`, `add.rn.f32`, `div.rn.f32`), so the compiler can neither contract a*b+c into an FMA
 nor use an approximate division: the result does not depend on the tiling or on compiler
 choices, and equals the torch launcher's merge (`funcmla.interop.launcher`) element for element.
-In interpret mode (CPU) the same sequence runs as plain float32 NumPy-semantics ops.
+In interpret mode (CPU) the same sequence runs as float32 operations, each product kept
+apart from its sum (an optimization barrier), so XLA:CPU contracts none into an FMA either.
 
 An empty split carries lse = -inf and a partial the decode kernels write as 0, so its weight
 0 multiplies a finite 0. Tiling: one program = `block_r` rows x `block_d` output columns of one
@@ -31,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -57,9 +59,12 @@ def _asm(op: str, *args):
 
 def merge_ops(interpret: bool):
     """(mul, add, div) of the merge: IEEE round-to-nearest f32 PTX instructions on the GPU,
-    plain float32 operations in interpret mode."""
+    float32 operations in interpret mode (products not contracted with their sums)."""
     if interpret:
-        return (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a / b)
+        # the barrier keeps XLA:CPU from contracting a product and its sum into an FMA (which
+        # jax 0.12's CPU backend does where the operands' fusion allows)
+        return ((lambda a, b: lax.optimization_barrier(a * b)), (lambda a, b: a + b),
+                (lambda a, b: a / b))
     return (lambda a, b: _asm("mul.rn.f32", a, b), lambda a, b: _asm("add.rn.f32", a, b),
             lambda a, b: _asm("div.rn.f32", a, b))
 
@@ -188,7 +193,7 @@ def merge_attention_states(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
     # An empty side's out is selected away (never multiplied by its zero weight).
     outs = [jnp.where(jnp.isfinite(x)[:, None], o.reshape(rows, d).astype(jnp.float32), 0.0)
             for o, x in zip((out_a, out_b), lses)]
-    ops = merge_ops(interpret=True)
+    ops = (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a / b)
     w, safe, lse = merge_weights(lses, ops[1])
     out = merge_columns(w, safe, lambda s: outs[s], (rows, d), ops)
     return out.astype(out_a.dtype).reshape(out_a.shape), lse.reshape(lse_a.shape)
