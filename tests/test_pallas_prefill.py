@@ -436,7 +436,8 @@ def test_tma_copies_of_tiled_rows_start_on_8_row_boundaries(causal, monkeypatch)
     assert written == list(range(q.shape[0])), written  # each row of q's once (no key: 0)
 
 
-@pytest.mark.parametrize("q_lens,kv_lens", [([70, 0, 1], [100, 5, 33]), ([64, 8, 16], [64, 8, 16])])
+@pytest.mark.parametrize("q_lens,kv_lens", [([70, 0, 1], [100, 5, 33]),
+                                            ([64, 8, 16], [64, 8, 16])])
 def test_a_step_serves_every_layer_with_the_schedule_built_once(q_lens, kv_lens, monkeypatch):
     """`prefill_step` builds the schedule once; each layer's `mha_prefill(step=...)` hands the
     kernel what the call with the indptrs does, for its own q / k / v (as they are, padded to

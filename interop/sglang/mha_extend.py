@@ -24,12 +24,12 @@ launcher per bucket of (q rows, k / v rows, requests), the step's kernel index a
 once for all its layers (`_launched`). With a prefix, the latent rows are decompressed straight
 into the kernel's row count (`kv_laid_out`: the bucket's capacity, at most 12.5% above the
 token count, the rows past the tokens repeating the last one), so the launcher copies neither
-k nor v: 1664 bytes move per row and head instead of 2944. Elsewhere, or where the launcher cannot run
-(`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by DLPack at bucket
-shapes (`_bucket_rows`, `_bucket_indptrs`), so it compiles once per bucket rather than once per
-step, with the step's `prefill_step` built at its first layer for all of them (`_jax_step`).
-Either way a layer reads no device value on the host: the token counts, whether any request
-has a prefix and the longest kv_len (which picks the kernel's tile config,
+k nor v: 1664 bytes move per row and head instead of 2944. Elsewhere, or where the launcher
+cannot run (`backend.last_launcher_reason` says why), it runs `mha_prefill` through JAX by
+DLPack at bucket shapes (`_bucket_rows`, `_bucket_indptrs`), so it compiles once per bucket
+rather than once per step, with the step's `prefill_step` built at its first layer for all of
+them (`_jax_step`). Either way a layer reads no device value on the host: the token counts,
+whether any request has a prefix and the longest kv_len (which picks the kernel's tile config,
 `prefill_kernel_config`) come from the step's host lengths (`backend._extend_rows`, set by
 `init_forward_metadata`).
 """

@@ -39,8 +39,8 @@ from jax.experimental.pallas import triton as pltriton
 from funcmla.attention.pallas.decode_common import PARTIAL_DTYPES
 from funcmla.layout import is_power_of_two
 
-__all__ = ["merge_splits_pallas", "merge_attention_states", "merge_block_d", "merge_ops", "merge_weights", "merge_columns",
-           "MERGE_BLOCK_R"]
+__all__ = ["merge_splits_pallas", "merge_attention_states", "merge_block_d", "merge_ops",
+           "merge_weights", "merge_columns", "MERGE_BLOCK_R"]
 
 MERGE_BLOCK_R = 16  # rows per program; partial row counts are multiples of it (block_m >= 16)
 _MIN_BLOCK_D = 32  # narrowest tile the rule picks (16 was slower at every measured shape)

@@ -6,9 +6,9 @@
 `_check_tensors` and `_check_indptrs` hold the static checks (one home each),
 `validate_prefill_inputs` the eager check of index values (also run by `prefill_step` when the
 indptrs are concrete), `prefill_kernel_config` the tile configuration for the batch's longest
-request (one home: the torch launcher and the SGLang backend ask it too). Partial results over disjoint key sets
-combine with `merge.merge_attention_states`. Design and numbers: docs/prefill_kernel.md;
-reproduce with `python -m bench.prefill`.
+request (one home: the torch launcher and the SGLang backend ask it too). Partial results over
+disjoint key sets combine with `merge.merge_attention_states`. Design and numbers:
+docs/prefill_kernel.md; reproduce with `python -m bench.prefill`.
 """
 
 from __future__ import annotations
