@@ -148,8 +148,7 @@ class ContractPrefillKernel:
     """Stands in for MosaicKernel: a host launch function that reads the eleven buffers and
     writes what the kernel's contract says (`prefill_kernel`): per tile slot, 128 query rows of
     its request against that request's keys (float64, `attend_f64`), its rows counted from the
-    8-row group of the request's first row (`row_leads`), out rows in place, lse in the slot's
-    [2, 64] block."""
+    8-row group of the request's first row (`row_leads`), out and lse rows in place."""
 
     def __init__(self, call, index, *, causal: bool, scale: float, log: list):
         import jax.numpy as jnp
@@ -179,7 +178,7 @@ class ContractPrefillKernel:
                 o, l = attend_f64(q[qo[r]:qo[r] + n], k[kv[r]:kv[r] + m], v[kv[r]:kv[r] + m],
                                   causal, scale)
                 out[qo[r] + rows] = o[rows]
-                lse.reshape(lse.shape[0], -1, BLOCK_Q)[:, s, np.flatnonzero(live)] = l[rows].T
+                lse[qo[r] + rows] = l[rows]
 
         self._cb = _launch._HOST_FN[self.host_abi](host)
         self.host = ctypes.cast(self._cb, ctypes.c_void_p).value

@@ -3,7 +3,7 @@
 * its layout, restated in torch ops, equals `prefill_layout` (the JAX rule) on random batches;
 * its plan is the one Mosaic GPU call of `prefill_kernel`, each operand a parameter;
 * a launcher built with a stand-in kernel wires the step's layout into the kernel's eleven
-  buffers and gathers out / lse back: the stand-in is a Mosaic GPU host function that computes
+  buffers and returns out / lse: the stand-in is a Mosaic GPU host function that computes
   the kernel's contract in float64 NumPy from those buffers, so the launcher's result must equal
   the same attention computed on the caller's own rows, bit for bit;
 * (slow) with the real kernel in interpret mode behind the host function, the launcher equals
@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcmla.attention.pallas.prefill_layout import prefill_geometry, prefill_layout
-from funcmla.attention.pallas.prefill_mgpu import ROWS, MgpuPrefillConfig
+from funcmla.attention.pallas.prefill_mgpu import MgpuPrefillConfig
 from funcmla.interop import _launch
 from funcmla.interop.launcher import prefill as P
 from funcmla.interop.launcher.prefill_layout import torch_prefill_layout
@@ -93,7 +93,7 @@ def test_plan_is_the_kernel_with_each_operand_a_parameter():
     assert call.operands == (((r + 1,), "i32"),) * 2 + (((r,), "i32"),) * 2 + (
         ((n,), "i32"),) * 2 + (((g.q_rows, H, 192), "bf16"), ((g.kv_rows, H, 192), "bf16"),
                                ((g.kv_rows, H, 128), "bf16"))
-    assert call.results == (((g.q_rows, H, 128), "bf16"), ((H, n, 2, ROWS), "f32"))
+    assert call.results == (((g.q_rows, H, 128), "bf16"), ((g.q_rows, H), "f32"))
     assert P.prefill_plan(CFG) is plan  # cached per configuration
 
 

@@ -7,8 +7,9 @@ index arrays (`funcmla.attention.pallas.prefill_layout`) are computed on the dev
 ops (`prefill_layout.torch_prefill_layout`) and shared by the step's layers; per layer, q / k / v
 reach the kernel as they are where they already have the capacity's rows (else one copy each
 pads them to it: the compiled TMA descriptors carry static row counts), the kernel runs
-through its Mosaic GPU host function in one foreign call (`interop/_launch.py`), out is the
-first Tq rows of the kernel's and lse is gathered from its tiles. All of it is stream-ordered
+through its Mosaic GPU host function in one foreign call (`interop/_launch.py`), and out and
+lse are the first Tq rows of the kernel's (or the caller's own tensors, written by the kernel
+where they have its rows). All of it is stream-ordered
 on `torch.cuda.current_stream()` and capturable in a CUDA graph. The kernel is the module
 `mha_prefill` lowers for the same geometry, compiled by jaxlib's own `MosaicGpuCompile`
 (`mosaic.py`); the copies are exact, so outputs equal `mha_prefill` under jit bit for bit.
@@ -37,7 +38,6 @@ from funcmla.attention.pallas.prefill_layout import (
 from funcmla.attention.pallas.prefill import prefill_kernel_config
 from funcmla.attention.pallas.prefill_mgpu import (
     HEAD_DIM,
-    ROWS,
     V_HEAD_DIM,
     MgpuPrefillConfig,
     prefill_kernel,
@@ -60,7 +60,7 @@ __all__ = ["PrefillLaunchConfig", "PrefillPlan", "PrefillStep", "PrefillLauncher
 # The kernel's buffers in the host function's order: the six layout arrays, q / k / v padded
 # to the geometry's rows, then its two results. They are also the program's per-call pointer slots.
 BUFFERS = ("qo_indptr", "kv_indptr", "q_lens", "kv_lens", "tile_req", "tile_first", "q", "k",
-           "v", "out", "lse_tiles")
+           "v", "out", "lse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +147,7 @@ def _prefill_plan(config: PrefillLaunchConfig) -> PrefillPlan:
     calls = extract_kernel_calls(lower_for_cuda(fn, *avals))
     h = config.num_heads
     want = (tuple(_signature(a) for a in avals),
-            (((g.q_rows, h, V_HEAD_DIM), "bf16"), ((h, g.num_slots, 2, ROWS), "f32")),
+            (((g.q_rows, h, V_HEAD_DIM), "bf16"), ((g.q_rows, h), "f32")),
             tuple(range(len(avals))))
     got = [(c.operands, c.results, c.sources) if isinstance(c, MosaicCall) else c.name
            for c in calls]
@@ -178,8 +178,7 @@ class PrefillLauncher:
     __call__(q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (any strides), qo_indptr=None,
     kv_indptr=None, *, step=None, out=None [Tq, H, 128] bf16, lse=None [Tq, H] float32,
     q_scale=None, k_scale=None, v_scale=None, return_lse=True, kv_laid_out=False) -> (out, lse):
-    the CSRs or a step of this launcher for (Tq, Tk); return_lse=False skips lse's gather and
-    returns (out, None); kv_laid_out=True (with step=) takes k / v already padded to the
+    the CSRs or a step of this launcher for (Tq, Tk); return_lse=False returns (out, None); kv_laid_out=True (with step=) takes k / v already padded to the
     kernel's rows, [geometry.kv_rows, H, d] with row r holding token r of the step's num_kv
     (the rows past it unused), and skips their copies (a caller that makes k / v, as SGLang's
     prefix decompression does, makes them that size and saves a pass over both). q, k or v
@@ -298,23 +297,26 @@ class PrefillLauncher:
         if not return_lse and lse is not None:
             raise LauncherArgumentError("lse= is given with return_lse=False")
         dev = self.device
-        if lse is None and return_lse:
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
         if tq == 0:
             if out is None:
                 out = torch.empty(out_shape, dtype=torch.bfloat16, device=dev)
+            if lse is None and return_lse:
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
             return out, lse
         lay = step.layout
         qp = _kernel_rows(torch, q, g.q_rows, scales[0])
         kp, vp = (_kernel_rows(torch, x, g.kv_rows, s)
                   for x, s in ((k, scales[1]), (v, scales[2])))
-        # the kernel writes rows [0, Tq) of its out in place; out is those rows (a view of a
-        # fresh tensor), or the caller's out when it has the kernel's rows
-        direct = out is not None and tq == g.q_rows and out.data_ptr() % 16 == 0
-        out_p = out if direct else torch.empty((g.q_rows, h, V_HEAD_DIM),
-                                               dtype=torch.bfloat16, device=dev)
-        lse_t = torch.empty((h, g.num_slots, 2, ROWS), dtype=torch.float32, device=dev)
-        ptrs = [t.data_ptr() for t in (*lay[:6], qp, kp, vp, out_p, lse_t)]
+        # the kernel writes rows [0, Tq) of its out and lse in place; each is those rows (a
+        # view of a fresh tensor), or the caller's tensor when it has the kernel's rows (out
+        # 16-byte aligned for its TMA stores; lse takes 4-byte stores)
+        direct_out = out is not None and tq == g.q_rows and out.data_ptr() % 16 == 0
+        direct_lse = lse is not None and tq == g.q_rows
+        out_p = out if direct_out else torch.empty((g.q_rows, h, V_HEAD_DIM),
+                                                   dtype=torch.bfloat16, device=dev)
+        lse_p = lse if direct_lse else torch.empty((g.q_rows, h), dtype=torch.float32,
+                                                   device=dev)
+        ptrs = [t.data_ptr() for t in (*lay, qp, kp, vp, out_p, lse_p)]
         p = self.program
         with self._lock:  # the program's slots are shared state
             p.pack(p.buffer, 0, self._stream(self.device_index), 1, *ptrs)
@@ -325,12 +327,14 @@ class PrefillLauncher:
             cd.driver().check_launch(rc, self.plan.call.name)
         if out is None:
             out = out_p[:tq]
-        elif not direct:
+        elif not direct_out:
             out.copy_(out_p[:tq])
-        if return_lse:
-            # rows of the transposed tiles: 28.2 us against 35.1 for index_select on the
-            # columns and a transposing copy (H200, 16 x 1k H128; docs/prefill_kernel.md)
-            lse.copy_(lse_t.view(h, -1).t()[lay.lse_cols])
+        if not return_lse:
+            return out, None
+        if lse is None:
+            lse = lse_p[:tq]
+        elif not direct_lse:
+            lse.copy_(lse_p[:tq])
         return out, lse
 
     def _expect(self, name, x, dtype) -> None:

@@ -18,7 +18,6 @@ from funcmla.attention.pallas.prefill_layout import (
     check_fits,
 )
 from funcmla.attention.pallas.prefill_mgpu import BLOCK_Q
-from funcmla.interop.launcher.segments import segment_positions
 
 __all__ = ["torch_prefill_layout"]
 
@@ -47,12 +46,7 @@ def torch_prefill_layout(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, tq: i
     req = torch.searchsorted(ends, slot, right=True, out_int32=True)
     live = req < r
     first = (slot - starts[req.clamp(max=r - 1)]) * BLOCK_Q
-    # lse_columns: every row < tq lies in a request (qo[-1] = tq)
-    row, j, _ = segment_positions(qo, tq)
-    rows = leads[row] + j
     return PrefillLayout(
         qo_indptr=qo, kv_indptr=kv, q_lens=q_lens.to(i32), kv_lens=(kv[1:] - kv[:-1]).to(i32),
         tile_req=torch.where(live, req, -1).to(i32),
-        tile_first=torch.where(live, first, 0).to(i32),
-        lse_cols=((starts[row] + rows // BLOCK_Q) * BLOCK_Q + rows % BLOCK_Q).clamp(
-            0, geometry.num_slots * BLOCK_Q - 1).to(i32))
+        tile_first=torch.where(live, first, 0).to(i32))

@@ -27,6 +27,7 @@ from funcmla.attention.pallas.prefill_mgpu import (
     V_HEAD_DIM,
     MgpuPrefillConfig,
     prefill_kernel,
+    tile_counts,
 )
 from funcmla.attention.pallas.prefill_layout import (
     PrefillGeometry,
@@ -130,24 +131,22 @@ def _is_concrete(*xs) -> bool:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("operands", "lse_cols"),
+                   data_fields=("operands",),
                    meta_fields=("num_q", "num_kv", "causal", "config", "geometry",
                                 "interpret"))
 @dataclasses.dataclass(frozen=True)
 class PrefillStep:
     """`mha_prefill`'s schedule for one batch of token CSRs (`prefill_step`): built once, it
     serves every layer whose q / k / v have these row counts, so a layer runs only the kernel
-    and the lse gather (and a row padding where a row count is not a multiple of 8 or is
-    under a tile; `python -m bench.prefill`: `layer_us`). A pytree: the arrays are its leaves,
-    the rest is static.
+    (and a row padding where a row count is not a multiple of 8 or is under a tile;
+    `python -m bench.prefill`: `layer_us`). A pytree: the arrays are its leaves, the rest is
+    static.
 
     operands: the kernel's six int32 operands (request starts and lengths, tile schedule;
         `prefill_layout`).
-    lse_cols: [num_q] each query row's column of the kernel's lse tiles viewed [H, N * 128].
     """
 
     operands: tuple
-    lse_cols: jax.Array
     num_q: int
     num_kv: int
     causal: bool
@@ -183,15 +182,17 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
         raise ValueError("max_kv_len picks the config: pass one of config and max_kv_len")
     if not isinstance(config, MgpuPrefillConfig):
         raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
+    live_tiles = None
+    if concrete:  # the grid's tile axis sized to this batch (`slot_count`)
+        qo = np.append(np.asarray(qo_indptr, np.int32), np.int32(num_q))  # + the rows past
+        live_tiles = int(np.sum(np.asarray(tile_counts(qo))))
     geometry = prefill_geometry(num_q, num_kv, qo_indptr.shape[0] - 1,
-                                block_kv=config.block_kv, interpret=interpret)
-    if num_q == 0:
-        operands, lse_cols = (), jnp.zeros((0,), jnp.int32)
-    else:
-        operands, lse_cols = _schedule(qo_indptr, kv_indptr, num_q=num_q, num_kv=num_kv,
-                                       geometry=geometry)
-    return PrefillStep(tuple(operands), lse_cols, int(num_q), int(num_kv), causal, config,
-                       geometry, interpret)
+                                block_kv=config.block_kv, interpret=interpret,
+                                live_tiles=live_tiles)
+    operands = () if num_q == 0 else _schedule(qo_indptr, kv_indptr, num_q=num_q,
+                                               num_kv=num_kv, geometry=geometry)
+    return PrefillStep(tuple(operands), int(num_q), int(num_kv), causal, config, geometry,
+                       interpret)
 
 
 def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: jax.Array | None = None,
@@ -268,9 +269,8 @@ def _check_step(step, q, k, qo_indptr, kv_indptr, *, causal, config, max_kv_len,
 
 @functools.partial(jax.jit, static_argnames=("num_q", "num_kv", "geometry"))
 def _schedule(qo_indptr, kv_indptr, *, num_q, num_kv, geometry):
-    """(kernel index operands, lse columns) of a `PrefillStep`."""
-    lay = prefill_layout(qo_indptr, kv_indptr, num_q, num_kv, geometry)
-    return lay[:6], lay.lse_cols
+    """The kernel index operands of a `PrefillStep`."""
+    return tuple(prefill_layout(qo_indptr, kv_indptr, num_q, num_kv, geometry))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -283,10 +283,10 @@ def _mha_prefill(q, k, v, step, scales=(None, None, None), *, sm_scale):
     qp = _pad_rows(q, geometry.q_rows)
     kp, vp = _pad_rows(k, geometry.kv_rows), _pad_rows(v, geometry.kv_rows)
     kernel = prefill_kernel(geometry.q_rows, h, geometry.num_reqs, q.dtype, sm_scale=sm_scale,
-                            causal=step.causal, config=step.config, interpret=step.interpret)
-    out, lse_tiles = kernel(*step.operands, qp, kp, vp)
-    lse = lse_tiles.reshape(h, -1)[:, step.lse_cols].T
-    return out[:tq], lse
+                            causal=step.causal, config=step.config, interpret=step.interpret,
+                            num_slots=geometry.num_slots)
+    out, lse = kernel(*step.operands, qp, kp, vp)
+    return out[:tq], lse[:tq]
 
 
 def _dequantized(x, scale):

@@ -3,8 +3,8 @@
 The kernel reads q / k / v where the caller holds them: a request's tiles are read from the
 8-row group its first row falls in (`ROW_ALIGN`, `prefill_mgpu`), so no request is moved.
 `prefill_layout` gives the kernel's own operands (request starts and lengths, the tile
-schedule) and each query row's lse column, a function of the two token CSRs only (a serving
-step computes it once for all its layers); `PrefillGeometry` the static sizes: the row counts
+schedule), a function of the two token CSRs only (a serving step computes it once for all its
+layers); `PrefillGeometry` the static sizes: the row counts
 the kernel's tensors are padded to (a multiple of 8, at least one tile: Mosaic GPU's tiled TMA
 needs both) and the tile slots.
 
@@ -25,15 +25,12 @@ import jax.numpy as jnp
 from funcmla.attention.pallas.prefill_mgpu import (
     BLOCK_Q,
     ROW_ALIGN,
-    first_slots,
     num_tile_slots,
-    row_leads,
     tile_schedule,
 )
-from funcmla.segments import segment_positions
 
 __all__ = ["ROW_ALIGN", "PrefillGeometry", "PrefillLayout", "prefill_geometry",
-           "prefill_layout", "lse_columns", "check_fits", "prefill_capacity",
+           "prefill_layout", "slot_count", "check_fits", "prefill_capacity",
            "prefill_batch_capacity"]
 
 
@@ -43,32 +40,47 @@ class PrefillGeometry:
     up to `batch` requests. The kernel runs on `num_reqs` = batch + 1 requests (the last one:
     q rows past qo_indptr[-1]), tensors of `q_rows` / `kv_rows` rows (the capacities rounded
     up to a multiple of 8, at least one tile; the interpreter gets a spare tile instead, as it
-    clamps a slice that runs past the end) and `num_slots` q tiles."""
+    clamps a slice that runs past the end) and `num_slots` q tiles (the grid's tile axis:
+    `num_tile_slots`, which covers any batch, or fewer for a known one: `slot_count`)."""
 
     q_capacity: int
     kv_capacity: int
     batch: int
     q_rows: int
     kv_rows: int
+    num_slots: int
 
     @property
     def num_reqs(self) -> int:
         return self.batch + 1
 
-    @property
-    def num_slots(self) -> int:
-        return num_tile_slots(self.q_rows, self.num_reqs)
-
 
 def prefill_geometry(q_capacity: int, kv_capacity: int, batch: int, *, block_kv: int,
-                     interpret: bool = False) -> PrefillGeometry:
-    """The sizes for up to q_capacity / kv_capacity rows in up to `batch` requests."""
+                     interpret: bool = False, live_tiles: int | None = None
+                     ) -> PrefillGeometry:
+    """The sizes for up to q_capacity / kv_capacity rows in up to `batch` requests. live_tiles:
+    the q tiles of the one batch the geometry will serve (`tile_counts` summed over every
+    request, the rows past the last one included), known on the host; None: any batch."""
     if interpret:
         q_rows, kv_rows = q_capacity + BLOCK_Q, kv_capacity + block_kv
     else:
         q_rows = max(_round_up(q_capacity, ROW_ALIGN), BLOCK_Q)
         kv_rows = max(_round_up(kv_capacity, ROW_ALIGN), block_kv)
-    return PrefillGeometry(q_capacity, kv_capacity, batch, q_rows, kv_rows)
+    bound = num_tile_slots(q_rows, batch + 1)
+    slots = bound if live_tiles is None else min(bound, slot_count(live_tiles))
+    return PrefillGeometry(q_capacity, kv_capacity, batch, q_rows, kv_rows, slots)
+
+
+def slot_count(live_tiles: int) -> int:
+    """Tile slots for a batch of `live_tiles` q tiles: rounded up to a multiple of an eighth of
+    its power of two (exact below 16), so at most 12.5% of the blocks are idle and a kernel is
+    compiled for at most 8 counts per doubling. The bound for any batch (`num_tile_slots`)
+    leaves B + 7 B / 128 tiles idle (18 of 146 a head at 16 x 1k): each is a block launched
+    that exits at once (docs/prefill_kernel.md, "Tile schedule")."""
+    n = max(int(live_tiles), 1)
+    if n < 16:
+        return n
+    return _round_up(n, 1 << (n.bit_length() - 4))
 
 
 class PrefillLayout(NamedTuple):
@@ -80,7 +92,6 @@ class PrefillLayout(NamedTuple):
     kv_lens: jax.Array     # [R] key count per request
     tile_req: jax.Array    # [N] request of each tile slot (-1: unused), `tile_schedule`
     tile_first: jax.Array  # [N] first row of each tile, counted from its request's 8-row group
-    lse_cols: jax.Array    # [Tq] each query row's column of the lse tiles viewed [H, N * 128]
 
 
 def prefill_layout(qo_indptr: jax.Array, kv_indptr: jax.Array, tq: int, tk: int,
@@ -97,19 +108,7 @@ def prefill_layout(qo_indptr: jax.Array, kv_indptr: jax.Array, tq: int, tk: int,
     req, first = tile_schedule(qo, geometry.num_slots)
     return PrefillLayout(
         qo_indptr=qo, kv_indptr=kv, q_lens=qo[1:] - qo[:-1], kv_lens=kv[1:] - kv[:-1],
-        tile_req=req, tile_first=first,
-        # in bounds for any index values: the gather never wraps
-        lse_cols=jnp.clip(lse_columns(qo, tq), 0, geometry.num_slots * BLOCK_Q - 1))
-
-
-def lse_columns(qo_indptr: jax.Array, tq: int) -> jax.Array:
-    """Each query row's column of the kernel's lse tiles [H, N, 2, 64] viewed [H, N * 128]:
-    row j of a request is row lead + j counted from its 8-row group (`row_leads`), in its
-    tile slot first_slot + (lead + j) // 128 (`tile_schedule`). qo_indptr: every request,
-    the rows past the caller's last one included."""
-    row, j, _ = segment_positions(qo_indptr, tq)
-    r = row_leads(qo_indptr[:-1])[row] + j
-    return (first_slots(qo_indptr)[row] + r // BLOCK_Q) * BLOCK_Q + r % BLOCK_Q
+        tile_req=req, tile_first=first)
 
 
 def prefill_capacity(rows: int) -> int:

@@ -28,12 +28,13 @@ request's rows, `_store_rows`), and V rows outside are zeroed in shared memory (
 before P V, so a NaN there is never multiplied by a zero weight. A request with no key gives
 out 0 and lse +inf.
 
-Outputs: out [Tq, H, 128] (q's dtype), stored row-exactly; lse per tile slot [H, N, 2, 64]
-(natural log; `prefill.mha_prefill` gathers it to [Tq, H]). Grid (heads, tile slots): Mosaic
-GPU launches the last axis fastest, so the q tiles of one head run side by side and share that
-head's K/V through L2; slots are walked last to first, so a request's longest (causal) tiles
-start first. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode. Arguments are checked
-by `funcmla.attention.pallas.prefill`, which calls `prefill_kernel`.
+Outputs: out [Tq, H, 128] (q's dtype) and lse [Tq, H] (float32, natural log), both stored
+row-exactly (out by TMA copies from shared memory, lse by each thread's own stores of its rows,
+`_store_lse`), in the layout the caller gets. Grid (heads, tile slots): Mosaic GPU launches
+the last axis fastest, so the q tiles of one head run side by side and share that head's K/V
+through L2; slots are walked last to first, so a request's longest (causal) tiles start
+first. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode. Arguments are checked by
+`funcmla.attention.pallas.prefill`, which calls `prefill_kernel`.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class MgpuPrefillConfig:
 
     def smem_bytes(self) -> int:
         """Shared memory of one block: q (two 64-row halves, reused for the output) and the
-        K/V ring, plus the lse staging and barriers (1 KB) and the profiler's buffer."""
+        K/V ring, plus the barriers (1 KB, a bound) and the profiler's buffer."""
         q = BLOCK_Q * HEAD_DIM * 2
         ring = self.num_stages * self.block_kv * (HEAD_DIM + V_HEAD_DIM) * 2
         return q + ring + 1024 + 3 * 16 * self.profile_space
@@ -209,13 +210,53 @@ def _store_rows(o_stage, o_dst_rows, lead, n):
         off = off + jnp.where(take, size, 0)
 
 
+def _store_lse(lse_ref, lse, row0, h, lead, n, interpret: bool):
+    """lse_ref[row0 + r, h] = lse[r] for r in [lead, n): lse [64] f32 (the WGMMA row layout),
+    lse_ref [q_rows, H] f32 in global memory. Each thread stores its own rows (a row's four
+    replica threads store the same value to the same address), so no row outside [lead, n)
+    is written and lse needs no gather after the kernel (docs/prefill_kernel.md, "Output")."""
+    if interpret:
+        def body(r, carry):
+            lse_ref[row0 + r, h] = lse[r]
+            return carry
+
+        lax.fori_loop(lead, n, body, 0)
+        return
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.RefType(), splat, splat,
+                                  splat, splat))
+    def store(ctx, x, ref, row0, h, lead, n):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, vector
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        f32 = ir.F32Type.get()
+        heads = ir.MemRefType(ref.type).shape[1]
+        gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(ref))
+        row0, h, lead, n = (v.registers.item() for v in (row0, h, lead, n))
+        for idx, reg in zip(x.layout.thread_idxs(x.shape), x.registers.flat):
+            r = arith.index_cast(i32, idx[0])
+            inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, r, lead),
+                                arith.cmpi(arith.CmpIPredicate.slt, r, n))
+            with mu.when(inside):
+                elem = arith.addi(arith.muli(arith.extui(i64, arith.addi(row0, r)),
+                                             mu.c(heads, i64)), arith.extui(i64, h))
+                dst = mu.getelementptr(gptr, [elem], f32)
+                llvm.store(vector.extract(reg, dynamic_position=[], static_position=[0]), dst)
+
+    store(lse, lse_ref, row0, h, lead, n)
+
+
 def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
             k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
             num_stages: int, num_slots: int, scale_log2: float, cfg: MgpuPrefillConfig,
             interpret: bool):
-    (qo0, qo1, lse0, lse1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-     v_clean, turn) = scratch
-    q_smems, lse_stages = (qo0[0], qo1[0]), (lse0, lse1)
+    (qo0, qo1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_clean,
+     turn) = scratch
+    q_smems = (qo0[0], qo1[0])
     o_stages, o_full_stages = (qo0[1], qo1[1]), (qo0[2], qo1[2])
 
     h = lax.axis_index("h")
@@ -382,7 +423,6 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
             lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
             out = out.astype(o_stages[w].dtype)
-            lse_stages[w][...] = lse
             # this consumer's rows of the request: [lead, n_rows) of its 64
             lead = jnp.clip(q_lead - row0, 0, ROWS)
             n_rows = jnp.clip(q_end - row0, 0, ROWS)
@@ -407,7 +447,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                 plgpu.commit_smem()
                 _store_rows(o_stages[w], dst, lead, n_rows)
 
-            plgpu.copy_smem_to_gmem(lse_stages[w], lse_ref.at[h, slot_id, w])
+            _store_lse(lse_ref, lse, q_base + row0, h, lead, n_rows, interpret)
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0)
 
@@ -417,35 +457,36 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
 
 def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
                    sm_scale: float, causal: bool,
-                   config: MgpuPrefillConfig = MgpuPrefillConfig(), interpret=False):
+                   config: MgpuPrefillConfig = MgpuPrefillConfig(), interpret=False,
+                   num_slots: int | None = None):
     """The Mosaic GPU pallas call for static shapes, as a function of its nine operands:
 
         (qo_indptr, kv_indptr int32 [R + 1] (request starts), q_lens, kv_lens int32 [R],
          tile_req, tile_first int32 [N] (`tile_schedule`), q [q_rows, H, 192],
          k [kv_rows, H, 192], v [kv_rows, H, 128]) -> (out [q_rows, H, 128] (dtype; rows of
-         no request unwritten), lse per tile slot f32 [H, N, 2, 64])
+         no request unwritten), lse f32 [q_rows, H] (rows of no request unwritten))
 
-    with R = num_reqs, N = `num_tile_slots(q_rows, num_reqs)` and any kv_rows (a multiple of
-    8 and at least block_kv on a GPU). `prefill.mha_prefill` builds the operands from token
-    CSRs (`prefill_layout`); the torch launcher (`funcmla.interop.launcher.prefill`) lowers
-    this function alone, so every kernel operand is one of its inputs."""
-    num_slots = num_tile_slots(q_rows, num_reqs)
+    with R = num_reqs, N = num_slots (None: `num_tile_slots(q_rows, num_reqs)`, which covers
+    any R requests; fewer must still cover the batch's tiles, `tile_counts`) and any kv_rows
+    (a multiple of 8 and at least block_kv on a GPU). `prefill.mha_prefill` builds the
+    operands from token CSRs (`prefill_layout`); the torch launcher
+    (`funcmla.interop.launcher.prefill`) lowers this function alone, so every kernel operand
+    is one of its inputs."""
+    if num_slots is None:
+        num_slots = num_tile_slots(q_rows, num_reqs)
     bkv, ns = config.block_kv, config.num_stages
     transforms = swizzled(_SWIZZLE, 2)
     q_half = plgpu.SMEM((ROWS, HEAD_DIM), dtype, transforms=transforms)
     o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype)
     o_full = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype, transforms=transforms)
-    lse_half = plgpu.SMEM((ROWS,), jnp.float32)
     if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
         q_or_out = [(q_half, o_half, o_full) for _ in range(2)]
     else:
         # Each consumer's q half and its two output stagings share memory (q is dead once
-        # the consumer's last q k^T is done); the lse staging is apart (256 bytes).
+        # the consumer's last q k^T is done).
         q_or_out = [plgpu.RefUnion(q_half, o_half, o_full) for _ in range(2)]
     scratch = [
         *q_or_out,
-        lse_half,
-        lse_half,
         plgpu.SMEM((ns, bkv, HEAD_DIM), dtype, transforms=transforms),
         plgpu.SMEM((ns, bkv, V_HEAD_DIM), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=2),                    # q half w landed
@@ -462,7 +503,7 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
     return plgpu.kernel(
         lambda *refs: kernel(*refs[:11], refs[11:]),
         out_type=(jax.ShapeDtypeStruct((q_rows, heads, V_HEAD_DIM), dtype),
-                  jax.ShapeDtypeStruct((heads, num_slots, 2, ROWS), jnp.float32)),
+                  jax.ShapeDtypeStruct((q_rows, heads), jnp.float32)),
         scratch_types=scratch,
         # The q tiles of one head are launched back to back (Pallas's last grid axis varies
         # fastest), so they stream that head's K/V tiles at about the same time from L2.
