@@ -155,9 +155,11 @@ def test_lowers_for_cuda(heads, causal, config):
 @given(st.lists(st.integers(0, 300), min_size=1, max_size=8), st.integers(0, 7))
 def test_tile_schedule_covers_each_request_once(q_lens, offset):
     """Counted from the 8-row group of its first row (`row_leads`), every query row of every
-    request is in exactly one (slot, 128-row tile), every tile starts on a multiple of 128
-    there (so on a multiple of 8 in q's rows), unused slots are -1, and the static slot count
-    `num_tile_slots` suffices for any lengths and starts (`offset`: rows before the first)."""
+    request is in exactly one (slot, 128-row tile) of that request's, every tile starts on a
+    multiple of 8 in q's rows and not before row 0, a request's tiles end on its last row's
+    8-row group (the partial tile first, `tile_shifts`) unless that would start before row 0,
+    unused slots are -1, and the static slot count `num_tile_slots` suffices for any lengths
+    and starts (`offset`: rows before the first)."""
     starts = offset + np.concatenate([[0], np.cumsum(q_lens)])
     qo = jnp.asarray(starts, jnp.int32)
     slots = num_tile_slots(int(starts[-1]), len(q_lens))
@@ -165,8 +167,16 @@ def test_tile_schedule_covers_each_request_once(q_lens, offset):
     leads = starts[:-1] % 8
     live = [(int(r), int(f)) for r, f in zip(req, first) if r >= 0]
     assert len(live) == len(set(live)) <= slots
-    assert all(f % 128 == 0 and f < leads[r] + q_lens[r] for r, f in live)
-    assert all((starts[r] - leads[r] + f) % 8 == 0 for r, f in live)
+    assert all(leads[r] - 128 < f < leads[r] + q_lens[r] for r, f in live)
+    assert all((starts[r] - leads[r] + f) % 8 == 0 and starts[r] - leads[r] + f >= 0
+               for r, f in live)
+    for r, n in enumerate(q_lens):
+        firsts = [f for rr, f in live if rr == r]
+        if n:
+            end = -(-(leads[r] + n) // 8) * 8
+            moved = max(firsts) + 128 == end
+            assert moved or (min(firsts) == 0 and starts[r] - leads[r] - (
+                len(firsts) * 128 - end) < 0), (r, firsts, end)
     covered = [(r, f + j - leads[r]) for r, f in live for j in range(128)
                if leads[r] <= f + j < leads[r] + q_lens[r]]
     assert sorted(covered) == [(b, j) for b, n in enumerate(q_lens) for j in range(n)]
@@ -508,6 +518,25 @@ def test_interpret_grid_of_the_batch_s_tiles_gives_the_bound_s_bits():
     out_j, lse_j = jax.jit(call)(q, k, v, qo, kv)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_j, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_j))
+
+
+def test_a_jit_over_known_csrs_holds_the_schedule_as_constants():
+    """Indptrs the host knows (closed over by a jit) give a program with the schedule as
+    constants: no cumsum of the tile counts runs in it, as it does for traced indptrs."""
+    q, k, v, qo, kv = make(np.random.default_rng(0), 1, [70, 3, 1], [100, 5, 33])
+
+    def prims(jaxpr, seen):
+        for e in jaxpr.eqns:
+            seen.add(e.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                prims(sub, seen)
+        return seen
+
+    call = functools.partial(mha_prefill, sm_scale=SCALE, interpret=True)
+    known = jax.jit(lambda q_, k_, v_: call(q_, k_, v_, qo, kv)).trace(q, k, v).jaxpr
+    traced = jax.jit(lambda *a: call(*a, max_kv_len=100)).trace(q, k, v, qo, kv).jaxpr
+    assert "cumsum" not in prims(known.jaxpr, set())
+    assert "cumsum" in prims(traced.jaxpr, set())
 
 
 def test_slot_count_rounds_to_an_eighth_of_a_power_of_two():

@@ -45,7 +45,13 @@ def torch_prefill_layout(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, tq: i
     slot = torch.arange(geometry.num_slots, dtype=i32, device=dev)
     req = torch.searchsorted(ends, slot, right=True, out_int32=True)
     live = req < r
-    first = (slot - starts[req.clamp(max=r - 1)]) * BLOCK_Q
+    # tile_shifts: tiles move up so the last ends on the last row's 8-row group, unless that
+    # starts before row 0
+    span = (leads + q_lens + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    shift = tiles * BLOCK_Q - span
+    shift = torch.where((q_lens > 0) & (qo[:-1] - leads - shift >= 0), shift, 0)
+    reqc = req.clamp(max=r - 1)
+    first = (slot - starts[reqc]) * BLOCK_Q - shift[reqc]
     return PrefillLayout(
         qo_indptr=qo, kv_indptr=kv, q_lens=q_lens.to(i32), kv_lens=(kv[1:] - kv[:-1]).to(i32),
         tile_req=torch.where(live, req, -1).to(i32),

@@ -185,12 +185,20 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
     live_tiles = None
     if concrete:  # the grid's tile axis sized to this batch (`slot_count`)
         qo = np.append(np.asarray(qo_indptr, np.int32), np.int32(num_q))  # + the rows past
-        live_tiles = int(np.sum(np.asarray(tile_counts(qo))))
+        with jax.ensure_compile_time_eval():  # concrete under an outer trace too
+            live_tiles = int(np.sum(np.asarray(tile_counts(qo))))
     geometry = prefill_geometry(num_q, num_kv, qo_indptr.shape[0] - 1,
                                 block_kv=config.block_kv, interpret=interpret,
                                 live_tiles=live_tiles)
-    operands = () if num_q == 0 else _schedule(qo_indptr, kv_indptr, num_q=num_q,
-                                               num_kv=num_kv, geometry=geometry)
+    if num_q == 0:
+        operands = ()
+    elif concrete:  # computed now, so an outer jit holds the schedule as constants
+        with jax.ensure_compile_time_eval():
+            operands = _schedule(qo_indptr, kv_indptr, num_q=num_q, num_kv=num_kv,
+                                 geometry=geometry)
+    else:
+        operands = _schedule(qo_indptr, kv_indptr, num_q=num_q, num_kv=num_kv,
+                             geometry=geometry)
     return PrefillStep(tuple(operands), int(num_q), int(num_kv), causal, config, geometry,
                        interpret)
 

@@ -63,7 +63,7 @@ from funcmla.attention.pallas.mgpu_ops import (
 )
 
 __all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots", "tile_schedule",
-           "tile_counts", "first_slots", "row_leads", "BLOCK_Q", "ROW_ALIGN",
+           "tile_counts", "tile_shifts", "row_leads", "BLOCK_Q", "ROW_ALIGN",
            "HEAD_DIM", "V_HEAD_DIM", "SMEM_BYTES"]
 
 _LOG2E = 1.4426950408889634
@@ -152,18 +152,26 @@ def tile_counts(qo_indptr: jax.Array) -> jax.Array:
     return jnp.where(q_lens > 0, tiles, 0)
 
 
-def first_slots(qo_indptr: jax.Array) -> jax.Array:
-    """The first tile slot of each request [B]: request i takes `tile_counts` consecutive
-    slots, in request order (the tile rule of `tile_schedule`)."""
-    tiles = tile_counts(qo_indptr)
-    return (jnp.cumsum(tiles) - tiles).astype(jnp.int32)
+def tile_shifts(qo_indptr: jax.Array) -> jax.Array:
+    """Rows by which each request's tiles move up [B], so that its last tile ends on the 8-row
+    group holding its last row and the partial tile is its first: a causal request's first
+    rows see the fewest keys, so there the partial tile's block is the shortest one (at the
+    bottom it is the longest, a whole extra KV sweep). 0 where moving up would start before
+    row 0 of q, and for a request with no queries; the rows moved in are masked like leads."""
+    starts = qo_indptr[:-1]
+    q_lens = qo_indptr[1:] - starts
+    lead = row_leads(starts)
+    span = (lead + q_lens + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    shift = tile_counts(qo_indptr) * BLOCK_Q - span
+    return jnp.where((q_lens > 0) & (starts - lead - shift >= 0), shift, 0)
 
 
 def tile_schedule(qo_indptr: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
     """Static-size q tile schedule: for tile slot s < num_slots, (request, first row of the
-    tile counted from the request's 8-row group), or (-1, 0) for an unused slot. Each request
-    gets `tile_counts` consecutive slots; `num_tile_slots` covers any B requests over Tq rows.
-    qo_indptr int32 [B + 1]."""
+    tile counted from the request's 8-row group: a multiple of 8, negative for a first tile
+    moved up by `tile_shifts`), or (-1, 0) for an unused slot. Each request gets `tile_counts`
+    consecutive slots; `num_tile_slots` covers any B requests over Tq rows. qo_indptr int32
+    [B + 1]."""
     tiles = tile_counts(qo_indptr)
     ends = jnp.cumsum(tiles).astype(jnp.int32)
     starts = ends - tiles
@@ -171,7 +179,8 @@ def tile_schedule(qo_indptr: jax.Array, num_slots: int) -> tuple[jax.Array, jax.
     slot = jnp.arange(num_slots, dtype=jnp.int32)
     req = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
     live = req < b
-    first = (slot - starts[jnp.minimum(req, b - 1)]) * BLOCK_Q
+    reqc = jnp.minimum(req, b - 1)
+    first = (slot - starts[reqc]) * BLOCK_Q - tile_shifts(qo_indptr)[reqc]
     return jnp.where(live, req, -1), jnp.where(live, first, 0)
 
 
