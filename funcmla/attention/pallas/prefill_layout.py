@@ -4,9 +4,8 @@ The kernel reads q / k / v where the caller holds them: a request's tiles are re
 8-row group its first row falls in (`ROW_ALIGN`, `prefill_mgpu`), so no request is moved.
 `prefill_layout` gives the kernel's own operands (request starts and lengths, the tile
 schedule), a function of the two token CSRs only (a serving step computes it once for all its
-layers); `PrefillGeometry` the static sizes: the row counts
-the kernel's tensors are padded to (a multiple of 8, at least one tile: Mosaic GPU's tiled TMA
-needs both) and the tile slots.
+layers); `PrefillGeometry` the static sizes: the row counts the kernel's tensors are padded to
+(a multiple of 8, at least one tile: Mosaic GPU's tiled TMA needs both) and the tile slots.
 
 Requests: the caller's B, then `geometry.batch - B` empty ones (a launcher built for up to
 `batch` requests serves fewer), then one request holding the q rows past qo_indptr[-1] with no
