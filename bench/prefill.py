@@ -83,12 +83,17 @@ D_QK, D_V = 192, 128
 # step's extend lengths do: the kernel reads each from its 8-row group, with no copy.
 RAGGED_1K = [1021, 1030, 1019, 1027, 1025, 1018, 1031, 1023, 1026, 1020, 1029, 1022, 1024,
              1028, 1017, 1024]
+# 15 of them, 15352 tokens: a multiple of 8 (the JAX path reads q / k / v as they are) that is
+# not a torch launcher bucket (`prefill_capacity`: 15360), so the launcher pads q / k / v by a
+# copy each, as it does for most serving steps.
+RAGGED_15 = RAGGED_1K[:14] + [RAGGED_1K[14] - 8]
 # (name, heads, request lengths, causal)
 MHA_CASES = [
     ("causal 1x16k H128", 128, [16384], True),
     ("causal 16x1k H16", 16, [1024] * 16, True),
     ("causal 16x1k H128", 128, [1024] * 16, True),
     ("causal 16x1k ragged H128", 128, RAGGED_1K, True),  # no dense baseline: unequal lengths
+    ("causal 15x1k ragged H128", 128, RAGGED_15, True),
 ]
 SWEEP = [MgpuPrefillConfig(),
          MgpuPrefillConfig(pingpong=False),
