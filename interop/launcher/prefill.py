@@ -9,8 +9,8 @@ reach the kernel as they are where they already have the capacity's rows (else o
 pads them to it: the compiled TMA descriptors carry static row counts), the kernel runs
 through its Mosaic GPU host function in one foreign call (`interop/_launch.py`), and out and
 lse are the first Tq rows of the kernel's (or the caller's own tensors, written by the kernel
-where they have its rows). All of it is stream-ordered
-on `torch.cuda.current_stream()` and capturable in a CUDA graph. The kernel is the module
+where they have its rows). All of it is stream-ordered on `torch.cuda.current_stream()` and
+capturable in a CUDA graph. The kernel is the module
 `mha_prefill` lowers for the same geometry, compiled by jaxlib's own `MosaicGpuCompile`
 (`mosaic.py`); the copies are exact, so outputs equal `mha_prefill` under jit bit for bit.
 Design and numbers: docs/torch_launcher.md ("Prefill").
@@ -178,7 +178,8 @@ class PrefillLauncher:
     __call__(q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (any strides), qo_indptr=None,
     kv_indptr=None, *, step=None, out=None [Tq, H, 128] bf16, lse=None [Tq, H] float32,
     q_scale=None, k_scale=None, v_scale=None, return_lse=True, kv_laid_out=False) -> (out, lse):
-    the CSRs or a step of this launcher for (Tq, Tk); return_lse=False returns (out, None); kv_laid_out=True (with step=) takes k / v already padded to the
+    the CSRs or a step of this launcher for (Tq, Tk); return_lse=False returns (out, None);
+    kv_laid_out=True (with step=) takes k / v already padded to the
     kernel's rows, [geometry.kv_rows, H, d] with row r holding token r of the step's num_kv
     (the rows past it unused), and skips their copies (a caller that makes k / v, as SGLang's
     prefix decompression does, makes them that size and saves a pass over both). q, k or v
