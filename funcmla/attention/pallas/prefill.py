@@ -162,8 +162,10 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
     q of num_q rows and k / v of num_kv rows: checked index values where concrete
     (`validate_prefill_inputs`, with `causal`'s kv_len >= q_len), the tile config
     (`config`, or `prefill_kernel_config` of the longest kv_len from concrete indptrs or of
-    `max_kv_len`), and the kernel's index operands. A serving step builds it once for all its
-    layers: `mha_prefill(q, k, v, step=step, sm_scale=...)`."""
+    `max_kv_len`), and the kernel's index operands. Where the indptrs are concrete the
+    operands are computed now (an outer jit holds them as constants) for a grid of the batch's
+    own tiles (`slot_count`); traced ones get the grid that covers any batch. A serving step
+    builds it once for all its layers: `mha_prefill(q, k, v, step=step, sm_scale=...)`."""
     for name, n in (("num_q", num_q), ("num_kv", num_kv)):
         if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
             raise ValueError(f"{name} must be an int >= 0 (a row count), got {n!r}")
