@@ -282,7 +282,8 @@ class _InterpretKernel(ContractPrefillKernel):
         g = config.geometry
         kernel = jax.jit(prefill_kernel(g.q_rows, config.num_heads, g.num_reqs, jnp.bfloat16,
                                         sm_scale=config.sm_scale, causal=config.causal,
-                                        config=config.kernel, interpret=True))
+                                        config=config.kernel, interpret=True,
+                                        num_slots=g.num_slots))
         sigs = call.operands + call.results
         dtypes = {"i32": np.int32, "bf16": jnp.bfloat16, "f32": np.float32}
 

@@ -142,7 +142,7 @@ def _prefill_plan(config: PrefillLaunchConfig) -> PrefillPlan:
     g = config.geometry
     fn = prefill_kernel(g.q_rows, config.num_heads, g.num_reqs, jnp.bfloat16,
                         sm_scale=float(config.sm_scale), causal=config.causal,
-                        config=config.kernel)
+                        config=config.kernel, num_slots=g.num_slots)
     avals = _avals(config, g)
     calls = extract_kernel_calls(lower_for_cuda(fn, *avals))
     h = config.num_heads

@@ -13,6 +13,7 @@ docs/prefill_kernel.md; reproduce with `python -m bench.prefill`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -192,15 +193,10 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
     geometry = prefill_geometry(num_q, num_kv, qo_indptr.shape[0] - 1,
                                 block_kv=config.block_kv, interpret=interpret,
                                 live_tiles=live_tiles)
-    if num_q == 0:
-        operands = ()
-    elif concrete:  # computed now, so an outer jit holds the schedule as constants
-        with jax.ensure_compile_time_eval():
-            operands = _schedule(qo_indptr, kv_indptr, num_q=num_q, num_kv=num_kv,
-                                 geometry=geometry)
-    else:
+    # concrete indptrs: computed now, so an outer jit holds the schedule as constants
+    with jax.ensure_compile_time_eval() if concrete else contextlib.nullcontext():
         operands = _schedule(qo_indptr, kv_indptr, num_q=num_q, num_kv=num_kv,
-                             geometry=geometry)
+                             geometry=geometry) if num_q else ()
     return PrefillStep(tuple(operands), int(num_q), int(num_kv), causal, config, geometry,
                        interpret)
 

@@ -74,8 +74,8 @@ def slot_count(live_tiles: int) -> int:
     """Tile slots for a batch of `live_tiles` q tiles: rounded up to a multiple of an eighth of
     its power of two (exact below 16), so at most 12.5% of the blocks are idle and a kernel is
     compiled for at most 8 counts per doubling. The bound for any batch (`num_tile_slots`)
-    leaves B + 7 B / 128 tiles idle (18 of 146 a head at 16 x 1k): each is a block launched
-    that exits at once (docs/prefill_kernel.md, "Tile schedule")."""
+    leaves up to R + 7 R / 128 slots idle for R requests (18 of 146 a head at 16 x 1k): each is
+    a block launched that exits at once (docs/prefill_kernel.md, "Tile schedule")."""
     n = max(int(live_tiles), 1)
     if n < 16:
         return n
