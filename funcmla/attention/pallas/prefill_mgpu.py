@@ -4,10 +4,10 @@ q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128] (bf16), requests given by the tok
 `qo_indptr` / `kv_indptr`. One CUDA block handles 128 query rows of one request and one head
 (a q tile of the static tile schedule, `tile_schedule`), with three warpgroups:
 
-* warpgroup 2 (producer, `producer_registers`): TMA-copies each consumer's 64 q rows once,
-  then each `block_kv`-token K tile and V tile of the request into a ring of `num_stages`
-  shared-memory stages (K and V on separate barriers, so q k^T starts while V lands), and
-  refills a stage once both consumers released it;
+* warpgroup 2 (producer, `producer_registers`): TMA-copies each consumer's 64 q rows once
+  and each `block_kv`-token K tile and V tile of the request into a ring of `num_stages`
+  shared-memory stages (K and V on separate barriers, so q k^T starts while V lands; consumer
+  1's q after the first K tile), and refills a stage once both consumers released it;
 * warpgroups 0 and 1 (consumers, `consumer_registers`): 64 query rows each; per tile
   S = q k^T (`wgmma`, K = 192), the online softmax in base 2 (the scale folded into the
   exponent), then O += P V (`wgmma`, P bf16 from registers; P's row sums are added while
@@ -296,6 +296,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
     @pl.when(live & (wg == 2))
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+
         def copy_q(w):
             with jax.named_scope("copy_q"):
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + qb0 + w * ROWS, ROWS), h],
