@@ -28,10 +28,10 @@ from funcmla.attention.pallas.prefill_mgpu import (
     V_HEAD_DIM,
     MgpuPrefillConfig,
     prefill_kernel,
-    tile_counts,
 )
 from funcmla.attention.pallas.prefill_layout import (
     PrefillGeometry,
+    live_tile_count,
     prefill_geometry,
     prefill_layout,
 )
@@ -185,11 +185,8 @@ def prefill_step(qo_indptr: jax.Array, kv_indptr: jax.Array, num_q: int, num_kv:
         raise ValueError("max_kv_len picks the config: pass one of config and max_kv_len")
     if not isinstance(config, MgpuPrefillConfig):
         raise TypeError(f"config must be a MgpuPrefillConfig, got {type(config).__name__}")
-    live_tiles = None
-    if concrete:  # the grid's tile axis sized to this batch (`slot_count`)
-        qo = np.append(np.asarray(qo_indptr, np.int32), np.int32(num_q))  # + the rows past
-        with jax.ensure_compile_time_eval():  # concrete under an outer trace too
-            live_tiles = int(np.sum(np.asarray(tile_counts(qo))))
+    # concrete indptrs: the grid's tile axis sized to this batch (`slot_count`)
+    live_tiles = live_tile_count(qo_indptr, num_q) if concrete else None
     geometry = prefill_geometry(num_q, num_kv, qo_indptr.shape[0] - 1,
                                 block_kv=config.block_kv, interpret=interpret,
                                 live_tiles=live_tiles)

@@ -25,11 +25,12 @@ from funcmla.attention.pallas.prefill_mgpu import (
     BLOCK_Q,
     ROW_ALIGN,
     num_tile_slots,
+    tile_counts,
     tile_schedule,
 )
 
 __all__ = ["ROW_ALIGN", "PrefillGeometry", "PrefillLayout", "prefill_geometry",
-           "prefill_layout", "slot_count", "check_fits", "prefill_capacity",
+           "prefill_layout", "slot_count", "live_tile_count", "check_fits", "prefill_capacity",
            "prefill_batch_capacity"]
 
 
@@ -76,10 +77,7 @@ def slot_count(live_tiles: int) -> int:
     compiled for at most 8 counts per doubling. The bound for any batch (`num_tile_slots`)
     leaves up to R + 7 R / 128 slots idle for R requests (18 of 146 a head at 16 x 1k): each is
     a block launched that exits at once (docs/prefill_kernel.md, "Tile schedule")."""
-    n = max(int(live_tiles), 1)
-    if n < 16:
-        return n
-    return _round_up(n, 1 << (n.bit_length() - 4))
+    return _round_up_to_eighth(max(int(live_tiles), 1))
 
 
 class PrefillLayout(NamedTuple):
@@ -101,13 +99,27 @@ def prefill_layout(qo_indptr: jax.Array, kv_indptr: jax.Array, tq: int, tk: int,
     b = qo_indptr.shape[0] - 1
     check_fits(geometry, b, tq, tk)
     pad = geometry.batch - b
-    qo = jnp.concatenate([qo_indptr, jnp.broadcast_to(qo_indptr[-1:], (pad,)),
-                          jnp.array([tq], jnp.int32)])
+    qo = _kernel_qo_indptr(qo_indptr, pad, tq)
     kv = jnp.concatenate([kv_indptr, jnp.broadcast_to(kv_indptr[-1:], (pad + 1,))])
     req, first = tile_schedule(qo, geometry.num_slots)
     return PrefillLayout(
         qo_indptr=qo, kv_indptr=kv, q_lens=qo[1:] - qo[:-1], kv_lens=kv[1:] - kv[:-1],
         tile_req=req, tile_first=first)
+
+
+def live_tile_count(qo_indptr, tq: int) -> int:
+    """The q tiles (`tile_counts`) of the kernel's requests for host-known qo_indptr [B + 1]
+    over tq q rows: the caller's and the one of the rows past qo_indptr[-1] (empty requests
+    take none). A host value, the size `slot_count` rounds."""
+    with jax.ensure_compile_time_eval():  # concrete under an outer trace too
+        qo = _kernel_qo_indptr(jnp.asarray(qo_indptr, jnp.int32), 0, tq)
+        return int(jnp.sum(tile_counts(qo)))
+
+
+def _kernel_qo_indptr(qo_indptr: jax.Array, pad: int, tq: int) -> jax.Array:
+    """qo_indptr extended by `pad` empty requests and the request of the rows past its last."""
+    return jnp.concatenate([qo_indptr, jnp.broadcast_to(qo_indptr[-1:], (pad,)),
+                            jnp.array([tq], jnp.int32)])
 
 
 def prefill_capacity(rows: int) -> int:
@@ -116,9 +128,7 @@ def prefill_capacity(rows: int) -> int:
     (tensors are padded to the capacity), so at most 12.5% of them, for at most 8
     compiles per doubling of the token count (the torch launcher's buckets, and the SGLang
     backend's for the JAX path)."""
-    n = max(int(rows), 128)
-    step = 1 << (n.bit_length() - 4)
-    return -(-n // step) * step
+    return _round_up_to_eighth(max(int(rows), 128))
 
 
 def prefill_batch_capacity(batch: int) -> int:
@@ -137,3 +147,9 @@ def check_fits(geometry: PrefillGeometry, batch: int, tq: int, tk: int) -> None:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def _round_up_to_eighth(n: int) -> int:
+    """n >= 1 rounded up to a multiple of an eighth of its power of two (exact below 16): at
+    most 12.5% over, at most 8 values per doubling (`slot_count`, `prefill_capacity`)."""
+    return _round_up(n, 1 << max(n.bit_length() - 4, 0))
