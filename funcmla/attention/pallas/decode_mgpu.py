@@ -59,9 +59,7 @@ from funcmla.attention.pallas.mgpu_ops import (
     mgpu_params,
     mma_acc,
     mma_acc_and,
-    rescale_rows,
     swizzled,
-    warp_any_above,
 )
 from funcmla.attention.pallas.decode_common import (
     DecodeKernelConfig,
@@ -82,10 +80,6 @@ BLOCK_M = 64      # folded query rows per block (wgmma M)
 _HALF = 256       # output columns per consumer warpgroup (wgmma N <= 256)
 _SWIZZLE = 128    # bytes; 64 bf16 columns per swizzle tile
 _STAGES = 2
-# A warp's rows keep their running maxima until one grows by more than this many base-2 units
-# over a tile (`mgpu_ops.warp_any_above`); only then do the warp's accumulator rows of both
-# consumers rescale (`mgpu_ops.rescale_rows`). P stays <= 2^slack. None: every tile rescales.
-_RESCALE_SLACK = 8.0
 MAX_PROFILE_SPACE = 160  # x 3 warpgroups x 16 bytes = 7.5 KB of the shared memory left free
 
 
@@ -250,10 +244,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             # s * scale - max would leave exp2 a rounding residual of up to half an ulp of the
             # scaled max (+inf past ~2^31; tests/test_pallas_large_scores.py).
             m_new = jnp.maximum(m_prev, s.max(axis=1))
-            if _RESCALE_SLACK is not None:
-                grows = warp_any_above((m_new - m_prev) * scale_log2, _RESCALE_SLACK,
-                                       interpret)
-                m_new = jnp.where(grows > 0.0, m_new, m_prev)
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2((m_prev - m_safe) * scale_log2)
             p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
@@ -292,7 +282,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 m_i, alpha, p = softmax(slot, tile, s, m_i, masked)
                 p16 = p.astype(q_smem.dtype)
             with jax.named_scope("pv"):
-                acc = _rescale(acc, alpha, interpret)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 def under_pv(l_i):
                     hand_off(slot, p16, alpha)
@@ -310,7 +300,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 plgpu.barrier_wait(p_full.at[slot])
                 alpha = load(alpha_smem.at[slot], row_layout, interpret)
             with jax.named_scope("pv"):
-                acc = _rescale(acc, alpha, interpret)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 acc = mma_acc(acc, p_ref(slot), kv_smem.at[slot, :, pl.ds(_HALF, _HALF)],
                                interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
@@ -328,16 +318,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def _():
             # Consumer 1 keeps neither the running max nor the row sums (it masks nothing).
             _finish(lax.fori_loop(0, count, step1, acc0), None, None, 1)
-
-
-def _rescale(acc, alpha, interpret: bool):
-    """acc [64, 256] times the tile's alpha [64]. With `_RESCALE_SLACK`, only the warps with
-    a row whose alpha is not 1 multiply: consumer 1 reads that from the alpha consumer 0
-    hands over, the same rows' warps deciding alike (alpha is 1 exactly where the max was
-    kept, and 0 where a row has no key yet, whose acc is 0)."""
-    if _RESCALE_SLACK is None:
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return rescale_rows(acc, alpha, warp_any_above(1.0 - alpha, 0.0, interpret), interpret)
 
 
 def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float, s_q: int,

@@ -457,7 +457,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 if _RESCALE_SLACK is not None:
                     grows = warp_any_above((m_new - m_i) * scale_log2, _RESCALE_SLACK,
-                                        interpret)
+                                           interpret)
                     m_new = jnp.where(grows > 0.0, m_new, m_i)
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2((m_i - m_safe) * scale_log2)
