@@ -316,12 +316,12 @@ def test_interpret_merge_of_kernel_parts():
 
 
 def run_growing_maxima(interpret: bool):
-    """Running maxima that grow past the rescale slack (`prefill_mgpu._RESCALE_SLACK`) from
-    tile to tile in some warps' rows and stay within it in others': one request, 64 queries
-    over 256 keys whose 64-key tiles are scaled by 1, 3, 5, 7; the first warp's 16 query rows
-    are scaled down by 20, so their maxima move by less than the slack (their warp keeps its
-    stale maxima, P up to 2^slack), while the other rows' grow by more."""
-    from funcmla.attention.pallas.prefill_mgpu import _LOG2E, _RESCALE_SLACK
+    """Running maxima that grow far from tile to tile in some warps' rows and little in
+    others': one request, 64 queries over 256 keys whose 64-key tiles are scaled by 1, 3, 5,
+    7; the first warp's 16 query rows are scaled down by 20, so their maxima move by less than
+    8 base-2 units a tile, while most other rows' grow by more. Every rescale of the
+    accumulator and the row sums counts (a kernel that skipped them fails)."""
+    from funcmla.attention.pallas.prefill_mgpu import _LOG2E
 
     q, k, v, qo, kv = make(np.random.default_rng(11), 1, [64], [256], extra_q=0)
     qf, kf = np.asarray(q, np.float32), np.asarray(k, np.float32)
@@ -332,20 +332,19 @@ def run_growing_maxima(interpret: bool):
     s = np.einsum("qd,kd->qk", np.asarray(q, np.float32)[:, 0], np.asarray(k, np.float32)[:192, 0])
     run_max = np.maximum.accumulate(s.reshape(64, 3, 64).max(axis=2), axis=1)
     growth = np.diff(run_max, axis=1).max(axis=1) * SCALE * _LOG2E
-    assert (growth[16:] > _RESCALE_SLACK).mean() > 0.5 and (growth[:16] < _RESCALE_SLACK).all()
+    assert (growth[16:] > 8).mean() > 0.5 and (growth[:16] < 8).all()
     out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
                            config=MgpuPrefillConfig(block_kv=64), interpret=interpret)
     check(out, lse, *mha_attention_reference(q, k, v, qo, kv, sm_scale=SCALE, causal=True))
 
 
 @pytest.mark.slow
-def test_interpret_maxima_growing_past_the_rescale_slack():
+def test_interpret_running_maxima_growing_between_tiles():
     run_growing_maxima(interpret=True)
 
 
 @pytest.mark.gpu
-def test_gpu_maxima_growing_past_the_rescale_slack():
-    """The compiled form: a warp's vote and its branch around the accumulator's rescale."""
+def test_gpu_running_maxima_growing_between_tiles():
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
     run_growing_maxima(interpret=False)

@@ -1,8 +1,7 @@
 """Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
 jax 0.10.2): a load in a layout, a store of registers, a layout cast, an iota, accumulating
-`wgmma`s, a warp's vote over its rows and the accumulator rescale it gates, a warpgroup
-barrier, the transforms of a swizzled shared-memory operand, the
+`wgmma`s, a warpgroup barrier, the transforms of a swizzled shared-memory operand, the
 compiler parameters every kernel here uses, and the interpreter parameters with the rule for
 where the interpreter can run. Used by
 `decode_mgpu`, `decode_mgpu_fp8`, `decode_mgpu_fp8_wide`, `mgpu_kv_copy` and `prefill_mgpu`.
@@ -16,13 +15,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "warp_any_above",
-           "rescale_rows", "release_seen",
+__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "release_seen",
            "swizzled", "warpgroup_sync", "compiler_params", "check_warpgroup_registers",
            "check_profile", "mgpu_params",
            "interpreter_unsupported", "xla_cpu_threads", "WARPGROUPS"]
@@ -104,78 +101,6 @@ def mma_acc_and(acc, a, b, x, under, interpret: bool):
         x_ref[...] = under(x_ref[...])
 
     return pl.run_state(body)((plgpu.ACC.init(acc), x))
-
-
-def warp_any_above(d, threshold: float, interpret: bool):
-    """1.0 for every row of a warp (16 consecutive rows of the 64 a `wgmma` warpgroup holds)
-    where d > threshold in any of its rows, else 0.0: d [64] f32 in the WGMMA row layout (a
-    NaN compares false). Compiled: each thread's rows, then the warp's vote."""
-    if interpret:
-        grows = (d > threshold).reshape(d.shape[0] // 16, 16).any(axis=1)
-        return jnp.repeat(grows, 16).astype(jnp.float32)
-    row = plgpu.Layout.WGMMA.reduce(1)
-
-    @plgpu.inline_mgpu(arg_types=(row,),
-                       return_type=plgpu.ShapeDtypeStruct(d.shape, jnp.float32, layout=row))
-    def vote(ctx, d):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm, vector
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        mine = mu.c(0, i32)
-        for reg in d.registers.flat:
-            for j in range(ir.VectorType(reg.type).shape[0]):
-                x = vector.extract(reg, dynamic_position=[], static_position=[j])
-                big = arith.cmpf(arith.CmpFPredicate.OGT, x, mu.c(threshold, f32))
-                mine = arith.ori(mine, arith.extui(i32, big))
-        flag = llvm.inline_asm(
-            f32, [mine], "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; "
-            "vote.sync.any.pred q, p, 0xffffffff; selp.f32 $0, 0f3F800000, 0f00000000, q; }",
-            "=f,r")
-        regs = [vector.broadcast(reg.type, flag) for reg in d.registers.flat]
-        return mgpu.FragmentedArray(_registers=np.array(regs).reshape(d.registers.shape),
-                                    _layout=d.layout, _is_signed=None)
-
-    return vote(d)
-
-
-def rescale_rows(acc, alpha, flags, interpret: bool):
-    """acc [64, D] (WGMMA layout) with each row times alpha [64] where its warp's flag
-    (`warp_any_above`, one value for a warp's 16 rows) is set, and as it is elsewhere, which
-    the caller keeps for rows whose alpha is 1 (or whose acc is 0). Compiled, a branch per
-    warp: a warp whose flag is clear spends no multiply."""
-    if interpret:
-        return acc * alpha[:, None]
-    row = plgpu.Layout.WGMMA.reduce(1)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, row, row),
-                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
-                                                          layout=plgpu.Layout.WGMMA))
-    def rescale(ctx, acc, alpha, flags):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, scf, vector
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        f32 = ir.F32Type.get()
-        flag = vector.extract(flags.registers.flat[0], dynamic_position=[],
-                              static_position=[0])
-        pred = arith.cmpf(arith.CmpFPredicate.ONE, flag, mu.c(0.0, f32))
-        regs = list(acc.registers.flat)
-        branch = scf.IfOp(pred, [r.type for r in regs], has_else=True)
-        with ir.InsertionPoint(branch.then_block):
-            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
-            scf.yield_(list(scaled.registers.flat))
-        with ir.InsertionPoint(branch.else_block):
-            scf.yield_(regs)
-        out = np.array(list(branch.results), dtype=object).reshape(acc.registers.shape)
-        return mgpu.FragmentedArray(_registers=out, _layout=acc.layout, _is_signed=None)
-
-    return rescale(acc, alpha, flags)
 
 
 def release_seen(interpret: bool) -> None:

@@ -58,10 +58,8 @@ from funcmla.attention.pallas.mgpu_ops import (
     mgpu_params,
     mma_acc_and,
     release_seen,
-    rescale_rows,
     store,
     swizzled,
-    warp_any_above,
 )
 
 __all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots", "tile_schedule",
@@ -81,15 +79,6 @@ SMEM_BYTES = 227 * 1024  # an sm_90 block's shared-memory limit
 # memory by TMA over the tensor viewed as 8-row groups, so a copy starting inside a group
 # reads the wrong rows (H200: 0.47-0.58 relative error; the interpreter reads exact rows).
 ROW_ALIGN = 8
-# Blocks ahead in launch order whose first rows (q, K/V tile 0) a block's producer prefetches
-# into L2 once its ring is filled (`_prefetch_block_start`), so that block's start waits on L2
-# rather than HBM. 0: off.
-_L2_PREFETCH_AHEAD = 132
-# A warp's rows keep their running maxima until one of them grows by more than this many
-# base-2 units over a tile (`mgpu_ops.warp_any_above`): then they all take their new maxima
-# and the warp rescales its accumulator rows (`mgpu_ops.rescale_rows`), else it skips the
-# rescale. P stays <= 2^slack. None: every tile rescales.
-_RESCALE_SLACK = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,60 +259,6 @@ def _store_lse(lse_ref, lse, row0, h, lead, n, interpret: bool):
     store(lse, lse_ref, row0, h, lead, n)
 
 
-def _prefetch_block_start(block, num_slots: int, block_kv: int, qo_indptr_ref,
-                          kv_indptr_ref, req_ref, first_ref, q_ref, k_ref, v_ref):
-    """Prefetches into L2 what block `block` (its index in launch order, heads x slots, slots
-    fastest) reads first: its 128 q rows and its first K and V tile, one
-    `cp.async.bulk.prefetch.L2` a row from the producer's 128 threads (rows past a tensor's
-    end are skipped). Nothing where `block` is past the grid or its slot is unused."""
-    heads = q_ref.shape[1]
-    in_grid = block < heads * num_slots
-    blk = jnp.where(in_grid, block, 0)
-    h2 = blk // num_slots
-    slot2 = num_slots - 1 - lax.rem(blk, num_slots)
-    req2 = req_ref[slot2]
-    live2 = in_grid & (req2 >= 0)
-    reqc2 = jnp.maximum(req2, 0)
-    q_start, kv_start = qo_indptr_ref[reqc2], kv_indptr_ref[reqc2]
-    q_row0 = q_start - lax.rem(q_start, ROW_ALIGN) + first_ref[slot2]
-    kv_row0 = kv_start - lax.rem(kv_start, ROW_ALIGN)
-    splat = plgpu.Layout.WG_SPLAT(())
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat,
-                                  splat, splat, splat))
-    def prefetch(ctx, q, k, v, live, head, q0, kv0):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        live, head, q0, kv0 = (x.registers.item() for x in (live, head, q0, kv0))
-        t = arith.remui(mu.thread_idx(), mu.c(128, i32))
-
-        def row(ref, r0, limit):
-            rows, _, d = ir.MemRefType(ref.type).shape
-            nbytes = d * mu.bytewidth(ir.MemRefType(ref.type).element_type)
-            r = arith.addi(r0, t)
-            ok = arith.andi(arith.andi(live, arith.cmpi(arith.CmpIPredicate.slt, t,
-                                                        mu.c(limit, i32))),
-                            arith.cmpi(arith.CmpIPredicate.ult, r, mu.c(rows, i32)))
-            with mu.when(ok):
-                gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                          mu.memref_ptr(ref))
-                elem = arith.addi(arith.muli(arith.extui(i64, r), mu.c(heads, i64)),
-                                  arith.extui(i64, head))
-                src = mu.getelementptr(gptr, [arith.muli(elem, mu.c(nbytes, i64))], i8)
-                llvm.inline_asm(None, [src], f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};",
-                                "l", has_side_effects=True)
-
-        row(q, q0, BLOCK_Q)
-        row(k, kv0, block_kv)
-        row(v, kv0, block_kv)
-
-    prefetch(q_ref, k_ref, v_ref, live2, h2, q_row0, kv_row0)
-
-
 def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
             k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
             num_stages: int, num_slots: int, scale_log2: float, cfg: MgpuPrefillConfig,
@@ -394,17 +329,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
         pl.when(count > 0)(lambda: copy_kv(0, 0))
         copy_q(1)
         pl.when(count > 0)(lambda: copy_kv(0, 1))
-        ring = jnp.minimum(count, num_stages)
-        lax.fori_loop(1, ring, load_tile, 0)
-        # With the ring filled (before the first wait for a free stage), the rows a block
-        # launched `_L2_PREFETCH_AHEAD` later starts with go to L2.
-        if _L2_PREFETCH_AHEAD and not interpret:
-            with jax.named_scope("prefetch"):
-                _prefetch_block_start(
-                    h * num_slots + lax.axis_index("tile") + _L2_PREFETCH_AHEAD, num_slots,
-                    block_kv, qo_indptr_ref, kv_indptr_ref, req_ref, first_ref, q_ref, k_ref,
-                    v_ref)
-        lax.fori_loop(ring, count, load_tile, 0)
+        lax.fori_loop(1, count, load_tile, 0)
         # Observe each stage's last release (every wait sees every phase; the block's shared
         # memory is not left while a consumer may still read it).
         for st in range(num_stages):
@@ -455,18 +380,11 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                 # half an ulp of the scaled max (+inf past ~2^31;
                 # tests/test_pallas_large_scores.py).
                 m_new = jnp.maximum(m_i, s.max(axis=1))
-                if _RESCALE_SLACK is not None:
-                    grows = warp_any_above((m_new - m_i) * scale_log2, _RESCALE_SLACK,
-                                           interpret)
-                    m_new = jnp.where(grows > 0.0, m_new, m_i)
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2((m_i - m_safe) * scale_log2)
                 p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
                 p16 = p.astype(q_smem.dtype)
-                if _RESCALE_SLACK is not None:
-                    acc = rescale_rows(acc, alpha, grows, interpret)
-                else:
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
                 plgpu.barrier_arrive(turn)
             with jax.named_scope("wait_v"):
