@@ -321,8 +321,6 @@ def run_growing_maxima(interpret: bool):
     7; the first warp's 16 query rows are scaled down by 20, so their maxima move by less than
     8 base-2 units a tile, while most other rows' grow by more. Every rescale of the
     accumulator and the row sums counts (a kernel that skipped them fails)."""
-    from funcmla.attention.pallas.prefill_mgpu import _LOG2E
-
     q, k, v, qo, kv = make(np.random.default_rng(11), 1, [64], [256], extra_q=0)
     qf, kf = np.asarray(q, np.float32), np.asarray(k, np.float32)
     qf[:16] /= 20
@@ -331,7 +329,7 @@ def run_growing_maxima(interpret: bool):
     # the premise: per row, the growth of the running max over tiles 0-2 (all rows see them)
     s = np.einsum("qd,kd->qk", np.asarray(q, np.float32)[:, 0], np.asarray(k, np.float32)[:192, 0])
     run_max = np.maximum.accumulate(s.reshape(64, 3, 64).max(axis=2), axis=1)
-    growth = np.diff(run_max, axis=1).max(axis=1) * SCALE * _LOG2E
+    growth = np.diff(run_max, axis=1).max(axis=1) * SCALE * np.log2(np.e)
     assert (growth[16:] > 8).mean() > 0.5 and (growth[:16] < 8).all()
     out, lse = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
                            config=MgpuPrefillConfig(block_kv=64), interpret=interpret)
