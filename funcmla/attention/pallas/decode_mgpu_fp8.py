@@ -120,7 +120,11 @@ _FP8_SWIZZLE = Q8_SWIZZLE  # bytes; 64 fp8 columns per swizzle tile (576 is 9): 
 # truncated alignment (about 13-14 bits kept), so the error grows with the instructions
 # chained on one accumulator; each group of columns starts from zero and is summed in fp32.
 _PROMOTE = 128
-_STAGES = 4       # fp8 landing stages: two per consumer (a stage is held until its P V)
+# fp8 landing stages: two per consumer (a stage is held until its P V). Even: tile t goes to
+# consumer t % 2 through stage t % _STAGES, so each stage's fills all go to one consumer, whose
+# barrier waits track that stage's phase parity (a thread flips its parity bit at each wait);
+# with an odd count the waits fall out of step (decision log, docs/decode_kernel.md).
+_STAGES = 4
 _CONSUMERS = 2
 _D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
 # The odd row blocks of O^T (64 latent columns each, `latent_column`) have their V pairs
