@@ -278,6 +278,15 @@ def test_fp8_mosaic_kernel_lowers_for_cuda(kernel, page_size, s_q, heads, splits
     assert "mosaic_gpu" in lowered_for_cuda(module, page_size, s_q, heads, splits)
 
 
+def test_fp8_mosaic_kernel_refuses_an_odd_stage_count(monkeypatch):
+    """Tiles alternate consumers and go through stage t % _STAGES; each consumer's barrier
+    waits track the phases of the stages it alone fills, so an odd count would put a stage's
+    fills on both consumers (their waits out of step): refused, naming the knob."""
+    monkeypatch.setattr(decode_mgpu_fp8, "_STAGES", 5)
+    with pytest.raises(ValueError, match=r"_STAGES = 5 must be a multiple of 2"):
+        lowered_for_cuda(decode_mgpu_fp8, 64, 1, 16, 1)
+
+
 def lowered_for_cuda(module, page_size: int, s_q: int, heads: int, splits: int, **kw) -> str:
     """The StableHLO text of `module.decode_call` exported for CUDA (2 sequences of 1024 tokens
     over a 4096-row fp8 pool, unit scales; `kw`: more decode_call arguments)."""

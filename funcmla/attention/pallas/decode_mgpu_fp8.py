@@ -599,6 +599,9 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     `decode_mgpu.decode_call`. k_scale / v_scale: float32 [1]. config: the warpgroups'
     registers and the in-kernel profiler (`MgpuDecodeConfig`; phases prepare_q, copy,
     wait_free on the producer, qk, wait_kv, softmax, p_store, pv, finish on each consumer)."""
+    if _STAGES % _CONSUMERS:  # a knob `bench.kernel_ab --set` can rebind
+        raise ValueError(f"decode_mgpu_fp8._STAGES = {_STAGES} must be a multiple of "
+                         f"{_CONSUMERS}: each stage's fills go to one consumer")
     t, h, d = q.shape
     total_rows = s_q * h
     rows = BLOCK_ROWS  # a block's
