@@ -100,7 +100,8 @@ SWEEP = [MgpuPrefillConfig(),
          MgpuPrefillConfig(block_kv=64, num_stages=3),
          MgpuPrefillConfig(block_kv=64, num_stages=4),
          MgpuPrefillConfig(block_kv=64, num_stages=4, pingpong=False),
-         MgpuPrefillConfig(block_kv=64, num_stages=2)]
+         MgpuPrefillConfig(block_kv=64, num_stages=2),
+         *[MgpuPrefillConfig(block_kv=64, num_stages=3, tiles_per_cta=g) for g in (2, 3, 4)]]
 
 
 def log(*a):
@@ -121,7 +122,8 @@ def past_deadline(args) -> bool:
 
 
 def cfg_name(c: MgpuPrefillConfig) -> str:
-    return f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
+    return (f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
+            + (f"_g{c.tiles_per_cta}" if c.tiles_per_cta > 1 else ""))
 
 
 # The targets per case: (min TFLOP/s or None, min ratio or None, the row's ratio it
@@ -462,9 +464,9 @@ def profile_rows(args) -> list[dict]:
         q, k, v, qo, kv = make_inputs(key, heads, lens, lens)
         for cfg in selected_configs(args, lens):
             tiles = -(-max(lens) // cfg.block_kv)
-            # per consumer: wait_q, finish, store_wait, and per tile wait_k, qk, softmax,
-            # wait_v, turn, pv (the producer records fewer)
-            space = 6 * tiles + 8
+            # per consumer and q tile: wait_q, finish, and per KV tile wait_k, qk, softmax,
+            # wait_v, turn, pv; store_wait once a CTA (the producer records fewer)
+            space = cfg.tiles_per_cta * (6 * tiles + 8)
             trace_dir = os.path.join(args.profile, f"{name}_{cfg_name(cfg)}".replace(" ", "_"))
             try:
                 pcfg = dataclasses.replace(cfg, profile_space=space, profile_dir=trace_dir)

@@ -31,6 +31,7 @@ from funcmla.attention.reference import mha_attention_reference
 from tests.trace_checks import assert_profiled_like_plain
 
 SCALE = 0.135234
+WALK3 = MgpuPrefillConfig(block_kv=64, num_stages=3, tiles_per_cta=3)
 
 
 def make(rng, heads, q_lens, kv_lens, *, extra_q=3, extra_kv=70, poison=np.nan):
@@ -106,6 +107,17 @@ def test_interpret_pingpong(causal):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tiles,causal", [(2, True), (3, True), (2, False)])
+def test_interpret_several_tiles_a_cta(tiles, causal):
+    """A CTA walking `tiles_per_cta` q tiles (the K/V ring running on across them, the next
+    tile's q loading while this one finishes, the output staged apart from q): the same
+    results as one tile a CTA, with CTAs whose last items are unused slots or past the grid."""
+    lens = CAUSAL_MORE if causal else FULL
+    run_case(2, *lens, causal=causal, seed=tiles, poison=np.nan,
+             config=MgpuPrefillConfig(block_kv=64, num_stages=3, tiles_per_cta=tiles))
+
+
+@pytest.mark.slow
 def test_interpret_16_heads_block_kv_128():
     """16 heads (one block each: the interpreter's cost), the default 128-token tiles, 20
     queries over a 130-token prefix (an unmasked tile, then the diagonal and the tail)."""
@@ -117,20 +129,22 @@ def test_interpret_16_heads_block_kv_128():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pingpong", [False, True])
-def test_interpret_has_no_data_race(pingpong):
+@pytest.mark.parametrize("pingpong,tiles", [(False, 1), (True, 1), (True, 2)])
+def test_interpret_has_no_data_race(pingpong, tiles):
     """Mosaic GPU's interpreter, with its race detector on, finds no unordered shared-memory
     access between the producer and the consumers: stage refills (4 tiles in 2 stages), the
-    zeroed V tail, the output staging over q, with and without the consumers' turns. The
-    detector is a private jax API: skip where it has moved."""
+    zeroed V tail, the output staging over q, with and without the consumers' turns; with two
+    q tiles a CTA, the next tile's q landing over the last one's and the output staging
+    reused. The detector is a private jax API: skip where it has moved."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as e:  # pragma: no cover - depends on the jax version
         pytest.skip(f"Mosaic GPU interpreter's race detector not importable: {e}")
-    q, k, v, qo, kv = make(np.random.default_rng(3), 1, [70], [230])
-    out, _ = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True,
-                         config=MgpuPrefillConfig(block_kv=64, pingpong=pingpong),
+    q, k, v, qo, kv = make(np.random.default_rng(3), 1, [70, 130], [230, 130])
+    config = MgpuPrefillConfig(block_kv=64, num_stages=2 if tiles == 1 else 3,
+                               pingpong=pingpong, tiles_per_cta=tiles)
+    out, _ = mha_prefill(q, k, v, qo, kv, sm_scale=SCALE, causal=True, config=config,
                          interpret=InterpretGPUParams(detect_races=True))
     jax.block_until_ready(out)
     assert not interpret_pallas_call.get_races().races_found
@@ -138,7 +152,8 @@ def test_interpret_has_no_data_race(pingpong):
 
 @pytest.mark.parametrize("heads,causal,config", [
     (16, True, MgpuPrefillConfig()), (128, False, MgpuPrefillConfig(64, 3)),
-    (128, True, MgpuPrefillConfig(pingpong=True)), (16, True, SHORT_CONFIG)])
+    (128, True, MgpuPrefillConfig(pingpong=True)), (16, True, SHORT_CONFIG),
+    (128, True, WALK3)])
 def test_lowers_for_cuda(heads, causal, config):
     """The compiled kernel lowers for CUDA on any host (Mosaic GPU's code generation runs here;
     only ptxas needs the GPU), at 16 and 128 heads and a row count that needs padding."""
@@ -358,6 +373,8 @@ GPU_CASES = [  # heads, q_lens, kv_lens, causal, config
     (16, [77, 0, 513], [5, 9, 513], False, MgpuPrefillConfig(block_kv=64, num_stages=4,
                                                             pingpong=True)),
     (16, [300, 1, 129, 64], [1500, 700, 129, 64], True, SHORT_CONFIG),  # what short runs get
+    (16, [300, 1, 129, 64, 0, 1000], [1500, 700, 129, 64, 5, 1000], True, WALK3),
+    (128, [77, 0, 513], [5, 9, 513], False, WALK3),
 ]
 
 
@@ -663,11 +680,13 @@ def test_interpret_fp8_against_reference_on_dequantized_values(dtype):
 # ----------------------------------------------------------------------------- config choice
 
 def test_prefill_config_by_the_longest_kv_len():
-    """`prefill_kernel_config`: 64-token tiles in 4 stages up to SHORT_KV_LEN keys, the default
-    128-token tiles past it and where the lengths are unknown (None)."""
+    """`prefill_kernel_config`: 64-token tiles in 3 stages, three q tiles a CTA, up to
+    SHORT_KV_LEN keys, the default 128-token tiles past it and where the lengths are unknown
+    (None)."""
     from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN, prefill_kernel_config
 
-    assert (SHORT_CONFIG.block_kv, SHORT_CONFIG.num_stages) == (64, 4)
+    assert (SHORT_CONFIG.block_kv, SHORT_CONFIG.num_stages, SHORT_CONFIG.tiles_per_cta) == \
+        (64, 3, 3)
     for n in (0, 1, 1024, SHORT_KV_LEN):
         assert prefill_kernel_config(n) == SHORT_CONFIG
     for n in (SHORT_KV_LEN + 1, 16384):

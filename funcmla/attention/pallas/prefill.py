@@ -47,13 +47,15 @@ __all__ = ["mha_prefill", "prefill_step", "PrefillStep", "validate_prefill_input
 # (128 nope + 64 rope, v 128).
 HEAD_DIMS = ((HEAD_DIM, V_HEAD_DIM),)
 
-# Batches whose longest request has at most SHORT_KV_LEN keys run 64-token tiles in four
-# stages: a block there holds few tiles, and the shorter tile halves the block's start and
-# causal tail; past it 128-token tiles (the default config) win. Crossover from
-# `bench.prefill --sweep --configs kv128_s2_pp,kv64_s4_pp` over 256..16k tokens a request
-# (docs/prefill_kernel.md, "Tile configuration by request length").
+# Batches whose longest request has at most SHORT_KV_LEN keys run 64-token tiles, three q
+# tiles a CTA in three stages: a q tile there holds few KV tiles, so the shorter tile halves
+# its causal tail and a CTA's start is paid once per three q tiles; past it 128-token tiles
+# (the default config) win. Crossover from `bench.prefill --sweep --configs
+# kv128_s2_pp,kv64_s4_pp` over 256..16k tokens a request, tiles a CTA from `--configs
+# kv64_s4_pp,kv64_s3_pp_g2,kv64_s3_pp_g3,kv64_s3_pp_g4` (docs/prefill_kernel.md, "Tile
+# configuration by request length").
 SHORT_KV_LEN = 1536
-SHORT_CONFIG = MgpuPrefillConfig(block_kv=64, num_stages=4)
+SHORT_CONFIG = MgpuPrefillConfig(block_kv=64, num_stages=3, tiles_per_cta=3)
 
 
 def prefill_kernel_config(max_kv_len: int | None) -> MgpuPrefillConfig:

@@ -94,6 +94,11 @@ class MgpuPrefillConfig:
         inter-warpgroup schedule): each one's P V waits until the other has issued its next
         q k^T, so one's softmax runs under the other's products. Both meet on a two-arrival
         barrier twice a tile.
+    tiles_per_cta: q tiles a CTA runs one after the other (G consecutive tiles of the grid's
+        walk, `_item`): the K/V ring runs on across them, and a tile's q and first K/V tile
+        load under the previous tile's work, so a block's start (launch, q from HBM) is paid
+        once per G tiles; the output staging then sits apart from q (32 KB). 1: one CTA per
+        q tile, the output staged over q.
     profile_space / profile_dir: Mosaic GPU's in-kernel profiler (per-warpgroup traces of the
         named phases: wait_q, wait_k, qk, softmax, wait_v, turn, pv, finish, store_wait;
         the producer's copy_q, wait_free, copy), written as a Perfetto trace per call to
@@ -108,6 +113,7 @@ class MgpuPrefillConfig:
     consumer_registers: int = 232
     producer_registers: int = 40
     pingpong: bool = True
+    tiles_per_cta: int = 1
     profile_space: int = 0
     profile_dir: str = ""
 
@@ -116,6 +122,10 @@ class MgpuPrefillConfig:
         check_profile("MgpuPrefillConfig", self.profile_space, self.profile_dir)
         if not isinstance(self.pingpong, bool):
             raise ValueError(f"MgpuPrefillConfig.pingpong must be a bool, got {self.pingpong!r}")
+        if not isinstance(self.tiles_per_cta, int) or isinstance(self.tiles_per_cta, bool) \
+                or self.tiles_per_cta < 1:
+            raise ValueError(f"MgpuPrefillConfig.tiles_per_cta must be an int >= 1, got "
+                             f"{self.tiles_per_cta!r}")
         if self.block_kv not in (64, 128):
             raise ValueError(f"MgpuPrefillConfig.block_kv must be 64 or 128, got "
                              f"{self.block_kv!r}")
@@ -125,17 +135,20 @@ class MgpuPrefillConfig:
         if self.smem_bytes() > SMEM_BYTES:
             raise ValueError(
                 f"MgpuPrefillConfig: block_kv={self.block_kv} x num_stages={self.num_stages} "
-                f"(profile_space={self.profile_space}) needs {self.smem_bytes()} bytes of "
+                f"(tiles_per_cta={self.tiles_per_cta}, profile_space={self.profile_space}) "
+                f"needs {self.smem_bytes()} bytes of "
                 f"shared memory, over the {SMEM_BYTES} of an SM")
         check_warpgroup_registers("MgpuPrefillConfig", self.consumer_registers,
                                   self.producer_registers)
 
     def smem_bytes(self) -> int:
-        """Shared memory of one block: q (two 64-row halves, reused for the output) and the
-        K/V ring, plus the barriers (1 KB, a bound) and the profiler's buffer."""
+        """Shared memory of one block: q (two 64-row halves, reused for the output where a CTA
+        runs one q tile; with several the output is staged apart) and the K/V ring, plus the
+        barriers (1 KB, a bound) and the profiler's buffer."""
         q = BLOCK_Q * HEAD_DIM * 2
+        out = BLOCK_Q * V_HEAD_DIM * 2 if self.tiles_per_cta > 1 else 0
         ring = self.num_stages * self.block_kv * (HEAD_DIM + V_HEAD_DIM) * 2
-        return q + ring + 1024 + 3 * 16 * self.profile_space
+        return q + out + ring + 1024 + 3 * 16 * self.profile_space
 
 
 def row_leads(starts: jax.Array) -> jax.Array:
@@ -259,20 +272,39 @@ def _store_lse(lse_ref, lse, row0, h, lead, n, interpret: bool):
     store(lse, lse_ref, row0, h, lead, n)
 
 
-def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
-            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
-            num_stages: int, num_slots: int, scale_log2: float, cfg: MgpuPrefillConfig,
-            interpret: bool):
-    (qo0, qo1, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, v_clean,
-     turn) = scratch
-    q_smems = (qo0[0], qo1[0])
-    o_stages, o_full_stages = (qo0[1], qo1[1]), (qo0[2], qo1[2])
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One q tile of the grid's walk (a head and a tile slot) as every warpgroup sees it."""
 
-    h = lax.axis_index("h")
-    slot_id = num_slots - 1 - lax.axis_index("tile")  # last slots first: long causal tiles
-    wg = lax.axis_index("wg")
+    live: jax.Array      # a tile of a request (an unused slot, or past the items: not)
+    h: jax.Array         # head
+    q_base: jax.Array    # the request's first q row, rounded down to its 8-row group
+    kv_base: jax.Array   # ... and its first key
+    q_lead: jax.Array    # rows of q_base's group before the request (masked)
+    kv_lead: jax.Array
+    q_end: jax.Array     # the request's rows are [q_lead, q_end) counted from q_base
+    kv_end: jax.Array    # its keys [kv_lead, kv_end) counted from kv_base
+    kv_len: jax.Array
+    qb0: jax.Array       # the tile's first row, counted from q_base
+    count: jax.Array     # KV tiles the tile reads (0 where not live)
+
+
+def _item(k, *, cta, qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref,
+          first_ref, causal: bool, block_kv: int, num_slots: int, num_items: int,
+          tiles_per_cta: int) -> _Item:
+    """The k-th q tile CTA `cta` runs. The grid walks (head, slot) items, slots fastest and
+    last to first (a request's longest causal tiles first); CTA c runs items c G .. c G + G - 1
+    (G = tiles_per_cta), neighbouring tiles of one head, and the hardware schedules the CTAs in
+    order, so the tiles running side by side share their head's K/V through L2 and a ragged
+    batch balances over the SMs as CTAs finish (docs/prefill_kernel.md, "Several q tiles a
+    CTA")."""
+    idx = cta * tiles_per_cta + k
+    inside = idx < num_items
+    idx = jnp.minimum(idx, num_items - 1)
+    h = idx // num_slots
+    slot_id = num_slots - 1 - lax.rem(idx, num_slots)
     req = req_ref[slot_id]
-    live = req >= 0
+    live = inside & (req >= 0)
     reqc = jnp.maximum(req, 0)
     # A request's rows are read from the 8-row group its first row falls in (`ROW_ALIGN`):
     # counted from there (q_base, kv_base), its rows are [q_lead, q_end) and its keys
@@ -280,200 +312,281 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
     # row r sees keys < kv_end - q_end + 1 + r.
     q_start, kv_start = qo_indptr_ref[reqc], kv_indptr_ref[reqc]
     q_lead, kv_lead = lax.rem(q_start, ROW_ALIGN), lax.rem(kv_start, ROW_ALIGN)  # starts >= 0
-    q_base, kv_base = q_start - q_lead, kv_start - kv_lead
     q_end, kv_len = q_lead + q_lens_ref[reqc], kv_lens_ref[reqc]
     kv_end = kv_lead + kv_len
-    qb0 = first_ref[slot_id]  # the block's first row, counted from q_base
-
-    # Tiles of the block: up to the last row's causal limit (all of the KV otherwise).
+    qb0 = first_ref[slot_id]
+    # Tiles of the item: up to its last row's causal limit (all of the KV otherwise).
     if causal:
         last_row = jnp.minimum(qb0 + BLOCK_Q, q_end) - 1
         limit_max = jnp.clip(kv_end - q_end + 1 + last_row, 0, kv_end)
     else:
         limit_max = kv_end
     count = jnp.where(live & (kv_len > 0), (limit_max + block_kv - 1) // block_kv, 0)
+    return _Item(live=live, h=h, q_base=q_start - q_lead, kv_base=kv_start - kv_lead,
+                 q_lead=q_lead, kv_lead=kv_lead, q_end=q_end, kv_end=kv_end, kv_len=kv_len,
+                 qb0=qb0, count=count)
 
-    @pl.when(live & (wg == 2))
+
+def _walk(tiles: int, body, init):
+    """body(k, carry) over this CTA's q tiles k = 0..tiles-1 (a plain call for one tile)."""
+    if tiles == 1:
+        return body(jnp.int32(0), init)
+    return lax.fori_loop(0, tiles, body, init)
+
+
+def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
+            k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
+            num_stages: int, num_slots: int, num_items: int, scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
+    walks = cfg.tiles_per_cta > 1
+    if walks:  # the output staging is apart from q (the next tile's q loads early)
+        qo0, qo1, out0, out1, *scratch = scratch
+        o_stages, o_full_stages = (out0[0], out1[0]), (out0[1], out1[1])
+    else:  # q is dead at the block's end: the output staging reuses its memory
+        qo0, qo1, *scratch = scratch
+        o_stages, o_full_stages = (qo0[1], qo1[1]), (qo0[2], qo1[2])
+    q_smems = (qo0[0], qo1[0])
+    k_smem, v_smem, q_bar, q_free, k_full, v_full, k_empty, v_empty, v_clean, turn = scratch
+
+    wg = lax.axis_index("wg")
+    item = functools.partial(
+        _item, cta=lax.axis_index("cta"), qo_indptr_ref=qo_indptr_ref,
+        kv_indptr_ref=kv_indptr_ref, q_lens_ref=q_lens_ref, kv_lens_ref=kv_lens_ref,
+        req_ref=req_ref, first_ref=first_ref, causal=causal, block_kv=block_kv,
+        num_slots=num_slots, num_items=num_items, tiles_per_cta=cfg.tiles_per_cta)
+
+    @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
-        def copy_q(w):
-            with jax.named_scope("copy_q"):
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + qb0 + w * ROWS, ROWS), h],
-                                        q_smems[w], q_bar.at[w])
+        def run(k, carry):
+            g, n_q = carry  # tiles filled so far (the ring position), q tiles loaded
+            it = item(k)
 
-        def copy_kv(i, which):
-            free, full, src, dst = ((k_empty, k_full, k_ref, k_smem),
-                                    (v_empty, v_full, v_ref, v_smem))[which]
-            st = lax.rem(i, num_stages)
+            def copy_q(w):
+                with jax.named_scope("copy_q"):
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[pl.ds(it.q_base + it.qb0 + w * ROWS, ROWS), it.h],
+                        q_smems[w], q_bar.at[w])
 
-            @pl.when(i >= num_stages)
+            def copy_kv(i, which):
+                free, full, src, dst = ((k_empty, k_full, k_ref, k_smem),
+                                        (v_empty, v_full, v_ref, v_smem))[which]
+                st = lax.rem(g + i, num_stages)
+
+                @pl.when(g + i >= num_stages)
+                def _():
+                    with jax.named_scope("wait_free"):
+                        plgpu.barrier_wait(free.at[st])
+                    release_seen(interpret)
+
+                with jax.named_scope("copy"):
+                    plgpu.copy_gmem_to_smem(
+                        src.at[pl.ds(it.kv_base + i * block_kv, block_kv), it.h],
+                        dst.at[st], full.at[st])
+
+            def load_tile(i, c):
+                copy_kv(i, 0)
+                copy_kv(i, 1)
+                return c
+
+            @pl.when(it.live)
             def _():
-                with jax.named_scope("wait_free"):
-                    plgpu.barrier_wait(free.at[st])
-                release_seen(interpret)
+                if walks:
+                    # The item's first K / V tile as soon as a stage is free, then q once
+                    # both consumers are past the previous item's last q k^T.
+                    pl.when(it.count > 0)(lambda: load_tile(0, None))
 
-            with jax.named_scope("copy"):
-                plgpu.copy_gmem_to_smem(src.at[pl.ds(kv_base + i * block_kv, block_kv), h],
-                                        dst.at[st], full.at[st])
+                    @pl.when(n_q > 0)
+                    def _():
+                        with jax.named_scope("wait_q_free"):
+                            plgpu.barrier_wait(q_free)
+                        release_seen(interpret)
 
-        def load_tile(i, carry):
-            copy_kv(i, 0)
-            copy_kv(i, 1)
-            return carry
+                    copy_q(0)
+                    copy_q(1)
+                else:
+                    # What consumer 0's first q k^T reads goes first: q half 0 and K tile 0,
+                    # then q half 1 (consumer 1 starts half a turn later) and V tile 0
+                    # (`bench.kernel_ab`; 0.8% at 16 x 1k H128 on the H200,
+                    # docs/prefill_kernel.md).
+                    copy_q(0)
+                    pl.when(it.count > 0)(lambda: copy_kv(0, 0))
+                    copy_q(1)
+                    pl.when(it.count > 0)(lambda: copy_kv(0, 1))
+                lax.fori_loop(1, it.count, load_tile, None)
 
-        # What consumer 0's first q k^T reads goes first: q half 0 and K tile 0, then q half 1
-        # (consumer 1 starts half a turn later) and V tile 0 (`bench.kernel_ab`; 0.8% at
-        # 16 x 1k H128 on the H200, docs/prefill_kernel.md).
-        copy_q(0)
-        pl.when(count > 0)(lambda: copy_kv(0, 0))
-        copy_q(1)
-        pl.when(count > 0)(lambda: copy_kv(0, 1))
-        lax.fori_loop(1, count, load_tile, 0)
-        # Observe each stage's last release (every wait sees every phase; the block's shared
-        # memory is not left while a consumer may still read it).
-        for st in range(num_stages):
-            @pl.when(count > st)
+            return g + it.count, n_q + it.live.astype(jnp.int32)
+
+        g, n_q = _walk(cfg.tiles_per_cta, run, (jnp.int32(0), jnp.int32(0)))
+        # Observe each stage's and q's last release (every wait sees every phase; the block's
+        # shared memory is not left while a consumer may still read it).
+        for back in range(num_stages):
+            @pl.when(g > back)
             def _():
+                st = lax.rem(g - 1 - back, num_stages)
                 plgpu.barrier_wait(k_empty.at[st])
                 plgpu.barrier_wait(v_empty.at[st])
+        if walks:
+            pl.when(n_q > 0)(lambda: plgpu.barrier_wait(q_free))
 
     def consumer(w: int):
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         q_smem = q_smems[w]
-        row0 = qb0 + w * ROWS  # this consumer's first row, counted from q_base
-        # Keys visible to row r of this consumer: < diag + r (causal), in [kv_lead, kv_end)
-        # always. Tile 0's rows below kv_lead are not the request's: masked where kv_lead > 0.
-        diag = kv_end - q_end + 1 + row0 if causal else kv_end
-        first_limit = jnp.clip(diag, 0, kv_end)
-        n_lead = jnp.minimum((kv_lead > 0).astype(jnp.int32), count)
-        n_plain = jnp.clip(first_limit // block_kv, n_lead, count)  # plain: [n_lead, n_plain)
 
         def meet():
             """Both consumers at the turn barrier (`MgpuPrefillConfig.pingpong`)."""
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        def step(i, carry, masked: bool):
-            acc, m_i, l_i = carry
-            st = lax.rem(i, num_stages)
-            with jax.named_scope("wait_k"):
-                plgpu.barrier_wait(k_full.at[st])
-            with jax.named_scope("qk"):
-                s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
-                        meet if cfg.pingpong else None)
-            plgpu.barrier_arrive(k_empty.at[st])
-            with jax.named_scope("softmax"):
+        def run(k, carry):
+            g, n_out = carry  # the ring position, items finished by this consumer
+            it = item(k)
+            kv_lead, kv_end, count = it.kv_lead, it.kv_end, it.count
+            row0 = it.qb0 + w * ROWS  # this consumer's first row, counted from q_base
+            # Keys visible to row r of this consumer: < diag + r (causal), in
+            # [kv_lead, kv_end) always. Tile 0's rows below kv_lead are not the request's:
+            # masked where kv_lead > 0.
+            diag = kv_end - it.q_end + 1 + row0 if causal else kv_end
+            first_limit = jnp.clip(diag, 0, kv_end)
+            n_lead = jnp.minimum((kv_lead > 0).astype(jnp.int32), count)
+            n_plain = jnp.clip(first_limit // block_kv, n_lead, count)  # plain: [n_lead, n_plain)
+
+            def step(i, carry, masked: bool):
+                acc, m_i, l_i = carry
+                st = lax.rem(g + i, num_stages)
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_full.at[st])
+                with jax.named_scope("qk"):
+                    s = _qk(q_smem, k_smem.at[st], block_kv, interpret,
+                            meet if cfg.pingpong else None)
+                plgpu.barrier_arrive(k_empty.at[st])
+                with jax.named_scope("softmax"):
+                    if masked:
+                        # The iotas are built here, in the masked tiles only: a [64, 128]
+                        # int32 array is 64 registers a thread, which the unmasked loop need
+                        # not hold.
+                        rows_iota = iota((ROWS, block_kv), 0, interpret)
+                        cols_iota = iota((ROWS, block_kv), 1, interpret)
+                        base = i * block_kv
+                        keep = (cols_iota < kv_end - base) & (cols_iota >= kv_lead - base)
+                        if causal:
+                            keep = keep & (cols_iota - rows_iota < diag - base)
+                        s = jnp.where(keep, s, -jnp.inf)
+                    # The max is over raw scores and the scale (> 0) multiplies s - max: a
+                    # multiply-add s * scale - max would leave exp2 a rounding residual of up
+                    # to half an ulp of the scaled max (+inf past ~2^31;
+                    # tests/test_pallas_large_scores.py).
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    alpha = jnp.exp2((m_i - m_safe) * scale_log2)
+                    p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
+                    p16 = p.astype(q_smem.dtype)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
+                    plgpu.barrier_arrive(turn)
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_wait(v_full.at[st])
                 if masked:
-                    # The iotas are built here, in the masked tiles only: a [64, 128] int32
-                    # array is 64 registers a thread, which the unmasked loop need not hold.
-                    rows_iota = iota((ROWS, block_kv), 0, interpret)
-                    cols_iota = iota((ROWS, block_kv), 1, interpret)
-                    base = i * block_kv
-                    keep = (cols_iota < kv_end - base) & (cols_iota >= kv_lead - base)
-                    if causal:
-                        keep = keep & (cols_iota - rows_iota < diag - base)
-                    s = jnp.where(keep, s, -jnp.inf)
-                # The max is over raw scores and the scale (> 0) multiplies s - max: a
-                # multiply-add s * scale - max would leave exp2 a rounding residual of up to
-                # half an ulp of the scaled max (+inf past ~2^31;
-                # tests/test_pallas_large_scores.py).
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2((m_i - m_safe) * scale_log2)
-                p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * scale_log2)
-                p16 = p.astype(q_smem.dtype)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if cfg.pingpong:  # this softmax is done; P V waits for the other's q k^T issue
-                plgpu.barrier_arrive(turn)
-            with jax.named_scope("wait_v"):
-                plgpu.barrier_wait(v_full.at[st])
-            if masked:
-                lo, hi = kv_lead - i * block_kv, kv_end - i * block_kv
+                    lo, hi = kv_lead - i * block_kv, kv_end - i * block_kv
 
-                # The first and the KV tail tile: V rows of no key of the request (the
-                # previous or next request, or zero fill) are zeroed before P V (a select: a
-                # NaN there is never multiplied by a zero weight). Consumer 0 zeroes them and
-                # signals; consumer 1 waits for that.
-                @pl.when((lo > 0) | (hi < block_kv))
-                def _():
-                    if w == 0:
-                        for c in range(V_HEAD_DIM // 64):
-                            ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
-                            chunk = load(ref, plgpu.Layout.WGMMA, interpret)
-                            rows_v = iota((block_kv, 64), 0, interpret)
-                            ref[...] = jnp.where((rows_v >= lo) & (rows_v < hi),
-                                                 chunk, jnp.zeros_like(chunk))
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(v_clean.at[st])
-                    else:
-                        plgpu.barrier_wait(v_clean.at[st])
+                    # The first and the KV tail tile: V rows of no key of the request (the
+                    # previous or next request, or zero fill) are zeroed before P V (a
+                    # select: a NaN there is never multiplied by a zero weight). Consumer 0
+                    # zeroes them and signals; consumer 1 waits for that.
+                    @pl.when((lo > 0) | (hi < block_kv))
+                    def _():
+                        if w == 0:
+                            for c in range(V_HEAD_DIM // 64):
+                                ref = v_smem.at[st, :, pl.ds(c * 64, 64)]
+                                chunk = load(ref, plgpu.Layout.WGMMA, interpret)
+                                rows_v = iota((block_kv, 64), 0, interpret)
+                                ref[...] = jnp.where((rows_v >= lo) & (rows_v < hi),
+                                                     chunk, jnp.zeros_like(chunk))
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(v_clean.at[st])
+                        else:
+                            plgpu.barrier_wait(v_clean.at[st])
 
-            if cfg.pingpong:
-                with jax.named_scope("turn"):
-                    plgpu.barrier_wait(turn)
-            with jax.named_scope("pv"):
-                acc, l_i = mma_acc_and(acc, p16, v_smem.at[st], l_i,
-                                        lambda l_prev: l_prev * alpha + p.sum(axis=1),
-                                        interpret)
-            plgpu.barrier_arrive(v_empty.at[st])
-            return acc, m_new, l_i
+                if cfg.pingpong:
+                    with jax.named_scope("turn"):
+                        plgpu.barrier_wait(turn)
+                with jax.named_scope("pv"):
+                    acc, l_i = mma_acc_and(acc, p16, v_smem.at[st], l_i,
+                                           lambda l_prev: l_prev * alpha + p.sum(axis=1),
+                                           interpret)
+                plgpu.barrier_arrive(v_empty.at[st])
+                return acc, m_new, l_i
 
-        acc = in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA,
-                         interpret)
-        m_i = in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout, interpret)
-        l_i = in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
-        with jax.named_scope("wait_q"):
-            plgpu.barrier_wait(q_bar.at[w])
-        if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
-            meet()
-        carry = lax.fori_loop(0, n_lead, functools.partial(step, masked=True),
-                              (acc, m_i, l_i))
-        carry = lax.fori_loop(n_lead, n_plain, functools.partial(step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(n_plain, count, functools.partial(step, masked=True),
+            @pl.when(it.live)
+            def _():
+                acc = in_layout(jnp.zeros((ROWS, V_HEAD_DIM), jnp.float32),
+                                plgpu.Layout.WGMMA, interpret)
+                m_i = in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout,
+                                interpret)
+                l_i = in_layout(jnp.zeros((ROWS,), jnp.float32), row_layout, interpret)
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_bar.at[w])
+                if cfg.pingpong and w == 1:  # consumer 1 starts half a turn behind consumer 0
+                    meet()
+                carry = lax.fori_loop(0, n_lead, functools.partial(step, masked=True),
+                                      (acc, m_i, l_i))
+                carry = lax.fori_loop(n_lead, n_plain, functools.partial(step, masked=False),
                                       carry)
-        if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
-            meet()
+                acc, m_i, l_i = lax.fori_loop(n_plain, count,
+                                              functools.partial(step, masked=True), carry)
+                if walks:  # this item's last q k^T is done: the next item's q may land
+                    plgpu.barrier_arrive(q_free)
+                if cfg.pingpong and w == 0:  # ... and consumer 0 closes that half turn
+                    meet()
 
-        with jax.named_scope("finish"):
-            has = l_i > 0.0
-            l_safe = jnp.where(has, l_i, 1.0)
-            # One reciprocal a row and a multiply an element: a division an element is
-            # IEEE division's instruction sequence on every accumulator register.
-            out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-            lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2, jnp.inf)
-            out = out.astype(o_stages[w].dtype)
-            # this consumer's rows of the request: [lead, n_rows) of its 64
-            lead = jnp.clip(q_lead - row0, 0, ROWS)
-            n_rows = jnp.clip(q_end - row0, 0, ROWS)
-            full = (lead == 0) & (n_rows == ROWS)
+                with jax.named_scope("finish"):
+                    has = l_i > 0.0
+                    l_safe = jnp.where(has, l_i, 1.0)
+                    # One reciprocal a row and a multiply an element: a division an element
+                    # is IEEE division's instruction sequence on every accumulator register.
+                    out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+                    lse = jnp.where(has, (m_i * scale_log2 + jnp.log2(l_safe)) * _LN2,
+                                    jnp.inf)
+                    out = out.astype(o_stages[w].dtype)
+                    # this consumer's rows of the request: [lead, n_rows) of its 64
+                    lead = jnp.clip(it.q_lead - row0, 0, ROWS)
+                    n_rows = jnp.clip(it.q_end - row0, 0, ROWS)
+                    full = (lead == 0) & (n_rows == ROWS)
 
-            def dst(off, size):
-                return o_ref.at[pl.ds(q_base + row0 + off, size), h]
+                    def dst(off, size):
+                        return o_ref.at[pl.ds(it.q_base + row0 + off, size), it.h]
 
-            # q is dead (its last q k^T was waited for): the output staging reuses its memory.
-            # A full half (its rows start on a multiple of 8) goes through the swizzled staging
-            # (stores free of bank conflicts, one TMA copy); a partial one through the
-            # row-major one, whose rows the copies of 32, 16, ..., 1 rows can address.
-            @pl.when(full)
-            def _():
-                o_full_stages[w][...] = out
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_full_stages[w], dst(0, ROWS))
+                    if walks:  # the previous item's stores have read the staging
+                        pl.when(n_out > 0)(
+                            lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
 
-            @pl.when(jnp.logical_not(full))
-            def _():
-                store(o_stages[w], out, interpret)
-                plgpu.commit_smem()
-                _store_rows(o_stages[w], dst, lead, n_rows)
+                    # A full half (its rows start on a multiple of 8) goes through the
+                    # swizzled staging (stores free of bank conflicts, one TMA copy); a
+                    # partial one through the row-major one, whose rows the copies of 32, 16,
+                    # ..., 1 rows can address.
+                    @pl.when(full)
+                    def _():
+                        o_full_stages[w][...] = out
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_full_stages[w], dst(0, ROWS))
 
-            _store_lse(lse_ref, lse, q_base + row0, h, lead, n_rows, interpret)
+                    @pl.when(jnp.logical_not(full))
+                    def _():
+                        store(o_stages[w], out, interpret)
+                        plgpu.commit_smem()
+                        _store_rows(o_stages[w], dst, lead, n_rows)
+
+                    _store_lse(lse_ref, lse, it.q_base + row0, it.h, lead, n_rows, interpret)
+
+            return g + count, n_out + it.live.astype(jnp.int32)
+
+        _walk(cfg.tiles_per_cta, run, (jnp.int32(0), jnp.int32(0)))
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):
-        pl.when(live & (wg == w))(functools.partial(consumer, w))
+        pl.when(wg == w)(functools.partial(consumer, w))
 
 
 def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
@@ -500,17 +613,27 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
     q_half = plgpu.SMEM((ROWS, HEAD_DIM), dtype, transforms=transforms)
     o_half = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype)
     o_full = plgpu.SMEM((ROWS, V_HEAD_DIM), dtype, transforms=transforms)
-    if interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
-        q_or_out = [(q_half, o_half, o_full) for _ in range(2)]
+    if config.tiles_per_cta > 1:
+        # q apart from the output stagings: the next item's q lands while this one finishes.
+        q_or_out = [(q_half,) for _ in range(2)]
+        outs = [(o_half, o_full) if interpret else plgpu.RefUnion(o_half, o_full)
+                for _ in range(2)]
+    elif interpret:  # the interpreter has no RefUnion (and no shared-memory limit)
+        q_or_out, outs = [(q_half, o_half, o_full) for _ in range(2)], []
     else:
         # Each consumer's q half and its two output stagings share memory (q is dead once
         # the consumer's last q k^T is done).
         q_or_out = [plgpu.RefUnion(q_half, o_half, o_full) for _ in range(2)]
+        outs = []
+    num_items = heads * num_slots
+    num_ctas = -(-num_items // config.tiles_per_cta)
     scratch = [
         *q_or_out,
+        *outs,
         plgpu.SMEM((ns, bkv, HEAD_DIM), dtype, transforms=transforms),
         plgpu.SMEM((ns, bkv, V_HEAD_DIM), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=2),                    # q half w landed
+        plgpu.Barrier(num_arrivals=2),                    # q read by both (G > 1)
         plgpu.Barrier(num_barriers=ns),                   # K stage filled
         plgpu.Barrier(num_barriers=ns),                   # V stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=ns),   # K stage released by both
@@ -520,22 +643,23 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
     ]
     kernel = functools.partial(
         _kernel, causal=causal, block_kv=bkv, num_stages=ns, num_slots=num_slots,
-        scale_log2=float(sm_scale) * _LOG2E, cfg=config, interpret=interpret)
+        num_items=num_items, scale_log2=float(sm_scale) * _LOG2E, cfg=config, interpret=interpret)
     return plgpu.kernel(
-        lambda *refs: kernel(*refs[:11], refs[11:]),
+        lambda *refs: kernel(*refs[:11], list(refs[11:])),
         out_type=(jax.ShapeDtypeStruct((q_rows, heads, V_HEAD_DIM), dtype),
                   jax.ShapeDtypeStruct((q_rows, heads), jnp.float32)),
         scratch_types=scratch,
-        # The q tiles of one head are launched back to back (Pallas's last grid axis varies
-        # fastest), so they stream that head's K/V tiles at about the same time from L2.
-        grid=(heads, num_slots),
-        grid_names=("h", "tile"),
+        # One flat axis of (head, slot) items, slots fastest: the q tiles of one head run
+        # side by side and stream that head's K/V tiles at about the same time from L2.
+        grid=(num_ctas,),
+        grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         compiler_params=compiler_params(config.profile_space, config.profile_dir),
         interpret=mgpu_params(interpret),
         kernel_name=(f"mha_prefill_mgpu_{'causal' if causal else 'full'}_kv{bkv}_s{ns}"
-                     + ("_pingpong" if config.pingpong else "")),
+                     + ("_pingpong" if config.pingpong else "")
+                     + (f"_g{config.tiles_per_cta}" if config.tiles_per_cta > 1 else "")),
     )
 
 
