@@ -680,13 +680,13 @@ def test_interpret_fp8_against_reference_on_dequantized_values(dtype):
 # ----------------------------------------------------------------------------- config choice
 
 def test_prefill_config_by_the_longest_kv_len():
-    """`prefill_kernel_config`: 64-token tiles in 3 stages, three q tiles a CTA, up to
+    """`prefill_kernel_config`: 64-token tiles in 3 stages, two q tiles a CTA, up to
     SHORT_KV_LEN keys, the default 128-token tiles past it and where the lengths are unknown
     (None)."""
     from funcmla.attention.pallas.prefill import SHORT_CONFIG, SHORT_KV_LEN, prefill_kernel_config
 
     assert (SHORT_CONFIG.block_kv, SHORT_CONFIG.num_stages, SHORT_CONFIG.tiles_per_cta) == \
-        (64, 3, 3)
+        (64, 3, 2)
     for n in (0, 1, 1024, SHORT_KV_LEN):
         assert prefill_kernel_config(n) == SHORT_CONFIG
     for n in (SHORT_KV_LEN + 1, 16384):

@@ -55,7 +55,7 @@ HEAD_DIMS = ((HEAD_DIM, V_HEAD_DIM),)
 # kv64_s4_pp,kv64_s3_pp_g2,kv64_s3_pp_g3,kv64_s3_pp_g4` (docs/prefill_kernel.md, "Tile
 # configuration by request length").
 SHORT_KV_LEN = 1536
-SHORT_CONFIG = MgpuPrefillConfig(block_kv=64, num_stages=3, tiles_per_cta=3)
+SHORT_CONFIG = MgpuPrefillConfig(block_kv=64, num_stages=3, tiles_per_cta=2)
 
 
 def prefill_kernel_config(max_kv_len: int | None) -> MgpuPrefillConfig:
