@@ -30,10 +30,10 @@ out 0 and lse +inf.
 
 Outputs: out [Tq, H, 128] (q's dtype) and lse [Tq, H] (float32, natural log), both stored
 row-exactly (out by TMA copies from shared memory, lse by each thread's own stores of its rows,
-`_store_lse`), in the layout the caller gets. Grid (heads, tile slots): Mosaic GPU launches
-the last axis fastest, so the q tiles of one head run side by side and share that head's K/V
-through L2; slots are walked last to first, so a request's longest (causal) tiles start
-first. Runs on sm_90a, and on CPU in Mosaic GPU interpret mode. Arguments are checked by
+`_store_lse`), in the layout the caller gets. The grid walks (head, tile slot) items, slots
+fastest, so the q tiles of one head run side by side and share that head's K/V through L2;
+slots are walked last to first, so a request's longest (causal) tiles start first; a CTA runs
+`tiles_per_cta` consecutive items one after the other (`_item`). Runs on sm_90a, and on CPU in Mosaic GPU interpret mode. Arguments are checked by
 `funcmla.attention.pallas.prefill`, which calls `prefill_kernel`.
 """
 
