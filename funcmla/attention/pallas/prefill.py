@@ -47,9 +47,9 @@ __all__ = ["mha_prefill", "prefill_step", "PrefillStep", "validate_prefill_input
 # (128 nope + 64 rope, v 128).
 HEAD_DIMS = ((HEAD_DIM, V_HEAD_DIM),)
 
-# Batches whose longest request has at most SHORT_KV_LEN keys run 64-token tiles, three q
+# Batches whose longest request has at most SHORT_KV_LEN keys run 64-token tiles, two q
 # tiles a CTA in three stages: a q tile there holds few KV tiles, so the shorter tile halves
-# its causal tail and a CTA's start is paid once per three q tiles; past it 128-token tiles
+# its causal tail and a CTA's start is paid once per two q tiles; past it 128-token tiles
 # (the default config) win. Crossover from `bench.prefill --sweep --configs
 # kv128_s2_pp,kv64_s4_pp` over 256..16k tokens a request, tiles a CTA from `--configs
 # kv64_s4_pp,kv64_s3_pp_g2,kv64_s3_pp_g3,kv64_s3_pp_g4` (docs/prefill_kernel.md, "Tile

@@ -33,8 +33,9 @@ row-exactly (out by TMA copies from shared memory, lse by each thread's own stor
 `_store_lse`), in the layout the caller gets. The grid walks (head, tile slot) items, slots
 fastest, so the q tiles of one head run side by side and share that head's K/V through L2;
 slots are walked last to first, so a request's longest (causal) tiles start first; a CTA runs
-`tiles_per_cta` consecutive items one after the other (`_item`). Runs on sm_90a, and on CPU in Mosaic GPU interpret mode. Arguments are checked by
-`funcmla.attention.pallas.prefill`, which calls `prefill_kernel`.
+`tiles_per_cta` consecutive items one after the other (`_item`). Runs on sm_90a, and on CPU in
+Mosaic GPU interpret mode. Arguments are checked by `funcmla.attention.pallas.prefill`, which
+calls `prefill_kernel`.
 """
 
 from __future__ import annotations
@@ -284,7 +285,6 @@ class _Item:
     kv_lead: jax.Array
     q_end: jax.Array     # the request's rows are [q_lead, q_end) counted from q_base
     kv_end: jax.Array    # its keys [kv_lead, kv_end) counted from kv_base
-    kv_len: jax.Array
     qb0: jax.Array       # the tile's first row, counted from q_base
     count: jax.Array     # KV tiles the tile reads (0 where not live)
 
@@ -323,8 +323,8 @@ def _item(k, *, cta, qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_
         limit_max = kv_end
     count = jnp.where(live & (kv_len > 0), (limit_max + block_kv - 1) // block_kv, 0)
     return _Item(live=live, h=h, q_base=q_start - q_lead, kv_base=kv_start - kv_lead,
-                 q_lead=q_lead, kv_lead=kv_lead, q_end=q_end, kv_end=kv_end, kv_len=kv_len,
-                 qb0=qb0, count=count)
+                 q_lead=q_lead, kv_lead=kv_lead, q_end=q_end, kv_end=kv_end, qb0=qb0,
+                 count=count)
 
 
 def _walk(tiles: int, body, init):
@@ -336,7 +336,8 @@ def _walk(tiles: int, body, init):
 
 def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, first_ref, q_ref,
             k_ref, v_ref, o_ref, lse_ref, scratch, *, causal: bool, block_kv: int,
-            num_stages: int, num_slots: int, num_items: int, scale_log2: float, cfg: MgpuPrefillConfig, interpret: bool):
+            num_stages: int, num_slots: int, num_items: int, scale_log2: float,
+            cfg: MgpuPrefillConfig, interpret: bool):
     walks = cfg.tiles_per_cta > 1
     if walks:  # the output staging is apart from q (the next tile's q loads early)
         qo0, qo1, out0, out1, *scratch = scratch
@@ -643,9 +644,10 @@ def prefill_kernel(q_rows: int, heads: int, num_reqs: int, dtype, *,
     ]
     kernel = functools.partial(
         _kernel, causal=causal, block_kv=bkv, num_stages=ns, num_slots=num_slots,
-        num_items=num_items, scale_log2=float(sm_scale) * _LOG2E, cfg=config, interpret=interpret)
+        num_items=num_items, scale_log2=float(sm_scale) * _LOG2E, cfg=config,
+        interpret=interpret)
     return plgpu.kernel(
-        lambda *refs: kernel(*refs[:11], list(refs[11:])),
+        lambda *refs: kernel(*refs[:11], refs[11:]),
         out_type=(jax.ShapeDtypeStruct((q_rows, heads, V_HEAD_DIM), dtype),
                   jax.ShapeDtypeStruct((q_rows, heads), jnp.float32)),
         scratch_types=scratch,
