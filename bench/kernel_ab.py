@@ -30,7 +30,8 @@ module that imported the constant by name keeps its own binding. `--base-set NAM
 one for the baseline's rounds the same way (without --rev / --base-file), so two values of a
 knob are timed against each other. jax's caches are cleared at every switch (`mla_decode` is
 jitted: a cached program would run the other kernel). A decode case runs through `mla_decode`
-with `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span
+on a pool of `--kv-dtype` (default: fp8 where the module's name says fp8, else bf16, so that the
+case reaches the named module's kernel) with `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span
 per call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
 dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
 equal length through `mha_prefill` with the config it picks for them (`prefill_kernel_config`),
@@ -279,7 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default=None,
                     help="the baseline's name in the report (default: --rev or the file)")
     ap.add_argument("--module", default="funcmla.attention.pallas.decode_mgpu_fp8")
-    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None,
+                    help="the pool's dtype (default: fp8 for a module whose name says fp8, "
+                         "else bf16, so a case runs the named module's kernel)")
     ap.add_argument("--kernel", choices=("auto", "mgpu", "triton"), default="mgpu")
     ap.add_argument("--fp8-products", choices=("mixed", "fp8"), default="mixed",
                     help="DecodeKernelConfig.fp8_products of the fp8 decode cases")
@@ -294,6 +297,8 @@ def main(argv=None) -> int:
         ap.error("one of --rev, --base-file, --set or --base-set is required")
     if args.base_set and (args.rev or args.base_file):
         ap.error("--base-set rebinds the live module's constants: not with --rev / --base-file")
+    if args.kv_dtype is None:
+        args.kv_dtype = "fp8" if "fp8" in args.module.rsplit(".", 1)[-1] else "bf16"
     settings = [parse_setting(t) for t in args.set]
     base_settings = [parse_setting(t) for t in args.base_set]
     is_prefill = args.module == PREFILL_MODULE

@@ -272,3 +272,30 @@ def test_a_changed_config_class_is_swapped(tmp_path):
     with kernel_ab.swapped(decode_mgpu, base):
         assert decode_mgpu.MgpuDecodeConfig is base.MgpuDecodeConfig is not live_cls
     assert decode_mgpu.MgpuDecodeConfig is live_cls
+
+
+@pytest.mark.parametrize("module, pool", [
+    ("funcmla.attention.pallas.decode_mgpu", "bf16"),
+    ("funcmla.attention.pallas.decode_mgpu_fp8_wide", "fp8"),
+])
+def test_the_pool_dtype_follows_the_module_unless_given(monkeypatch, tmp_path, module, pool):
+    """A bf16 kernel's module is timed on a bf16 pool (an fp8 pool would run another module's
+    kernel), an fp8 one's on an fp8 pool; --kv-dtype overrides."""
+    from bench import decode_case
+    from bench.decode_fp8 import KV_SCALE
+
+    scales = []
+
+    def fake_bench_case(key, h, b, ctx, page, ceiling, reps, config, **kw):
+        scales.append(kw["kv_scale"])
+        return dict(time_us=10.0, rel_err=1e-3, kernel="mgpu", num_splits=1)
+
+    monkeypatch.setattr(decode_case, "bench_case", fake_bench_case)
+    args = ["--set", "BLOCK_M=64", "--module", module, "--cases", "h128_b32_ctx4k_p64",
+            "--rounds", "1", "--out", str(tmp_path)]
+    assert kernel_ab.main(args) == 0
+    assert scales == [KV_SCALE if pool == "fp8" else None] * 2
+    scales.clear()
+    other = "bf16" if pool == "fp8" else "fp8"
+    assert kernel_ab.main(args + ["--kv-dtype", other]) == 0
+    assert scales == [KV_SCALE if other == "fp8" else None] * 2
