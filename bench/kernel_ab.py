@@ -31,9 +31,9 @@ one for the baseline's rounds the same way (without --rev / --base-file), so two
 knob are timed against each other. jax's caches are cleared at every switch (`mla_decode` is
 jitted: a cached program would run the other kernel). A decode case runs through `mla_decode`
 on a pool of `--kv-dtype` (default: fp8 where the module's name says fp8, else bf16, so that the
-case reaches the named module's kernel) with `DecodeKernelConfig(kernel=--kernel)`, timed by `bench.decode_case.bench_case` (device span
-per call from a CUPTI trace, decode + merge; relative error against float32 attention, over the
-dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
+case reaches the named module's kernel) with `DecodeKernelConfig(kernel=--kernel)`, timed by
+`bench.decode_case.bench_case` (device span per call from a CUPTI trace, decode + merge;
+relative error against float32 attention, over the dequantized cache for fp8); a prefill case (the module `prefill_mgpu`) runs causal requests of
 equal length through `mha_prefill` with the config it picks for them (`prefill_kernel_config`),
 timed and checked as `bench.prefill` does (device span per call; error against float32 on two
 heads). Writes out/kernel_ab.json: per case and variant the time of every round, their median,

@@ -33,7 +33,7 @@ profiler spans, each call queued behind a spin kernel so host gaps do not count)
 with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius error of
 out against `mha_attention_reference` (float32) on two heads.
 
-    python -m bench.prefill --out docs/results/            # the cases, JSON prefill_h200.json (--name for another card)
+    python -m bench.prefill --out docs/results/            # the cases, JSON prefill_h200.json
     python -m bench.prefill --check --sweep --out out/     # + correctness shapes, tile sweep
     python -m bench.prefill --sweep --rounds 3 --only causal --configs kv128_s2_pp,kv64_s4_pp
                                                            # configs in alternating rounds
