@@ -51,9 +51,10 @@ HEAD_DIMS = ((HEAD_DIM, V_HEAD_DIM),)
 # tiles a CTA in three stages: a q tile there holds few KV tiles, so the shorter tile halves
 # its causal tail and a CTA's start is paid once per two q tiles; past it 128-token tiles
 # (the default config) win. Crossover from `bench.prefill --sweep --configs
-# kv128_s2_pp,kv64_s4_pp` over 256..16k tokens a request, tiles a CTA from `--configs
-# kv64_s4_pp,kv64_s3_pp_g2,kv64_s3_pp_g3,kv64_s3_pp_g4` (docs/prefill_kernel.md, "Tile
-# configuration by request length").
+# kv128_s2_pp,kv64_s4_pp` over 256..16k tokens a request, re-measured with two q tiles a CTA
+# (`--configs kv128_s2_pp,kv64_s3_pp_g2`: about 2048 keys, within 4% of each other from 1536),
+# tiles a CTA from `--configs kv64_s4_pp,kv64_s3_pp_g2,kv64_s3_pp_g3,kv64_s3_pp_g4`
+# (docs/prefill_kernel.md, "Tile configuration by request length").
 SHORT_KV_LEN = 1536
 SHORT_CONFIG = MgpuPrefillConfig(block_kv=64, num_stages=3, tiles_per_cta=2)
 
