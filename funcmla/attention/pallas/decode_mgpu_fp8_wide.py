@@ -38,11 +38,11 @@ mode (`mgpu_ops.interpreter_unsupported`). Why this design and what it measures:
 docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8`.
 
 `products="fp8"` (`DecodeKernelConfig.fp8_products`) is the all-fp8 matrix path: q rounded
-once to e4m3 (q8 [64, 576], one `wgmma` a 128-column group), P scaled by 2^8 and rounded to
-e4m3 into shared memory (A of both consumers' P V), and consumer 1 transposes each tile's V
-into V^T [512, 64] fp8 (`_transpose_v`: the K-major B an 8-bit P V needs) instead of
-converting it; three stages fit. Its error is e4m3's (5.7-5.8e-2 on the output against
-float32 on the H200 grid; docs/decode_kernel.md, "fp8 products").
+once to e4m3 (q8 [64, 576]; q k^T one `wgmma` chain on one accumulator, `_PRODUCTS_PROMOTE`),
+P scaled by 2^8 and rounded to e4m3 into shared memory (A of both consumers' P V), and
+consumer 1 transposes each tile's V into V^T [512, 64] fp8 (`_transpose_v`: the K-major B an
+8-bit P V needs) instead of converting it; three stages fit. Its error is e4m3's (5.7-5.8e-2
+on the output against float32 on the H200 grid; docs/decode_kernel.md, "fp8 products").
 """
 
 from __future__ import annotations
@@ -106,6 +106,12 @@ _O_SWIZZLE = 128  # bytes; the output staging (register stores free of bank conf
 # apart, or groups alternating) costs consumer 0 32 registers of its 232 and took 1.5-1.75x
 # the time (docs/decode_kernel.md, decision log).
 _PROMOTE = 192
+# fp8_products="fp8": q k^T's columns per accumulator. One chain of all 576: with a group sum
+# beside it, consumer 0's live accumulators (O's half, the group's, the sum) leave ptxas short
+# of registers and it serializes every wgmma of the kernel (C7512, `bench.ptxas_report`); one
+# chain took 0.82x the time of 192-column groups at H128 B128 L16k, same error
+# (`bench.kernel_ab --set _PRODUCTS_PROMOTE=576 --base-set _PRODUCTS_PROMOTE=192`).
+_PRODUCTS_PROMOTE = 576
 # fp8_products="fp8": q and P each rounded once to e4m3 and both products on fp8 wgmmas; P in
 # [0, 1] is scaled by 2^8 first (e4m3 keeps weights down to 2^-17 of the row's largest,
 # subnormals included), the output by 2^-8 at the end. Shared memory is then q8 36 KB, V^T
@@ -123,8 +129,8 @@ def fp8_wide_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int
             or page_size_unsupported(page_size))
 
 
-def _scores(q8_smem, stage, interpret: bool):
-    """S = q k^T of the tile in `stage` [64 rows, 64 tokens] fp32, unscaled: per `_PROMOTE`
+def _scores(q8_smem, stage, promote: int, interpret: bool):
+    """S = q k^T of the tile in `stage` [64 rows, 64 tokens] fp32, unscaled: per `promote`
     columns, q's e4m3 parts (A: the high and the low one, or the high one alone when q8_smem
     has 64 rows) by the fp8 stage (B, K-major) into one fresh accumulator, the groups summed
     in fp32 registers."""
@@ -142,8 +148,8 @@ def _scores(q8_smem, stage, interpret: bool):
 
     def body(acc):
         total = None
-        for g in range(-(-d // _PROMOTE)):  # the last group takes what is left
-            cols = pl.ds(g * _PROMOTE, min(_PROMOTE, d - g * _PROMOTE))
+        for g in range(-(-d // promote)):  # the last group takes what is left
+            cols = pl.ds(g * promote, min(promote, d - g * promote))
             if g:
                 acc[...] = zeros
             k_t = stage.at[:, cols].transpose((1, 0))
@@ -441,7 +447,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             with jax.named_scope("qk"):
                 with jax.named_scope("wait_kv"):
                     plgpu.barrier_wait(k_full.at[slot])
-                s = _scores(q8_smem, stages.at[slot], interpret)
+                s = _scores(q8_smem, stages.at[slot],
+                            _PRODUCTS_PROMOTE if fp8_pv else _PROMOTE, interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
             if masked:
                 s = jnp.where(tile * BLOCK_KV + cols_iota < limit, s, -jnp.inf)
