@@ -36,9 +36,10 @@ case reaches the named module's kernel) with `DecodeKernelConfig(kernel=--kernel
 relative error against float32 attention, over the dequantized cache for fp8); a prefill case
 (the module `prefill_mgpu`) runs causal requests of equal length through `mha_prefill` with the
 config it picks for them (`prefill_kernel_config`), timed and checked as `bench.prefill` does
-(device span per call; error against float32 on two heads). Writes out/kernel_ab.json: per case and variant the time of every round, their median,
-and the working tree's median over the baseline's; the file is rewritten after every case, so a
-run cut short keeps the cases it finished.
+(device span per call; error against float32 on two heads). Writes out/kernel_ab.json: per
+case and variant the time of every round, their median, and the working tree's median over the
+baseline's; the file is rewritten after every case, so a run cut short keeps the cases it
+finished.
 """
 
 from __future__ import annotations
