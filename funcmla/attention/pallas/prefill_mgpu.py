@@ -440,8 +440,7 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        def run(k, carry):
-            g, n_out = carry  # the ring position, items finished by this consumer
+        def run(k, g):  # g: the ring position (KV tiles of this CTA's earlier q tiles)
             it = item(k)
             kv_lead, kv_end, count = it.kv_lead, it.kv_end, it.count
             row0 = it.qb0 + w * ROWS  # this consumer's first row, counted from q_base
@@ -558,9 +557,9 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
                     def dst(off, size):
                         return o_ref.at[pl.ds(it.q_base + row0 + off, size), it.h]
 
-                    if walks:  # the previous item's stores have read the staging
-                        pl.when(n_out > 0)(
-                            lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+                    if walks:  # the previous item's stores have read the staging (at
+                        # the first item none is pending and the wait returns at once)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                     # A full half (its rows start on a multiple of 8) goes through the
                     # swizzled staging (stores free of bank conflicts, one TMA copy); a
@@ -580,9 +579,9 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
 
                     _store_lse(lse_ref, lse, it.q_base + row0, it.h, lead, n_rows, interpret)
 
-            return g + count, n_out + it.live.astype(jnp.int32)
+            return g + count
 
-        _walk(cfg.tiles_per_cta, run, (jnp.int32(0), jnp.int32(0)))
+        _walk(cfg.tiles_per_cta, run, jnp.int32(0))
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0)
 
