@@ -96,12 +96,19 @@ def _swizzled64(row: int, col: int, cols: int) -> int:
 
 
 def test_v_transpose_moves_every_byte_once_without_bank_conflicts():
-    """`_transpose_v`'s algorithm thread by thread (its thread map, 8-byte loads, the selectors
-    and `fp8_transpose.transpose_4x4` over PTX `prmt` restated, 16-byte stores): V^T equals the
-    stage's first 512 columns transposed, every byte written once, and each load phase (16
-    lanes of 8 bytes) and store phase (8 lanes of 16 bytes) touches distinct bank slots."""
+    """`_transpose_v`'s algorithm thread by thread (its thread map, 8-byte loads at base
+    registers plus constants, the selectors and `fp8_transpose.transpose_4x4` over PTX `prmt`
+    restated, the token masks, 16-byte stores): V^T equals the stage's first 512 columns
+    transposed with tokens at or past `valid` zeroed, every byte written once, and each load
+    phase (16 lanes of 8 bytes) and store phase (8 lanes of 16 bytes) touches distinct bank
+    slots."""
+    for valid in (64, 37, 1):
+        _transpose_emulated(valid)
+
+
+def _transpose_emulated(valid: int):
     w = decode_mgpu_fp8_wide
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(valid)
     v = rng.integers(0, 256, (64, 576), dtype=np.uint8)
     stage = np.zeros(64 * 576, np.uint8)
     for r in range(64):
@@ -112,6 +119,13 @@ def test_v_transpose_moves_every_byte_once_without_bank_conflicts():
     for t in range(128):
         for p in range(2):
             cb8, tb16, flip, rot = w.transpose_thread_map(t, p)
+            hb = tb16 >> 1
+            for kk in range(16):  # the load addresses: base registers + constants
+                c, odd, imm = w.transpose_load_offset(kk, p)
+                base = ((cb8 >> 3) * 512 + (cb8 & 1) * 8 + hb * 4 * (576 // 64) * 512
+                        + ((((cb8 >> 1) & 3) ^ c) << 4) + (-64 if odd else 64) * flip)
+                assert base + imm == _swizzled64(16 * tb16 + (kk ^ flip), 8 * cb8, 576)
+            masks = [w.transpose_token_mask(valid - 16 * tb16, quad) for quad in range(4)]
             words = []
             for kk in range(16):
                 tok = 16 * tb16 + (kk ^ flip)
@@ -126,7 +140,7 @@ def test_v_transpose_moves_every_byte_once_without_bank_conflicts():
                 quads = [fp8_transpose.transpose_4x4(
                     _prmt, [words[4 * quad + j][g] for j in range(4)], sel_x, sel_y, int)
                     for quad in range(4)]
-                cols = [[quads[quad][i] for quad in range(4)] for i in range(4)]
+                cols = [[quads[quad][i] & masks[quad] for quad in range(4)] for i in range(4)]
                 for i in range(4):
                     c = 8 * cb8 + 4 * g + (i ^ rot)
                     addr = _swizzled64(c, 16 * tb16, 64)
@@ -135,7 +149,8 @@ def test_v_transpose_moves_every_byte_once_without_bank_conflicts():
                     assert (vt[addr:addr + 16] == -1).all(), "a byte of V^T written twice"
                     vt[addr:addr + 16] = np.frombuffer(data, np.uint8)
     got = np.array([[vt[_swizzled64(c, k, 64)] for k in range(64)] for c in range(512)])
-    np.testing.assert_array_equal(got, v[:, :512].T)
+    want = np.where(np.arange(64)[:, None] < valid, v[:, :512], 0).T
+    np.testing.assert_array_equal(got, want)
     for addrs in loads.values():
         assert len({(a % 128) // 8 for a in addrs}) == 16, addrs
     for addrs in stores.values():

@@ -249,13 +249,37 @@ def transpose_thread_map(t: int, p: int) -> tuple[int, int, int, int]:
     return cb8, tb16, (lane >> 3) & 1, lane & 3
 
 
+_STAGE_ROWS8 = _D // 64 * 512  # bytes of 8 rows of an fp8 stage (9 swizzle tiles of 512 B)
+
+
+def transpose_load_offset(kk: int, p: int) -> tuple[int, int, int]:
+    """(c, odd, imm) of load kk (0-15) in pass p (0, 1) of `_transpose_v`: the load reads stage
+    bytes base(c, odd) + imm. The thread's 8 registers base(c, odd) = the stage's offset + its
+    columns' (8 cb8: tile and half) + 4 hb row groups of 8 (tb16 = p + 2 hb) + ((chunk ^ c)
+    << 4) + 64 flip (an even kk) or - 64 flip (an odd one) hold all that depends on the thread
+    and the tile; imm is a constant of the instruction. This holds because the token,
+    16 tb16 + (kk ^ flip), has only its bit 0 flipped, so the swizzle's row bits (kk & 7) >> 1
+    are static: no address arithmetic a load, and nothing kept per load across tiles (the
+    offsets ptxas hoisted there spilled)."""
+    return (kk & 7) >> 1, kk & 1, (2 * p + (kk >> 3)) * _STAGE_ROWS8 + (kk & 7) * 64
+
+
+def transpose_token_mask(valid_rel: int, quad: int) -> int:
+    """The bytes kept of a V^T word holding tokens 4 quad .. 4 quad + 3 of a thread's 16-token
+    block (byte j: token 4 quad + j), where valid_rel = kv_len - the block's first token:
+    0xFF for a token below it, 0 past it."""
+    n = min(max(valid_rel - 4 * quad, 0), 4)
+    return (0xFFFFFFFF >> (8 * (4 - n))) & 0xFFFFFFFF
+
+
 def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
     """vt_smem [512, 64] fp8 = V^T of stage `slot` (its first 512 columns), tokens at or past
     `valid` as zeros: the K-major B operand an fp8 P V needs (V's K axis is the token axis).
     Each thread moves 16 tokens x 8 columns a pass, two passes (`transpose_thread_map`): 8-byte
-    loads (token k's 8 bytes as two words, columns 4 g .. 4 g + 3), `fp8_transpose.transpose_4x4`
-    of each 4-token, 4-column block, 16-byte stores of a column's 16 tokens; no bank conflicts
-    either way."""
+    loads (token k's 8 bytes as two words, columns 4 g .. 4 g + 3) from 8 base registers and
+    constant offsets (`transpose_load_offset`), `fp8_transpose.transpose_4x4` of each 4-token,
+    4-column block, 16-byte stores of a column's 16 tokens, each word masked to the tokens
+    below `valid` (`transpose_token_mask`); no bank conflicts either way."""
     if interpret:
         vt_smem[...] = _valid_v(stages, slot, valid).T
         return
@@ -269,13 +293,12 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
         from jax._src.lib.mlir.dialects import arith, llvm, vector
         from jax.experimental.mosaic.gpu import utils as mu
 
-        i8, i32 = (ir.IntegerType.get_signless(n) for n in (8, 32))
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
         v2, v4 = ir.VectorType.get((2,), i32), ir.VectorType.get((4,), i32)
         slot, valid = slot.registers.item(), valid.registers.item()
-        src_tiles = _D // 64  # 64-column tiles a row of 8 stage rows holds (512 B each)
 
-        def k(n):
-            return mu.c(n, i32)
+        def k(n, ty=i32):
+            return mu.c(n, ty)
 
         def bit(x, n):
             return arith.andi(arith.shrui(x, k(n)), k(1))
@@ -287,6 +310,7 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
         lane, w = arith.andi(t, k(31)), arith.shrui(t, k(5))
         cb8 = arith.ori(lane, arith.shli(arith.andi(w, k(1)), k(5)))
         flip, rot = bit(lane, 3), arith.andi(lane, k(3))
+        hb = arith.xori(bit(lane, 2), arith.shrui(w, k(1)))  # tb16 = p + 2 hb
         # the first-stage selectors: X takes columns rot, rot ^ 1 of a word, Y rot ^ 2, rot ^ 3
         sel = {}
         for name, base in (("x", 0), ("y", 2)):
@@ -298,28 +322,37 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
                                  arith.cmpi(arith.CmpIPredicate.eq, flip, k(f)))
                 value = k(c) if value is None else arith.select(hit, k(c), value)
             sel[name] = value
-        # stage bytes of column 8 cb8 in row r of a tile: 64-byte swizzle over (8, 64) tiles
+        # load bases (`transpose_load_offset`): column 8 cb8's tile and half, the thread's
+        # 16-token blocks, the swizzle chunk of each row pair, the flipped token's row
         col_tile = arith.shrui(cb8, k(3))
         chunk = arith.andi(arith.shrui(cb8, k(1)), k(3))
         half = arith.shli(arith.andi(cb8, k(1)), k(3))
-        src0 = mu.getelementptr(mu.memref_ptr(stages), [arith.addi(
-            arith.muli(slot, k(BLOCK_KV * _D)), arith.addi(arith.shli(col_tile, k(9)), half))],
-            i8)
+        src = arith.addi(
+            arith.addi(arith.muli(slot, k(BLOCK_KV * _D)), arith.shli(col_tile, k(9))),
+            arith.addi(half, arith.muli(hb, k(4 * _STAGE_ROWS8))))
+        flip64 = arith.shli(flip, k(6))
+        ptr0 = mu.memref_ptr(stages)
+        bases = {(c, odd): mu.getelementptr(ptr0, [arith.addi(
+            arith.addi(src, arith.shli(arith.xori(chunk, k(c)), k(4))),
+            arith.subi(k(0), flip64) if odd else flip64)], i8)
+            for c in range(4) for odd in range(2)}
         dst0 = mu.getelementptr(mu.memref_ptr(vt), [arith.shli(cb8, k(9))], i8)
-        zero = vector.broadcast(v2, k(0))
+        # per pass, the kept bytes of each token quad (`transpose_token_mask`)
+        masks = []
         for p in range(2):
-            tb16 = arith.ori(k(p), arith.shli(arith.xori(bit(lane, 2), arith.shrui(w, k(1))),
-                                               k(1)))
+            rel = arith.subi(valid, arith.shli(arith.addi(k(p), arith.shli(hb, k(1))), k(4)))
+            row = []
+            for quad in range(4):
+                n = arith.minsi(arith.maxsi(arith.subi(rel, k(4 * quad)), k(0)), k(4))
+                shift = arith.extui(i64, arith.shli(arith.subi(k(4), n), k(3)))
+                row.append(arith.trunci(i32, arith.shrui(k(0xFFFFFFFF, i64), shift)))
+            masks.append(row)
+        for p in range(2):
+            tb16 = arith.ori(k(p), arith.shli(hb, k(1)))
             words = []
             for kk in range(16):
-                tok = arith.addi(arith.shli(tb16, k(4)), arith.xori(k(kk), flip))
-                r8 = arith.andi(tok, k(7))
-                off = arith.addi(
-                    arith.addi(arith.muli(arith.shrui(tok, k(3)), k(src_tiles * 512)),
-                               arith.shli(r8, k(6))),
-                    arith.shli(arith.xori(chunk, arith.shrui(r8, k(1))), k(4)))
-                x = llvm.load(v2, mu.getelementptr(src0, [off], i8), alignment=8)
-                x = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, valid), x, zero)
+                c, odd, imm = transpose_load_offset(kk, p)
+                x = llvm.load(v2, mu.getelementptr(bases[c, odd], [imm], i8), alignment=8)
                 words.append([vector.extract(x, dynamic_position=[], static_position=[g])
                               for g in range(2)])
             for g in range(2):
@@ -327,7 +360,8 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
                 quads = [fp8_transpose.transpose_4x4(
                     prmt, [words[4 * quad + j][g] for j in range(4)], sel["x"], sel["y"], k)
                     for quad in range(4)]
-                cols = [[quads[quad][i] for quad in range(4)] for i in range(4)]
+                cols = [[arith.andi(quads[quad][i], masks[p][quad]) for quad in range(4)]
+                        for i in range(4)]
                 for i in range(4):
                     c8 = arith.addi(k(4 * g), arith.xori(k(i), rot))  # column within 8
                     off = arith.addi(arith.shli(c8, k(6)), arith.shli(
