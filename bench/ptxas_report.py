@@ -9,15 +9,17 @@ report is read back from the dumped `.ptxas` file:
     python -m bench.ptxas_report --cases bf16_h128_p64,fp8_h16_p1 --out out/
 
 Cases are `<pool>_h<heads>_p<page size>`, pool one of bf16, fp8 (the fp8 Mosaic GPU kernel the
-dispatch rule picks for the rows) and fp8products (`fp8_products="fp8"`). Writes
-out/ptxas_report.json and keeps each kernel's PTX under out/ptxas/<case>/, so that a change of
-register budget can be tried offline (edit the `setmaxnreg` lines; `ptxas -v --gpu-name sm_90a
-kernel.ptx`; `nvdisasm -c` on the cubin shows where spills land). Why it matters: a 384-thread
-block starts at 168 registers a thread, `setmaxnreg` moves registers between its warpgroups
-(an increase is served only from the block's own decreases, so the budgets sum to at most
-3 x 168 = 504), and ptxas drops every budget (C7507) when one is below what its warpgroup needs,
-or serializes `wgmma`s (C7512) when their accumulators do not fit (docs/decode_kernel.md,
-"What limits 128 heads").
+dispatch rule picks for the rows) and fp8products (`fp8_products="fp8"`). Where `ptxas` and
+`nvdisasm` are found (on PATH, or the copies Triton bundles), each kernel's PTX is also built
+into a cubin and disassembled, and the report gives each loop's spill loads and stores
+(`bench.sass_loops`: a spill in a loop is reloaded every trip). Writes out/ptxas_report.json and
+keeps each kernel's PTX (and SASS) under out/ptxas/<case>/, so that a change of register budget
+can be tried offline (edit the `setmaxnreg` lines; `ptxas -v --gpu-name sm_90a kernel.ptx`).
+Why it matters: a 384-thread block starts at 168 registers a thread, `setmaxnreg` moves
+registers between its warpgroups (an increase is served only from the block's own decreases,
+so the budgets sum to at most 3 x 168 = 504), and ptxas drops every budget (C7507) when one is
+below what its warpgroup needs, or serializes `wgmma`s (C7512) when their accumulators do not
+fit (docs/decode_kernel.md, "What limits 128 heads").
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
-__all__ = ["DEFAULT_CASES", "parse_case", "parse_ptxas", "setmaxnreg_values", "main"]
+from bench.sass_loops import loop_spills
+
+__all__ = ["DEFAULT_CASES", "parse_case", "parse_ptxas", "setmaxnreg_values", "find_tool",
+           "kernel_loops", "main"]
 
 DEFAULT_CASES = ("bf16_h128_p64,bf16_h128_p1,fp8_h16_p64,fp8_h16_p1,fp8_h128_p64,"
                  "fp8products_h128_p64")
@@ -68,6 +74,40 @@ def setmaxnreg_values(ptx: str) -> list[tuple[str, int]]:
     """The `setmaxnreg` instructions of a PTX file, in order: ("inc" | "dec", registers)."""
     return [(m.group(1), int(m.group(2)))
             for m in re.finditer(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)]
+
+
+def find_tool(name: str) -> str | None:
+    """The path of CUDA binary `name` (ptxas, nvdisasm): on PATH, else the copy Triton bundles
+    (`triton/backends/nvidia/bin`, installed beside jax on the GPU machines), else None."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def kernel_loops(ptx_path: str) -> dict:
+    """{"loops": `bench.sass_loops.loop_spills` of the kernel} from its PTX (ptxas to a cubin,
+    `nvdisasm -c` to a .sass kept beside it), or {"loops_error": why not}."""
+    ptxas, nvdisasm = find_tool("ptxas"), find_tool("nvdisasm")
+    if not (ptxas and nvdisasm):
+        return {"loops_error": "ptxas or nvdisasm not found"}
+    stem = ptx_path[:-len(".ptx")]
+    build = subprocess.run([ptxas, "--gpu-name", "sm_90a", ptx_path, "-o", stem + ".cubin"],
+                           capture_output=True, text=True)
+    if build.returncode:
+        return {"loops_error": f"ptxas: {build.stderr.strip()[-200:]}"}
+    sass = subprocess.run([nvdisasm, "-c", stem + ".cubin"], capture_output=True, text=True)
+    os.remove(stem + ".cubin")
+    if sass.returncode:
+        return {"loops_error": f"nvdisasm: {sass.stderr.strip()[-200:]}"}
+    with open(stem + ".sass", "w") as fh:
+        fh.write(sass.stdout)
+    return {"loops": loop_spills(sass.stdout)}
 
 
 def _compile_one(name: str) -> None:
@@ -116,9 +156,10 @@ def _report(name: str, dump: str) -> dict:
                 row["kernels"].setdefault(kernel, {}).update(parse_ptxas(fh.read()))
         elif f.endswith(".ptx"):
             with open(path) as fh:
-                row["kernels"].setdefault(f[:-len(".ptx")], {})["setmaxnreg"] = (
-                    setmaxnreg_values(fh.read()))
-        else:  # the MLIR pass logs run to hundreds of MB
+                kernel = row["kernels"].setdefault(f[:-len(".ptx")], {})
+                kernel["setmaxnreg"] = setmaxnreg_values(fh.read())
+            kernel.update(kernel_loops(path))
+        elif not f.endswith(".sass"):  # the MLIR pass logs run to hundreds of MB
             os.remove(path)
     return row
 
@@ -152,6 +193,11 @@ def main(argv=None) -> int:
             print(f"{row['case']:<22} {kernel:<40} {k.get('registers')!s:>4}  "
                   f"{k.get('spill_store_bytes', 0):>4}/{k.get('spill_load_bytes', 0):<4}  "
                   f"{budgets:<18} {notes}")
+            for loop in k.get("loops", []):
+                if loop["spill_loads"] or loop["spill_stores"]:
+                    print(f"{'':<22}   loop at {loop['header']} ({loop['instructions']} "
+                          f"instructions): {loop['spill_loads']} LDL, {loop['spill_stores']} "
+                          "STL a trip")
     return 0 if all(not r.get("error") for r in rows) else 1
 
 

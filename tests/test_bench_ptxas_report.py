@@ -71,3 +71,14 @@ def test_no_gpu_records_the_failure(tmp_path):
     rows = json.loads((tmp_path / "ptxas_report.json").read_text())
     assert rows[0]["case"] == "bf16_h128_p64" and rows[0]["returncode"] != 0
     assert "interpret mode" in rows[0]["error"] and rows[0]["kernels"] == {}
+
+
+def test_loops_without_the_cuda_binaries_say_why(tmp_path, monkeypatch):
+    """Without ptxas or nvdisasm (a CPU host without Triton) a kernel's loops are not read, and
+    the report says so rather than failing."""
+    import bench.ptxas_report as report
+
+    monkeypatch.setattr(report, "find_tool", lambda name: None)
+    ptx = tmp_path / "k.ptx"
+    ptx.write_text("// empty\n")
+    assert report.kernel_loops(str(ptx)) == {"loops_error": "ptxas or nvdisasm not found"}
