@@ -86,12 +86,8 @@ def _reachable(succ: list[list[int]]) -> set[int]:
     return seen
 
 
-def _dominators(succ: list[list[int]], live: set[int]) -> dict[int, set[int]]:
-    """Each reachable block's dominators (block 0 the entry)."""
-    pred = {v: [] for v in live}
-    for u in live:
-        for v in succ[u]:
-            pred[v].append(u)
+def _dominators(pred: dict[int, list[int]], live: set[int]) -> dict[int, set[int]]:
+    """Each reachable block's dominators (block 0 the entry), from its predecessors."""
     dom = {v: set(live) for v in live}
     dom[0] = {0}
     changed = True
@@ -110,11 +106,11 @@ def loops(instrs: list[Instr]) -> list[tuple[int, list[int]]]:
     loops), in header order."""
     spans, succ = _blocks(instrs)
     live = _reachable(succ)
-    dom = _dominators(succ, live)
     pred = {v: [] for v in live}
     for u in live:
         for v in succ[u]:
             pred[v].append(u)
+    dom = _dominators(pred, live)
     body: dict[int, set[int]] = {}
     for u in live:
         for h in succ[u]:

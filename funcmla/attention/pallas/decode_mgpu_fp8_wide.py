@@ -310,7 +310,8 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
         lane, w = arith.andi(t, k(31)), arith.shrui(t, k(5))
         cb8 = arith.ori(lane, arith.shli(arith.andi(w, k(1)), k(5)))
         flip, rot = bit(lane, 3), arith.andi(lane, k(3))
-        hb = arith.xori(bit(lane, 2), arith.shrui(w, k(1)))  # tb16 = p + 2 hb
+        hb = arith.xori(bit(lane, 2), arith.shrui(w, k(1)))
+        tb16s = [arith.ori(k(p), arith.shli(hb, k(1))) for p in range(2)]  # p + 2 hb
         # the first-stage selectors: X takes columns rot, rot ^ 1 of a word, Y rot ^ 2, rot ^ 3
         sel = {}
         for name, base in (("x", 0), ("y", 2)):
@@ -339,16 +340,15 @@ def _transpose_v(stages, slot, vt_smem, valid, interpret: bool):
         dst0 = mu.getelementptr(mu.memref_ptr(vt), [arith.shli(cb8, k(9))], i8)
         # per pass, the kept bytes of each token quad (`transpose_token_mask`)
         masks = []
-        for p in range(2):
-            rel = arith.subi(valid, arith.shli(arith.addi(k(p), arith.shli(hb, k(1))), k(4)))
+        for tb16 in tb16s:
+            rel = arith.subi(valid, arith.shli(tb16, k(4)))
             row = []
             for quad in range(4):
                 n = arith.minsi(arith.maxsi(arith.subi(rel, k(4 * quad)), k(0)), k(4))
                 shift = arith.extui(i64, arith.shli(arith.subi(k(4), n), k(3)))
                 row.append(arith.trunci(i32, arith.shrui(k(0xFFFFFFFF, i64), shift)))
             masks.append(row)
-        for p in range(2):
-            tb16 = arith.ori(k(p), arith.shli(hb, k(1)))
+        for p, tb16 in enumerate(tb16s):
             words = []
             for kk in range(16):
                 c, odd, imm = transpose_load_offset(kk, p)
