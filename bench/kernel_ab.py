@@ -12,10 +12,10 @@ run (same machine state, same clocks).
         --kv-dtype fp8 --fp8-products fp8 --cases h128_b32_ctx4k_p64,h128_b128_ctx16k_p64
     python -m bench.kernel_ab --rev main --module funcmla.attention.pallas.prefill_mgpu \
         --cases prefill_h16_16x1k,prefill_h128_16x1k                         # MHA prefill
-    python -m bench.kernel_ab --set _PROMOTE=576 --module \
-        funcmla.attention.pallas.decode_mgpu_fp8_wide --cases h128_b32_ctx4k_p64  # a knob
-    python -m bench.kernel_ab --set _PROMOTE=576 --base-set _PROMOTE=192 --label p192 \
-        --module funcmla.attention.pallas.decode_mgpu_fp8_wide    # two values of a knob
+    python -m bench.kernel_ab --set _PROMOTE=192 --module \
+        funcmla.attention.pallas.decode_mgpu_fp8 --cases h16_b32_ctx4k_p64  # a knob
+    python -m bench.kernel_ab --set _STAGES=6 --base-set _STAGES=4 --label s4 \
+        --module funcmla.attention.pallas.decode_mgpu_fp8    # two values of a knob
 
 Only the named module comes from REV: its source (`git show REV:path`, or the file given by
 `--base-file` where the checkout has no git history, as on a copy of the working tree) is

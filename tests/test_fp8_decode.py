@@ -79,10 +79,10 @@ def oracle(q, pool, slot_lists, s_q, k_scale, v_scale):
     return out * (v_scale / k_scale), lse
 
 
-# lse of the 64-row fp8 Mosaic GPU kernel on query rows of 2^17 and more: its q k^T chains the
-# high and the low part of q (8 fp8 wgmmas) on one accumulator that keeps ~13-14 bits, so the
-# score's relative error reaches ~4e-3 there (H200); at such scores the softmax is an argmax
-# and the output stays within the bound (`decode_mgpu_fp8_wide._PROMOTE`).
+# lse of the 64-row fp8 Mosaic GPU kernel on query rows of 2^17 and more: its q k^T chains 18
+# fp8 wgmmas a part of q on an accumulator that keeps ~13-14 bits, so the score's relative
+# error reaches ~4e-3 there; at such scores the softmax is an argmax and the output stays
+# within the bound (`decode_mgpu_fp8_wide._scores`).
 WIDE_HUGE_LSE_RTOL = 5e-3
 
 
@@ -607,7 +607,7 @@ def _query_rows_far_above_f16_range(heads, interpret):
     """Scores of ~2^45 in log2 units: the column scale multiplies s - max, so no multiply-add
     contraction leaves a rounding residual of ~2^21 in exp2's argument (which gave +inf). At
     such scores the softmax is an argmax, which a relative score error (the fp8
-    accumulation's, up to ~7e-4: `_PROMOTE`) may move to a near tie: rows of 2^17 and 2^40
+    accumulation's, up to ~7e-4: `decode_mgpu_fp8._PROMOTE`) may move to a near tie: rows of 2^17 and 2^40
     are held to finite outputs inside the range of their sequence's V, and lse (the largest
     score) to 1e-3 (16 heads: `decode_mgpu_fp8`) or `WIDE_HUGE_LSE_RTOL` (64-row blocks:
     `decode_mgpu_fp8_wide`); rows of 1 and 2^-40 to the reference."""

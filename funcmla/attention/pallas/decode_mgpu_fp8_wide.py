@@ -7,9 +7,9 @@ without conversion:
 
 * S = q k^T: fp8 `wgmma`s with A = q's two e4m3 parts (q8 [128, 576] in shared memory, rows
   0-63 the high parts, 64-127 the low ones: `fp8_q_split`) and B = the fp8 landing stage
-  itself (K-major). The high and low products of `_PROMOTE` columns go into one fresh
-  accumulator (Hopper's fp8 `wgmma` keeps ~13-14 bits in its accumulator, so the chain is
-  cut) and the groups are summed in fp32. K is never converted.
+  itself (K-major). Each part is one chain of `wgmma`s over all 576 columns on its own
+  accumulator (Hopper's fp8 `wgmma` keeps ~13-14 bits in its accumulator, so the two parts
+  are not chained together), the two summed in fp32. K is never converted.
 * O += P V: V's K axis is the token axis, which an 8-bit operand cannot have as its
   contiguous one, so consumer 1 converts each tile's V [64, 512] to f16 (exact) into one
   shared-memory buffer (`_convert_v`, `cvt.rn.f16x2.e4m3x2` a pair, 16-byte loads and
@@ -38,7 +38,7 @@ mode (`mgpu_ops.interpreter_unsupported`). Why this design and what it measures:
 docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8`.
 
 `products="fp8"` (`DecodeKernelConfig.fp8_products`) is the all-fp8 matrix path: q rounded
-once to e4m3 (q8 [64, 576]; q k^T one `wgmma` chain on one accumulator, `_PRODUCTS_PROMOTE`),
+once to e4m3 (q8 [64, 576]; q k^T one `wgmma` chain on one accumulator),
 P scaled by 2^8 and rounded to e4m3 into shared memory (A of both consumers' P V), and
 consumer 1 transposes each tile's V into V^T [512, 64] fp8 (`_transpose_v`: the K-major B an
 8-bit P V needs) instead of converting it; three stages fit. Its error is e4m3's (5.7-5.8e-2
@@ -98,20 +98,14 @@ _D, _DV = 576, 512
 _STAGES = 2       # fp8 landing stages (36 KB each)
 _V_SWIZZLE = 128  # bytes; the f16 V buffer and P: 64 f16 columns per swizzle tile
 _O_SWIZZLE = 128  # bytes; the output staging (register stores free of bank conflicts)
-# Columns of q k^T per fp8 accumulator, the high and the low product of each chained on it
-# (12 wgmmas a chain). Each group's accumulator is read (the wgmmas drained) before the next
-# starts: 192 took 0.92x / 0.96x the time of 128 (H128 B128 L16k / B32 L4k, page 64) at error
-# 3.3-3.5e-3 against 2.5-2.9e-3; one chain of all 576 took 0.72x / 0.93x at 7.9e-3, too near
-# the 1e-2 bound (`bench.kernel_ab --set _PROMOTE=...`). A second accumulator (high and low
-# apart, or groups alternating) costs consumer 0 32 registers of its 232 and took 1.5-1.75x
-# the time (docs/decode_kernel.md, decision log).
-_PROMOTE = 192
-# fp8_products="fp8": q k^T's columns per accumulator. One chain of all 576: with a group sum
-# beside it, consumer 0's live accumulators (O's half, the group's, the sum) leave ptxas short
-# of registers and it serializes every wgmma of the kernel (C7512, `bench.ptxas_report`); one
-# chain took 0.82x the time of 192-column groups at H128 B128 L16k, same error
-# (`bench.kernel_ab --set _PRODUCTS_PROMOTE=576 --base-set _PRODUCTS_PROMOTE=192`).
-_PRODUCTS_PROMOTE = 576
+# q k^T: each of q's e4m3 parts is one chain of fp8 wgmmas over all 576 columns on its own
+# accumulator (18 wgmmas a chain), the parts summed in fp32 once both are done, so no chain is
+# drained before the tile's last. Hopper's fp8 wgmma keeps ~13-14 bits in its accumulator, so
+# the chain's length sets the score error: groups of 192 columns with both parts on one
+# accumulator (12 a chain, drained and summed per group) measured 3.5e-3 against 3.6-3.7e-3
+# here, and took 1.01 / 1.09 / 1.15x the time (H100, H128 B128 L16k p64 / B32 L4k p64 /
+# B128 L16k p1); both parts on one chain of all 576 (36 wgmmas): 7.9e-3, too near the 1e-2
+# bound. The fp8 products' one part is one chain as well (docs/decode_kernel.md, decision log).
 # fp8_products="fp8": q and P each rounded once to e4m3 and both products on fp8 wgmmas; P in
 # [0, 1] is scaled by 2^8 first (e4m3 keeps weights down to 2^-17 of the row's largest,
 # subnormals included), the output by 2^-8 at the end. Shared memory is then q8 36 KB, V^T
@@ -129,11 +123,11 @@ def fp8_wide_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int
             or page_size_unsupported(page_size))
 
 
-def _scores(q8_smem, stage, promote: int, interpret: bool):
-    """S = q k^T of the tile in `stage` [64 rows, 64 tokens] fp32, unscaled: per `promote`
-    columns, q's e4m3 parts (A: the high and the low one, or the high one alone when q8_smem
-    has 64 rows) by the fp8 stage (B, K-major) into one fresh accumulator, the groups summed
-    in fp32 registers."""
+def _scores(q8_smem, stage, interpret: bool):
+    """S = q k^T of the tile in `stage` [64 rows, 64 tokens] fp32, unscaled: each of q's e4m3
+    parts (A: the high and the low one, or the high one alone when q8_smem has 64 rows) by the
+    fp8 stage (B, K-major) as one `wgmma` chain on its own accumulator, the parts summed in
+    fp32 registers."""
     parts = q8_smem.shape[0] // BLOCK_M
     if interpret:
         k = stage[...].astype(jnp.float32)
@@ -142,24 +136,18 @@ def _scores(q8_smem, stage, promote: int, interpret: bool):
         prods = [lax.dot_general(q[i * BLOCK_M:(i + 1) * BLOCK_M], k, dims,
                                  preferred_element_type=jnp.float32) for i in range(parts)]
         return prods[0] if parts == 1 else prods[0] + prods[1]
-    d = stage.shape[1]
-    zeros = in_layout(jnp.zeros((BLOCK_M, BLOCK_KV), jnp.float32), plgpu.Layout.WGMMA,
-                      interpret)
+    k_t = stage.transpose((1, 0))
 
-    def body(acc):
+    def body(*accs):
+        for i, acc in enumerate(accs):
+            plgpu.wgmma(acc, q8_smem.at[pl.ds(i * BLOCK_M, BLOCK_M)], k_t)
         total = None
-        for g in range(-(-d // promote)):  # the last group takes what is left
-            cols = pl.ds(g * promote, min(promote, d - g * promote))
-            if g:
-                acc[...] = zeros
-            k_t = stage.at[:, cols].transpose((1, 0))
-            for i in range(parts):
-                plgpu.wgmma(acc, q8_smem.at[pl.ds(i * BLOCK_M, BLOCK_M), cols], k_t)
-            part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+        for n, acc in enumerate(accs):  # the high part's first, while the low one's runs
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=parts - 1 - n)
             total = part if total is None else total + part
         return total
 
-    return pl.run_scoped(body, plgpu.ACC((BLOCK_M, BLOCK_KV), jnp.float32))
+    return pl.run_scoped(body, *([plgpu.ACC((BLOCK_M, BLOCK_KV), jnp.float32)] * parts))
 
 
 def _valid_v(stages, slot, valid):
@@ -481,8 +469,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             with jax.named_scope("qk"):
                 with jax.named_scope("wait_kv"):
                     plgpu.barrier_wait(k_full.at[slot])
-                s = _scores(q8_smem, stages.at[slot],
-                            _PRODUCTS_PROMOTE if fp8_pv else _PROMOTE, interpret)
+                s = _scores(q8_smem, stages.at[slot], interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
             if masked:
                 s = jnp.where(tile * BLOCK_KV + cols_iota < limit, s, -jnp.inf)
