@@ -577,7 +577,8 @@ def test_gpu_fp8_against_bf16_kernel_on_dequantized_pool(kernel, lse_tol):
     ("narrow", 16, "mixed", {"qk", "wait_kv", "softmax", "p_store", "pv", "finish",
                              "prepare_q", "copy"}),
     ("wide", 128, "mixed", {"qk", "wait_kv", "softmax", "wait_v", "hand_off", "pv", "finish",
-                            "wait_free", "convert", "wait_p", "prepare_q", "copy"}),
+                            "wait_free", "wait_v_free", "convert", "wait_p", "prepare_q",
+                            "copy"}),
     ("wide", 128, "fp8", {"qk", "softmax", "wait_v", "hand_off", "pv", "transpose", "wait_p"}),
 ])
 def test_gpu_fp8_profile_names_every_phase(tmp_path, kernel, heads, products, phases):

@@ -11,22 +11,28 @@ without conversion:
   accumulator (Hopper's fp8 `wgmma` keeps ~13-14 bits in its accumulator, so the two parts
   are not chained together), the two summed in fp32. K is never converted.
 * O += P V: V's K axis is the token axis, which an 8-bit operand cannot have as its
-  contiguous one, so consumer 1 converts each tile's V [64, 512] to f16 (exact) into one
+  contiguous one, so each tile's V [64, 512] is converted to f16 (exact) into one
   shared-memory buffer (`_convert_v`, `cvt.rn.f16x2.e4m3x2` a pair, 16-byte loads and
-  stores, no bank conflicts) while consumer 0 runs q k^T; then both consumers add P V over
-  their 256-column halves (P f16, from consumer 0's registers / handed through shared memory).
+  stores, no bank conflicts) while consumer 0 runs q k^T, each consumer's 256 columns apart:
+  the producer converts consumer 0's, consumer 1 its own. Then both consumers add P V over
+  their halves (P f16, from consumer 0's registers / handed through shared memory).
 
 One CUDA block handles 64 folded rows of one sequence against one split of its KV, with three
 warpgroups:
 
 * warpgroup 2 (producer): issues the first two fp8 tiles into the two landing stages (TMA
   copies, or a `cp.async` row gather under 8 tokens a page: `mgpu_kv_copy`), prepares q's
-  e4m3 parts and the row factors meanwhile (`fp8_q_split.prepare_q_smem`), then refills a
-  stage once consumer 0's q k^T and consumer 1's conversion have both read it;
+  e4m3 parts and the row factors meanwhile (`fp8_q_split.prepare_q_smem`); then, tile by
+  tile, converts V's columns 0-255 once consumer 0's previous P V has read them, and
+  refills the tile's stage once consumer 0's q k^T and consumer 1's conversion have read it;
 * warpgroup 0 (consumer): q k^T, the masked online softmax in base 2 (each row's factor
   sm_scale * k_scale * log2(e) / up multiplies s - max), P and the row rescale alpha to
   consumer 1, then O[:, :256] += P V[:, :256] with P from its registers;
-* warpgroup 1 (consumer): V to f16, then O[:, 256:] += P V[:, 256:].
+* warpgroup 1 (consumer): V's columns 256-511 to f16, then O[:, 256:] += P V[:, 256:].
+
+Split this way the conversion runs on two warpgroups at once, and neither consumer waits for
+the other's P V before its half is converted (one converter for all 512 columns was the
+tile's critical path: `python -m bench.decode_profile --kernels fp8`).
 
 Shared memory: q8 72 KB + two fp8 stages 72 KB + f16 V 64 KB + P 8 KB; the output staging
 reuses the stages and V once both consumers meet after their last tile. Masking: scores past
@@ -41,7 +47,8 @@ docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8`.
 once to e4m3 (q8 [64, 576]; q k^T one `wgmma` chain on one accumulator),
 P scaled by 2^8 and rounded to e4m3 into shared memory (A of both consumers' P V), and
 consumer 1 transposes each tile's V into V^T [512, 64] fp8 (`_transpose_v`: the K-major B an
-8-bit P V needs) instead of converting it; three stages fit. Its error is e4m3's (5.7-5.8e-2
+8-bit P V needs) instead of converting it (the producer converts nothing); three stages
+fit. Its error is e4m3's (5.7-5.8e-2
 on the output against float32 on the H200 grid; docs/decode_kernel.md, "fp8 products").
 """
 
@@ -158,14 +165,17 @@ def _valid_v(stages, slot, valid):
     return jnp.where(tok < valid, v, jnp.zeros_like(v))
 
 
-def _convert_v(stages, slot, v_smem, valid, interpret: bool):
-    """v_smem [64, 512] f16 = V of stage `slot` (its first 512 columns), tokens at or past
-    `valid` as zeros. Thread t converts 16-byte vectors j * 128 + t in the stage's physical
-    order (a warp reads one 512-byte swizzle tile: no bank conflicts), each into two 16-byte
-    f16 vectors of the same row (128-byte swizzle; the 8 lanes of a store phase land in 8
-    distinct bank groups)."""
+def _convert_v(stages, slot, v_smem, valid, half: int, interpret: bool):
+    """v_smem[:, 256 half : 256 half + 256] f16 = those columns of V in stage `slot`, tokens
+    at or past `valid` as zeros (the columns consumer `half`'s P V reads). Thread t converts
+    16-byte vectors j * 128 + t (j of the half's parity) in the stage's physical order (a warp
+    reads one 512-byte swizzle tile: no bank conflicts), each into two 16-byte f16 vectors of
+    the same row (128-byte swizzle; the 8 lanes of a store phase land in 8 distinct bank
+    groups)."""
     if interpret:
-        v_smem[...] = _valid_v(stages, slot, valid).astype(jnp.float16)
+        cols = pl.ds(half * _HALF, _HALF)
+        v_smem[:, cols] = _valid_v(stages, slot, valid)[:, half * _HALF:(half + 1) * _HALF
+                                                        ].astype(jnp.float16)
         return
     splat = plgpu.Layout.WG_SPLAT(())
 
@@ -204,7 +214,7 @@ def _convert_v(stages, slot, v_smem, valid, interpret: bool):
         dst0 = mu.memref_ptr(v16)
         zero = vector.broadcast(v4, k(0))
         warp = arith.shrui(t, k(5))
-        for j in range(BLOCK_KV * _DV // 16 // 128):
+        for j in range(half, BLOCK_KV * _DV // 16 // 128, 2):  # tiles of columns 256 half +
             tile = arith.addi(k(4 * j), warp)  # 8 x 8 tiles of V, 4 warps a pass
             tr, tc = arith.shrui(tile, k(3)), arith.andi(tile, k(7))
             x = llvm.load(v4, mu.getelementptr(src0, [arith.muli(
@@ -387,7 +397,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     meta, (table_ref, q_ref, k_scale_ref, v_scale_ref, kv_ref, o_ref, lse_ref, scratch) = (
         refs[:n_meta], refs[n_meta:])
     (q8_smem, scale_smem, kv_or_out, p_smem, alpha_smem, l_smem, q_bar, k_full, k_empty,
-     v_full, v_free, p_full, l_ready) = scratch
+     v_full, v_free, p_full, p_free, l_ready) = scratch
     (stages, v_smem), (o_stage, lse_stage) = kv_or_out
     fp8_pv = products == "fp8"  # P V on fp8 wgmmas: P8 and V^T (v_smem) in shared memory
 
@@ -401,7 +411,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 2)
     def _producer():
-        # a stage is released by consumer 0's q k^T and consumer 1's conversion (or transpose)
+        # a stage is released by consumer 0's q k^T and consumer 1's conversion (or transpose);
+        # with the default products the producer converts V's columns 0-255 itself (for
+        # consumer 0's P V), so consumer 1 converts only its own half
         def prepare():  # q's e4m3 parts, then the registers go to the consumers
             with jax.named_scope("prepare_q"):
                 prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo,
@@ -411,10 +423,30 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
+        def convert_half0(i):
+            slot = lax.rem(i, stages.shape[0])
+            with jax.named_scope("wait_kv"):
+                plgpu.barrier_wait(k_full.at[slot])
+
+            @pl.when(i > 0)  # consumer 0's previous P V has read V's columns 0-255
+            def _():
+                with jax.named_scope("wait_v_free"):
+                    plgpu.barrier_wait(v_free)
+
+            with jax.named_scope("convert"):
+                _convert_v(stages, slot, v_smem, kv_len - (first + i) * BLOCK_KV, 0, interpret)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(v_full)
+
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=stages.shape[0],
                       page_size=page_size, swizzle=Q8_SWIZZLE, async_proxy=True,
-                      interpret=interpret, prepare=prepare)
+                      interpret=interpret, prepare=prepare,
+                      consume=None if fp8_pv else convert_half0)
+        if not fp8_pv:
+            @pl.when(count > 0)  # consumer 0's last P V: every phase of v_free is observed
+            def _():
+                plgpu.barrier_wait(v_free)
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -484,9 +516,14 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                     p_op = (p * _P_SCALE).astype(jnp.float8_e4m3fn)
                 else:
                     p_op = p.astype(jnp.float16)
-            # V converted: consumer 1 is past its previous P V, so P and alpha are free
+            # V converted (fp8 products: by consumer 1, which is then past its previous P V,
+            # so P and alpha are free; else the producer's half, and consumer 1 says when)
             with jax.named_scope("wait_v"):
                 plgpu.barrier_wait(v_full)
+                if not fp8_pv:
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(p_free)
             with jax.named_scope("hand_off"):
                 p_smem[...] = p_op
                 alpha_smem[...] = alpha
@@ -503,7 +540,12 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False),
                               (acc0, m0, l0))
-        finish(*lax.fori_loop(n_plain, count, functools.partial(step, masked=True), carry), 0)
+        carry = lax.fori_loop(n_plain, count, functools.partial(step, masked=True), carry)
+        if not fp8_pv:
+            @pl.when(count > 0)  # consumer 1's last P V: every phase of p_free is observed
+            def _():
+                plgpu.barrier_wait(p_free)
+        finish(*carry, 0)
 
     @pl.when(wg == 1)
     def _consumer1():
@@ -516,33 +558,39 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             with jax.named_scope("wait_kv"):
                 plgpu.barrier_wait(k_full.at[slot])
 
-            @pl.when(i > 0)  # consumer 0's previous P V has read V
-            def _():
-                with jax.named_scope("wait_free"):
-                    plgpu.barrier_wait(v_free)
+            if fp8_pv:
+                @pl.when(i > 0)  # consumer 0's previous P V has read V^T
+                def _():
+                    with jax.named_scope("wait_free"):
+                        plgpu.barrier_wait(v_free)
 
             valid = kv_len - (first + i) * BLOCK_KV
             with jax.named_scope("transpose" if fp8_pv else "convert"):
                 if fp8_pv:
                     _transpose_v(stages, slot, v_smem, valid, interpret)
-                else:
-                    _convert_v(stages, slot, v_smem, valid, interpret)
+                else:  # its own half: its previous P V, which read it, is done
+                    _convert_v(stages, slot, v_smem, valid, 1, interpret)
                 plgpu.commit_smem()
                 warpgroup_sync(interpret)  # every thread's V stores, before this P V reads them
                 plgpu.barrier_arrive(k_empty.at[slot])
-                plgpu.barrier_arrive(v_full)
+                if fp8_pv:
+                    plgpu.barrier_arrive(v_full)
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(p_full)
                 alpha = load(alpha_smem, row_layout, interpret)
             with jax.named_scope("pv"):
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                return _pv_and(acc, None, p_smem, v_smem, 1, fp8_pv, None, None, interpret)[0]
+                acc = _pv_and(acc, None, p_smem, v_smem, 1, fp8_pv, None, None, interpret)[0]
+                if not fp8_pv:  # P and alpha read
+                    plgpu.barrier_arrive(p_free)
+                return acc
 
         acc = lax.fori_loop(0, count, step, acc0)
 
-        @pl.when(count > 0)  # consumer 0's last P V: every phase of v_free is observed
-        def _():
-            plgpu.barrier_wait(v_free)
+        if fp8_pv:
+            @pl.when(count > 0)  # consumer 0's last P V: every phase of v_free is observed
+            def _():
+                plgpu.barrier_wait(v_free)
 
         finish(acc, None, None, 1)
 
@@ -558,8 +606,9 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     e4m3 parts, P f16: the bf16 kernels' error) or "fp8" (q and P rounded once to e4m3, both
     products on fp8 `wgmma`s; `DecodeKernelConfig.fp8_products`). config: the warpgroups'
     registers and the in-kernel profiler (`MgpuDecodeConfig`; phases prepare_q, copy,
-    wait_free on the producer, qk, wait_kv, softmax, wait_v, hand_off, pv, finish on consumer
-    0, wait_kv, wait_free, convert or transpose, wait_p, pv, finish on consumer 1)."""
+    wait_free, and with the default products wait_kv, wait_v_free, convert on the producer;
+    qk, wait_kv, softmax, wait_v, hand_off, pv, finish on consumer 0; wait_kv, convert or
+    wait_free and transpose, wait_p, pv, finish on consumer 1)."""
     if products not in FP8_PRODUCTS:
         raise ValueError(f"products must be one of {FP8_PRODUCTS}, got {products!r}")
     fp8_pv = products == "fp8"
@@ -595,9 +644,10 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.Barrier(),  # q8 and the factors prepared
         plgpu.Barrier(num_arrivals=copies, num_barriers=n_stages),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),  # stage read by q k^T and V
-        plgpu.Barrier(),  # V converted
+        plgpu.Barrier(),  # V converted (its columns 0-255, or V^T transposed)
         plgpu.Barrier(),  # consumer 0's P V done with V
         plgpu.Barrier(),  # P and alpha written
+        plgpu.Barrier(),  # consumer 1's P V done with P and alpha (default products)
         plgpu.Barrier(num_arrivals=2),  # both consumers done; row sums written
     ]
     meta = kv.meta_operands()

@@ -286,30 +286,42 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
 
 def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start_entry,
                   kv_len, num_stages: int, page_size: int, swizzle: int, async_proxy: bool,
-                  interpret: bool, prepare=None):
+                  interpret: bool, prepare=None, consume=None):
     """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
     (`fill_stage`), then a wait on each stage's last release (every wait sees every phase, and
     the block's shared memory is not left while a consumer may still read it). `prepare()`,
     if given, is the producer's other work (the fp8 kernels' q split): run after the first
     `num_stages` tiles are issued, so it overlaps their copies; with the row gather, which
-    waits for its own copies, it runs first."""
+    waits for its own copies, it runs first. `consume(i)`, if given, is the producer's share
+    of tile first + i's work (it waits for the tile to land itself): run for each tile in
+    order, before the tile's stage is refilled with tile first + i + num_stages."""
     fill = functools.partial(fill_stage, kv_ref, table_ref, stages, full, empty, first=first,
                              start_entry=start_entry, kv_len=kv_len, num_stages=num_stages,
                              page_size=page_size, swizzle=swizzle, async_proxy=async_proxy,
                              interpret=interpret)
-    if gathers(page_size):
-        if prepare is not None:
-            prepare()
-        lax.fori_loop(0, count, fill,
-                      gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
-                                  page_size=page_size, swizzle=swizzle, interpret=interpret))
-    elif prepare is None:
-        lax.fori_loop(0, count, fill, 0)
-    else:
-        head = jnp.minimum(count, num_stages)
-        lax.fori_loop(0, head, fill, 0)
+    rows = (gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
+                        page_size=page_size, swizzle=swizzle, interpret=interpret)
+            if gathers(page_size) else 0)
+    head = count if prepare is None and consume is None else jnp.minimum(count, num_stages)
+    if gathers(page_size) and prepare is not None:
         prepare()
-        lax.fori_loop(head, count, fill, 0)
+    rows = lax.fori_loop(0, head, fill, rows)
+    if not gathers(page_size) and prepare is not None:
+        prepare()
+    if consume is None:
+        lax.fori_loop(head, count, fill, rows)
+    else:
+        def step(i, rows):
+            consume(i)
+            return fill(i + num_stages, rows)
+
+        rows = lax.fori_loop(0, count - head, step, rows)
+
+        def last(i, rows):
+            consume(i)
+            return rows
+
+        lax.fori_loop(count - head, count, last, rows)
     for st in range(num_stages):
         @pl.when(count > st)
         def _():
