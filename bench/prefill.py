@@ -123,7 +123,7 @@ def past_deadline(args) -> bool:
 
 def cfg_name(c: MgpuPrefillConfig) -> str:
     return (f"kv{c.block_kv}_s{c.num_stages}" + ("_pp" if c.pingpong else "")
-            + (f"_g{c.tiles_per_cta}" if getattr(c, "tiles_per_cta", 1) > 1 else ""))
+            + (f"_g{c.tiles_per_cta}" if c.tiles_per_cta > 1 else ""))
 
 
 # The targets per case: (min TFLOP/s or None, min ratio or None, the row's ratio it

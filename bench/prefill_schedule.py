@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcmla.attention.pallas.prefill_layout import slot_count
-from funcmla.attention.pallas.prefill_mgpu import BLOCK_Q, tile_counts, tile_schedule
+from funcmla.attention.pallas.prefill_mgpu import item_kv_tiles, tile_counts
 
 from .prefill import RAGGED_1K
 
@@ -37,17 +37,13 @@ BATCHES = {"16 x 1024": [1024] * 16, "ragged 16 x ~1k": RAGGED_1K,
 
 def item_costs(lens: list[int], heads: int, block_kv: int = 64) -> np.ndarray:
     """KV tiles of each (head, slot) item in the kernel's walk order (heads outer, slots last
-    to first; 0 for an unused slot), causal requests with q_len = kv_len."""
-    qo = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    n = slot_count(int(np.asarray(tile_counts(jnp.asarray(qo))).sum()))
-    req, first = (np.asarray(a) for a in tile_schedule(jnp.asarray(qo), n))
-    costs = np.zeros(n)
-    for s in range(n):
-        if req[s] >= 0:
-            end = qo[req[s]] % 8 + lens[req[s]]  # rows (= keys) counted from the 8-row group
-            limit = min(first[s] + BLOCK_Q, end)  # keys the tile's last row sees
-            costs[s] = -(-limit // block_kv)
-    return np.tile(costs[::-1], heads)
+    to first; 0 for an unused slot), causal requests with q_len = kv_len: the kernel's own
+    count (`item_kv_tiles`)."""
+    qo = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    n = slot_count(int(np.asarray(tile_counts(qo)).sum()))
+    q_lens = jnp.asarray(lens, jnp.int32)
+    return np.asarray(item_kv_tiles(qo, qo, q_lens, q_lens, heads=heads, num_slots=n,
+                                    causal=True, block_kv=block_kv), np.float64)
 
 
 def _cta_costs(costs: np.ndarray, tiles: int, start: float, nxt: float) -> np.ndarray:

@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jax.experimental import pallas as pl
 
 from funcmla.attention.pallas import MgpuPrefillConfig, merge_attention_states, mha_prefill
 from funcmla.attention.pallas.prefill import SHORT_CONFIG
-from funcmla.attention.pallas.prefill_mgpu import num_tile_slots, tile_schedule
+from funcmla.attention.pallas.prefill_mgpu import item_kv_tiles, num_tile_slots, tile_schedule
 from funcmla.attention.reference import mha_attention_reference
 from tests.trace_checks import assert_profiled_like_plain
 
@@ -196,6 +196,39 @@ def test_tile_schedule_covers_each_request_once(q_lens, offset):
                if leads[r] <= f + j < leads[r] + q_lens[r]]
     assert sorted(covered) == [(b, j) for b, n in enumerate(q_lens) for j in range(n)]
     assert all(r == -1 and f == 0 for r, f in zip(req, first) if r < 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 200)), min_size=1, max_size=6),
+       st.integers(0, 7), st.integers(0, 7), st.booleans(), st.sampled_from([32, 64]))
+@example([(200, 64)], 0, 0, True, 64)  # the first tile's last row sees exactly 192 keys
+def test_item_kv_tiles_cover_every_key_a_tile_sees(lens, q_off, kv_off, causal, block_kv):
+    """`item_kv_tiles` (the kernel's per-item count) against a brute force: for each (head,
+    slot) item of the walk (heads outer, slots last to first), the block_kv-key tiles counted
+    from the request's 8-key group up to the last key any of the tile's rows sees (bottom-right
+    causal, or all of them), 0 for an unused slot and an empty KV. Requests have kv_len >=
+    q_len (a prefix, maybe empty), so every row sees a key."""
+    q_lens = [q for q, _ in lens]
+    kv_lens = [q + extra for q, extra in lens]
+    qo = q_off + np.concatenate([[0], np.cumsum(q_lens)])
+    kv = kv_off + np.concatenate([[0], np.cumsum(kv_lens)])
+    heads, slots = 2, num_tile_slots(int(qo[-1]), len(lens))
+    got = np.asarray(item_kv_tiles(jnp.asarray(qo, jnp.int32), jnp.asarray(kv, jnp.int32),
+                                   jnp.asarray(q_lens, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+                                   heads=heads, num_slots=slots, causal=causal,
+                                   block_kv=block_kv))
+    req, first = map(np.asarray, tile_schedule(jnp.asarray(qo, jnp.int32), slots))
+    want = np.zeros(slots, np.int64)
+    for s in range(slots):
+        r = req[s]
+        if r < 0 or kv_lens[r] == 0:
+            continue
+        q_lead, kv_lead = qo[r] % 8, kv[r] % 8
+        rows = [j for j in range(first[s], first[s] + 128) if q_lead <= j < q_lead + q_lens[r]]
+        seen = [kv_lead + k for j in rows for k in range(kv_lens[r])
+                if not causal or k < kv_lens[r] - q_lens[r] + 1 + (j - q_lead)]
+        want[s] = -(-(max(seen) + 1) // block_kv) if seen else 0
+    assert got.tolist() == np.tile(want[::-1], heads).tolist()
 
 
 def _np_attention(q, k, v, qo, kv, causal):

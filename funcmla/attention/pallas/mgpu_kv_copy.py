@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from funcmla.attention.pallas.mgpu_ops import release_seen, swizzled
+from funcmla.attention.pallas.mgpu_ops import release_seen, swizzled, wait_last_releases
 
 __all__ = ["BLOCK_KV", "page_size_unsupported", "gathers", "arrivals_per_tile", "gather_rows",
            "gather_tile", "copy_tile", "fill_stage", "produce_tiles"]
@@ -288,8 +288,7 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
                   kv_len, num_stages: int, page_size: int, swizzle: int, async_proxy: bool,
                   interpret: bool, prepare=None, consume=None):
     """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
-    (`fill_stage`), then a wait on each stage's last release (every wait sees every phase, and
-    the block's shared memory is not left while a consumer may still read it). `prepare()`,
+    (`fill_stage`), then a wait on each stage's last release (`wait_last_releases`). `prepare()`,
     if given, is the producer's other work (the fp8 kernels' q split): run after the first
     `num_stages` tiles are issued, so it overlaps their copies; with the row gather, which
     waits for its own copies, it runs first. `consume(i)`, if given, is the producer's share
@@ -322,7 +321,4 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
             return rows
 
         lax.fori_loop(count - head, count, last, rows)
-    for st in range(num_stages):
-        @pl.when(count > st)
-        def _():
-            plgpu.barrier_wait(empty.at[st])
+    wait_last_releases((empty,), count, num_stages)

@@ -1,9 +1,9 @@
 """Mosaic GPU building blocks shared by the Pallas kernels, each also running in Mosaic GPU's
 interpreter (which has no register layouts, no `run_state` accumulators and no `plgpu.load`,
 jax 0.10.2): a load in a layout, a store of registers, a layout cast, an iota, accumulating
-`wgmma`s, a warpgroup barrier, the transforms of a swizzled shared-memory operand, the
-compiler parameters every kernel here uses, and the interpreter parameters with the rule for
-where the interpreter can run. Used by
+`wgmma`s, a warpgroup barrier, a producer's wait for its stages' last releases, the
+transforms of a swizzled shared-memory operand, the compiler parameters every kernel here
+uses, and the interpreter parameters with the rule for where the interpreter can run. Used by
 `decode_mgpu`, `decode_mgpu_fp8`, `decode_mgpu_fp8_wide`, `mgpu_kv_copy` and `prefill_mgpu`.
 """
 
@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "release_seen",
-           "swizzled", "warpgroup_sync", "compiler_params", "check_warpgroup_registers",
-           "check_profile", "mgpu_params",
+           "wait_last_releases", "swizzled", "warpgroup_sync", "compiler_params",
+           "check_warpgroup_registers", "check_profile", "mgpu_params",
            "interpreter_unsupported", "xla_cpu_threads", "WARPGROUPS"]
 
 
@@ -110,6 +110,19 @@ def release_seen(interpret: bool) -> None:
     them (the reads completed before the release), so compiled kernels carry no fence."""
     if interpret:
         plgpu.commit_smem()
+
+
+def wait_last_releases(empties, filled, num_stages: int) -> None:
+    """A producer's last step: waits on each of `empties` (barriers [num_stages] each) for the
+    last release of every stage a ring filled `filled` times (stage i % num_stages at fill i,
+    from 0). Every wait then sees every phase (Mosaic GPU's interpreter checks it), and the
+    block's shared memory is not left while a consumer may still read it."""
+    for back in range(num_stages):
+        @pl.when(filled > back)
+        def _():
+            st = lax.rem(filled - 1 - back, num_stages)
+            for empty in empties:
+                plgpu.barrier_wait(empty.at[st])
 
 
 def swizzled(swizzle: int, itemsize: int) -> tuple:

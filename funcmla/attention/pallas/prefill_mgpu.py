@@ -61,10 +61,11 @@ from funcmla.attention.pallas.mgpu_ops import (
     release_seen,
     store,
     swizzled,
+    wait_last_releases,
 )
 
 __all__ = ["MgpuPrefillConfig", "prefill_kernel", "num_tile_slots", "tile_schedule",
-           "tile_counts", "tile_shifts", "row_leads", "BLOCK_Q", "ROW_ALIGN",
+           "tile_counts", "tile_shifts", "row_leads", "item_kv_tiles", "BLOCK_Q", "ROW_ALIGN",
            "HEAD_DIM", "V_HEAD_DIM", "SMEM_BYTES"]
 
 _LOG2E = 1.4426950408889634
@@ -327,6 +328,23 @@ def _item(k, *, cta, qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_
                  count=count)
 
 
+def item_kv_tiles(qo_indptr: jax.Array, kv_indptr: jax.Array, q_lens: jax.Array,
+                  kv_lens: jax.Array, *, heads: int, num_slots: int, causal: bool,
+                  block_kv: int) -> jax.Array:
+    """int32 [heads * num_slots]: the KV tiles each (head, slot) item of the kernel's walk
+    reads (heads outer, slots last to first; 0 for an unused slot), for the schedule
+    `tile_schedule(qo_indptr, num_slots)` gives; the kernel's own rule (`_item`), for a
+    schedule model outside it (`python -m bench.prefill_schedule`). Arguments as the
+    kernel's: qo_indptr, kv_indptr int32 [R + 1], q_lens, kv_lens int32 [R]."""
+    req, first = tile_schedule(qo_indptr, num_slots)
+    n = heads * num_slots
+    item = functools.partial(
+        _item, cta=0, qo_indptr_ref=qo_indptr, kv_indptr_ref=kv_indptr, q_lens_ref=q_lens,
+        kv_lens_ref=kv_lens, req_ref=req, first_ref=first, causal=causal, block_kv=block_kv,
+        num_slots=num_slots, num_items=n, tiles_per_cta=n)
+    return jax.vmap(lambda k: item(k).count)(jnp.arange(n, dtype=jnp.int32))
+
+
 def _walk(tiles: int, body, init):
     """body(k, carry) over this CTA's q tiles k = 0..tiles-1 (a plain call for one tile)."""
     if tiles == 1:
@@ -419,14 +437,8 @@ def _kernel(qo_indptr_ref, kv_indptr_ref, q_lens_ref, kv_lens_ref, req_ref, firs
             return g + it.count, n_q + it.live.astype(jnp.int32)
 
         g, n_q = _walk(cfg.tiles_per_cta, run, (jnp.int32(0), jnp.int32(0)))
-        # Observe each stage's and q's last release (every wait sees every phase; the block's
-        # shared memory is not left while a consumer may still read it).
-        for back in range(num_stages):
-            @pl.when(g > back)
-            def _():
-                st = lax.rem(g - 1 - back, num_stages)
-                plgpu.barrier_wait(k_empty.at[st])
-                plgpu.barrier_wait(v_empty.at[st])
+        # each stage's and q's last release
+        wait_last_releases((k_empty, v_empty), g, num_stages)
         if walks:
             pl.when(n_q > 0)(lambda: plgpu.barrier_wait(q_free))
 
