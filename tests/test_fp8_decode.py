@@ -608,10 +608,10 @@ def _query_rows_far_above_f16_range(heads, interpret):
     """Scores of ~2^45 in log2 units: the column scale multiplies s - max, so no multiply-add
     contraction leaves a rounding residual of ~2^21 in exp2's argument (which gave +inf). At
     such scores the softmax is an argmax, which a relative score error (the fp8
-    accumulation's, up to ~7e-4: `decode_mgpu_fp8._PROMOTE`) may move to a near tie: rows of 2^17 and 2^40
-    are held to finite outputs inside the range of their sequence's V, and lse (the largest
-    score) to 1e-3 (16 heads: `decode_mgpu_fp8`) or `WIDE_HUGE_LSE_RTOL` (64-row blocks:
-    `decode_mgpu_fp8_wide`); rows of 1 and 2^-40 to the reference."""
+    accumulation's, up to ~7e-4: `decode_mgpu_fp8._PROMOTE`) may move to a near tie: rows of
+    2^17 and 2^40 are held to finite outputs inside the range of their sequence's V, and lse
+    (the largest score) to 1e-3 (16 heads: `decode_mgpu_fp8`) or `WIDE_HUGE_LSE_RTOL` (64-row
+    blocks: `decode_mgpu_fp8_wide`); rows of 1 and 2^-40 to the reference."""
     rng = np.random.default_rng(80)
     lens = [1000, 0, 513, 7] if not interpret else [130, 0, 65, 7]
     p = _problem(rng, batch=4, heads=heads, s_q=1, page_size=64, lens=lens)

@@ -66,8 +66,8 @@ def check_decode_args(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale:
     """Checks what both kernels need of their static arguments; returns the batch size.
 
     q [T, H, D] bf16 or f16 and kv_pool [slots, D] of q's dtype or float8_e4m3fn, T = batch *
-    s_q; D = v_head_dim + a rope part; `kv` well formed for `batch` sequences; slots fit int32 ids. Raises
-    TypeError (dtypes) or ValueError naming the argument and the value or limit.
+    s_q; D = v_head_dim + a rope part; `kv` well formed for `batch` sequences; slots fit int32
+    ids. Raises TypeError (dtypes) or ValueError naming the argument and the value or limit.
     """
     kv.check()
     if q.ndim != 3:

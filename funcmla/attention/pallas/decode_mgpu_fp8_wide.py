@@ -44,12 +44,11 @@ mode (`mgpu_ops.interpreter_unsupported`). Why this design and what it measures:
 docs/decode_kernel.md ("fp8 KV"); `python -m bench.decode --kv-dtype fp8`.
 
 `products="fp8"` (`DecodeKernelConfig.fp8_products`) is the all-fp8 matrix path: q rounded
-once to e4m3 (q8 [64, 576]; q k^T one `wgmma` chain on one accumulator),
-P scaled by 2^8 and rounded to e4m3 into shared memory (A of both consumers' P V), and
-consumer 1 transposes each tile's V into V^T [512, 64] fp8 (`_transpose_v`: the K-major B an
-8-bit P V needs) instead of converting it (the producer converts nothing); three stages
-fit. Its error is e4m3's (5.7-5.8e-2
-on the output against float32 on the H200 grid; docs/decode_kernel.md, "fp8 products").
+once to e4m3 (q8 [64, 576]; q k^T one `wgmma` chain on one accumulator), P scaled by 2^8 and
+rounded to e4m3 into shared memory (A of both consumers' P V), and consumer 1 transposes each
+tile's V into V^T [512, 64] fp8 (`_transpose_v`: the K-major B an 8-bit P V needs) instead of
+converting it (the producer converts nothing); three stages fit. Its error is e4m3's
+(5.7-5.8e-2 on the output against float32; docs/decode_kernel.md, "fp8 products").
 """
 
 from __future__ import annotations
