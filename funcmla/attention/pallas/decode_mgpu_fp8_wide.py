@@ -172,9 +172,9 @@ def _convert_v(stages, slot, v_smem, valid, half: int, interpret: bool):
     the same row (128-byte swizzle; the 8 lanes of a store phase land in 8 distinct bank
     groups)."""
     if interpret:
-        cols = pl.ds(half * _HALF, _HALF)
-        v_smem[:, cols] = _valid_v(stages, slot, valid)[:, half * _HALF:(half + 1) * _HALF
-                                                        ].astype(jnp.float16)
+        lo = half * _HALF
+        v_smem[:, pl.ds(lo, _HALF)] = _valid_v(stages, slot, valid)[:, lo:lo + _HALF].astype(
+            jnp.float16)
         return
     splat = plgpu.Layout.WG_SPLAT(())
 
