@@ -182,8 +182,10 @@ def test_rejects_unsupported_call():
     (dict(profile_space=-1, profile_dir="/tmp"), "profile_space=-1"),
     (dict(profile_space=161, profile_dir="/tmp"), r"profile_space=161 .*\[0, 160\]"),
     (dict(profile_space=8), "needs a profile_dir"),
-    (dict(consumer_registers=236), "consumer_registers must be a multiple of 8"),
-    (dict(consumer_registers=240, producer_registers=40), "exceeds 512"),
+    (dict(registers=(40, 236, 228)), "consumer 0 budget must be a multiple of 8"),
+    (dict(registers=(16, 232, 232)), "producer budget must be a multiple of 8 in .24, 256."),
+    (dict(registers=(40, 240, 232)), "sums to 512, over 504"),
+    (dict(registers=(40, 232)), "tuple of three ints"),
 ])
 def test_rejects_bad_config(fields, needle):
     with pytest.raises(ValueError, match=needle):

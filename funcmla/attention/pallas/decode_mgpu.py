@@ -51,7 +51,7 @@ from funcmla.attention.pallas.mgpu_kv_copy import (
 )
 from funcmla.attention.pallas.mgpu_ops import (
     check_profile,
-    check_warpgroup_registers,
+    check_warpgroup_budgets,
     compiler_params,
     in_layout,
     iota,
@@ -85,27 +85,37 @@ MAX_PROFILE_SPACE = 160  # x 3 warpgroups x 16 bytes = 7.5 KB of the shared memo
 
 @dataclasses.dataclass(frozen=True)
 class MgpuDecodeConfig:
-    """Static knobs of the Mosaic GPU kernel (hashable: a jit static argument).
+    """Static knobs of the Mosaic GPU decode kernels (hashable: a jit static argument).
 
-    consumer_registers / producer_registers: `setmaxnreg` per warpgroup. Their sum x 128
-        threads must fit the SM's 64K registers (2 x 232 + 40 = 504); a consumer holds a
-        64 x 256 fp32 accumulator half (128 registers) plus the scores and P.
+    registers: `setmaxnreg` budgets (producer, consumer 0, consumer 1), each a multiple of 8
+        in [24, 256], summing to at most 504 (`mgpu_ops.REGISTER_BUDGET`); None (default):
+        the kernel's own (`decode_mgpu` and `decode_mgpu_fp8`: (40, 232, 232);
+        `decode_mgpu_fp8_wide`: (64, 240, 200), (40, 232, 232) for fp8 products). A consumer
+        holds a 64 x 256 fp32 accumulator half (128 registers) plus its products' operands.
     profile_space: timed regions per warpgroup for Mosaic GPU's in-kernel profiler (the named
         phases qk, wait_kv, softmax, hand_off, pv, wait_p, wait_free, copy, finish), written
         as a Perfetto trace per call to `profile_dir`; 0 (default): off. 16 bytes of shared
         memory per region and warpgroup, so at most MAX_PROFILE_SPACE.
     """
 
-    consumer_registers: int = 232
-    producer_registers: int = 40
+    registers: tuple[int, int, int] | None = None
     profile_space: int = 0
     profile_dir: str = ""
 
     def __post_init__(self):
-        check_warpgroup_registers("MgpuDecodeConfig", self.consumer_registers,
-                                  self.producer_registers)
+        if self.registers is not None:
+            check_warpgroup_budgets("MgpuDecodeConfig", "registers", self.registers)
         check_profile("MgpuDecodeConfig", self.profile_space, self.profile_dir,
                       MAX_PROFILE_SPACE)
+
+    def kernel_registers(self, default: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The budgets a kernel runs with: `registers`, else the kernel's `default`."""
+        return default if self.registers is None else self.registers
+
+
+# `setmaxnreg` budgets (producer, consumer 0, consumer 1): the producer only issues copies;
+# each consumer holds an accumulator half, scores and P (40 + 2 x 232 = 504).
+_REGISTERS = (40, 232, 232)
 
 
 def mgpu_decode_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int,
@@ -162,9 +172,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     count = jnp.maximum(last - first, 0)
     row_lo = rb * BLOCK_M
 
+    producer_registers, *consumer_registers = cfg.kernel_registers(_REGISTERS)
+
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_lo, BLOCK_M)], q_smem, q_bar)
 
         # a stage is released by both consumers
@@ -209,7 +221,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg < 2)
     def _consumers():
-        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        if consumer_registers[0] == consumer_registers[1]:
+            plgpu.set_max_registers(consumer_registers[0], action="increase")
+        else:
+            for c, n in enumerate(consumer_registers):
+                pl.when(wg == c)(lambda n=n: plgpu.set_max_registers(n, action="increase"))
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         rows_iota = iota((BLOCK_M, BLOCK_KV), 0, interpret)
         cols_iota = iota((BLOCK_M, BLOCK_KV), 1, interpret)

@@ -126,6 +126,7 @@ _PROMOTE = 128
 # with an odd count the waits fall out of step. Five, with a barrier set per consumer, took
 # 1.009-1.023x the time of four on the H100 (decision log, docs/decode_kernel.md).
 _STAGES = 4
+_REGISTERS = (40, 232, 232)  # `setmaxnreg` (producer, consumer 0, consumer 1), as decode_mgpu's
 _CONSUMERS = 2
 _D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
 # The odd row blocks of O^T (64 latent columns each, `latent_column`) have their V pairs
@@ -282,6 +283,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     b, split, g = block_coords(lax.axis_index("blk"), num_splits, s_q * num_heads // rows)
     row_lo = g * rows
     wg = lax.axis_index("wg")
+    budgets = cfg.kernel_registers(_REGISTERS)
     d = kv_ref.shape[1]
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
 
@@ -298,7 +300,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                                sm_scale=sm_scale, interpret=interpret)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(q_bar)
-            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+            plgpu.set_max_registers(budgets[0], action="decrease")
 
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
@@ -309,7 +311,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     def consumer(c: int):
         """Consumer c: tiles c, c + 2, ... (step j's through stage (c + 2 j) % _STAGES)."""
-        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        plgpu.set_max_registers(budgets[1 + c], action="increase")
         p_ref = p_smem.at[c]
         plgpu.barrier_wait(q_bar)
         col_scale = load(scale_smem.at[0], col_layout, interpret)

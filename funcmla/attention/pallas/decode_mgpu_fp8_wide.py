@@ -104,6 +104,12 @@ _D, _DV = 576, 512
 _STAGES = 2       # fp8 landing stages (36 KB each)
 _V_SWIZZLE = 128  # bytes; the f16 V buffer and P: 64 f16 columns per swizzle tile
 _O_SWIZZLE = 128  # bytes; the output staging (register stores free of bank conflicts)
+# `setmaxnreg` budgets (producer, consumer 0, consumer 1) by products. Mixed: the producer
+# converts V's first half, consumer 0 holds both q k^T accumulators beside its output half and
+# P, consumer 1 an output half and its share of the conversion; 0.95-0.99x the time of the
+# bf16 kernel's 40 / 232 / 232, under which consumer 0 reloads more spills in its loops
+# (docs/decode_kernel.md, decision log). fp8: the producer only copies, consumer 1 transposes V.
+_REGISTERS = {"mixed": (64, 240, 200), "fp8": (40, 232, 232)}
 # q k^T: each of q's e4m3 parts is one chain of fp8 wgmmas over all 576 columns on its own
 # accumulator (18 wgmmas a chain), the parts summed in fp32 once both are done, so no chain is
 # drained before the tile's last. Hopper's fp8 wgmma keeps ~13-14 bits in its accumulator, so
@@ -402,6 +408,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     b, split, rb = block_coords(lax.axis_index("blk"), num_splits, s_q * num_heads // BLOCK_M)
     wg = lax.axis_index("wg")
+    budgets = cfg.kernel_registers(_REGISTERS[products])
     row_lo = rb * BLOCK_M
 
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
@@ -420,7 +427,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                                parts=q8_smem.shape[0] // BLOCK_M)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(q_bar)
-            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+            plgpu.set_max_registers(budgets[0], action="decrease")
 
         def convert_half0(i):
             slot = lax.rem(i, stages.shape[0])
@@ -481,7 +488,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 0)
     def _consumer0():
-        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        plgpu.set_max_registers(budgets[1], action="increase")
         rows_iota = iota((BLOCK_M, BLOCK_KV), 0, interpret)
         cols_iota = iota((BLOCK_M, BLOCK_KV), 1, interpret)
         limit = causal_limit(kv_len, s_q, (row_lo + rows_iota) // num_heads)
@@ -548,7 +555,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 1)
     def _consumer1():
-        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        plgpu.set_max_registers(budgets[2], action="increase")
         acc0 = in_layout(jnp.zeros((BLOCK_M, _HALF), jnp.float32), plgpu.Layout.WGMMA,
                          interpret)
 

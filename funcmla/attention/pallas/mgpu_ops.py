@@ -21,7 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "release_seen",
            "wait_last_releases", "swizzled", "warpgroup_sync", "compiler_params",
-           "check_warpgroup_registers", "check_profile", "mgpu_params",
+           "check_warpgroup_registers", "check_warpgroup_budgets", "check_profile",
+           "mgpu_params", "REGISTER_BUDGET",
            "interpreter_unsupported", "xla_cpu_threads", "WARPGROUPS"]
 
 
@@ -201,6 +202,30 @@ def check_warpgroup_registers(owner: str, consumer: int, producer: int) -> None:
     if 2 * consumer + producer > 512:
         raise ValueError(f"{owner}: 2 x consumer_registers={consumer} + producer_registers="
                          f"{producer} exceeds 512 (64K registers / 128 threads)")
+
+
+# setmaxnreg budgets of a block's three warpgroups sum to at most 3 x 168: ptxas compiles a
+# 384-thread block at 168 registers a thread, and an increase is served only from the block's
+# own decreases (a 160 / 160 / 192 split, 512 in all, hung: docs/decode_kernel.md).
+REGISTER_BUDGET = 504
+
+
+def check_warpgroup_budgets(owner: str, field: str, registers) -> None:
+    """(producer, consumer 0, consumer 1) `setmaxnreg` budgets: three ints, each a multiple
+    of 8 in [24, 256], summing to at most REGISTER_BUDGET. Raises ValueError naming `owner`'s
+    `field` and the value."""
+    if (not isinstance(registers, tuple) or len(registers) != 3
+            or not all(isinstance(n, int) for n in registers)):
+        raise ValueError(f"{owner}.{field} must be a tuple of three ints (producer, consumer 0, "
+                         f"consumer 1), got {registers!r}")
+    for name, value in zip(("producer", "consumer 0", "consumer 1"), registers):
+        if value % 8 or not 24 <= value <= 256:
+            raise ValueError(f"{owner}.{field}: the {name} budget must be a multiple of 8 in "
+                             f"[24, 256] (setmaxnreg), got {value} in {registers!r}")
+    if sum(registers) > REGISTER_BUDGET:
+        raise ValueError(f"{owner}.{field}={registers!r} sums to {sum(registers)}, over "
+                         f"{REGISTER_BUDGET} (3 warpgroups x the 168 registers a thread ptxas "
+                         "gives a 384-thread block)")
 
 
 def check_profile(owner: str, space, directory: str, limit: int | None = None) -> None:
