@@ -287,6 +287,37 @@ def test_fp8_mosaic_kernel_refuses_an_odd_stage_count(monkeypatch):
         lowered_for_cuda(decode_mgpu_fp8, 64, 1, 16, 1)
 
 
+@pytest.mark.parametrize("kernel,products,registers,expected", [
+    ("narrow", "mixed", None, (40, 232, 232)),
+    ("narrow", "mixed", (24, 240, 240), (24, 240, 240)),
+    ("wide", "mixed", None, (64, 240, 200)),
+    ("wide", "fp8", None, (40, 232, 232)),
+    ("wide", "mixed", (24, 240, 240), (24, 240, 240)),
+])
+def test_fp8_mosaic_kernels_set_their_register_budgets(monkeypatch, kernel, products,
+                                                       registers, expected):
+    """Each warpgroup's `setmaxnreg` (recorded while the kernel is traced for CUDA): the
+    kernel's own budgets (producer, consumer 0, consumer 1) unless the config names others."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
+
+    seen, real = [], plgpu.set_max_registers
+
+    def record(n, *, action):
+        seen.append((action, n))
+        return real(n, action=action)
+
+    monkeypatch.setattr(plgpu, "set_max_registers", record)
+    module = {"narrow": decode_mgpu_fp8, "wide": decode_mgpu_fp8_wide}[kernel]
+    kw = dict(products=products) if kernel == "wide" else {}
+    lowered_for_cuda(module, 64, 1, 128 if kernel == "wide" else 16, 1,
+                     config=MgpuDecodeConfig(registers=registers), **kw)
+    producer, *consumers = expected
+    assert sorted(seen) == sorted([("decrease", producer)]
+                                  + [("increase", n) for n in consumers]), seen
+
+
 def lowered_for_cuda(module, page_size: int, s_q: int, heads: int, splits: int, **kw) -> str:
     """The StableHLO text of `module.decode_call` exported for CUDA (2 sequences of 1024 tokens
     over a 4096-row fp8 pool, unit scales; `kw`: more decode_call arguments)."""
