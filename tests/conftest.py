@@ -225,3 +225,19 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
+
+
+@pytest.fixture
+def setmaxnreg_calls(monkeypatch) -> list[tuple[str, int]]:
+    """The ("increase" | "decrease", registers) of every `plgpu.set_max_registers` a Mosaic GPU
+    kernel calls while it is traced (lowering for CUDA traces it on any host)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    calls, real = [], plgpu.set_max_registers
+
+    def record(n, *, action):
+        calls.append((action, n))
+        return real(n, action=action)
+
+    monkeypatch.setattr(plgpu, "set_max_registers", record)
+    return calls

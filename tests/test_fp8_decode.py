@@ -294,28 +294,19 @@ def test_fp8_mosaic_kernel_refuses_an_odd_stage_count(monkeypatch):
     ("wide", "fp8", None, (40, 232, 232)),
     ("wide", "mixed", (24, 240, 240), (24, 240, 240)),
 ])
-def test_fp8_mosaic_kernels_set_their_register_budgets(monkeypatch, kernel, products,
+def test_fp8_mosaic_kernels_set_their_register_budgets(setmaxnreg_calls, kernel, products,
                                                        registers, expected):
     """Each warpgroup's `setmaxnreg` (recorded while the kernel is traced for CUDA): the
     kernel's own budgets (producer, consumer 0, consumer 1) unless the config names others."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     from funcmla.attention.pallas.decode_mgpu import MgpuDecodeConfig
 
-    seen, real = [], plgpu.set_max_registers
-
-    def record(n, *, action):
-        seen.append((action, n))
-        return real(n, action=action)
-
-    monkeypatch.setattr(plgpu, "set_max_registers", record)
     module = {"narrow": decode_mgpu_fp8, "wide": decode_mgpu_fp8_wide}[kernel]
     kw = dict(products=products) if kernel == "wide" else {}
     lowered_for_cuda(module, 64, 1, 128 if kernel == "wide" else 16, 1,
                      config=MgpuDecodeConfig(registers=registers), **kw)
     producer, *consumers = expected
-    assert sorted(seen) == sorted([("decrease", producer)]
-                                  + [("increase", n) for n in consumers]), seen
+    assert sorted(setmaxnreg_calls) == sorted([("decrease", producer)]
+                                              + [("increase", n) for n in consumers])
 
 
 def lowered_for_cuda(module, page_size: int, s_q: int, heads: int, splits: int, **kw) -> str:
