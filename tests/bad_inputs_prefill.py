@@ -105,7 +105,7 @@ CASES = [
              (r"profile_space=400", r"shared memory")),
     BadInput("prefill.config_registers",
              lambda: MgpuPrefillConfig(consumer_registers=240, producer_registers=40),
-             ValueError, (r"consumer_registers=240", r"512")),
+             ValueError, (r"consumer_registers=240", r"= 520 exceeds 504")),
     BadInput("prefill.step_rows", lambda: prefill_step(_ip(0, 4, 8), _ip(0, 8, 16), -1, 16,
                                                        interpret=True), ValueError,
              (r"num_q must be an int >= 0", r"got -1")),

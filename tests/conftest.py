@@ -226,7 +226,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-
 @pytest.fixture
 def setmaxnreg_calls(monkeypatch) -> list[tuple[str, int]]:
     """The ("increase" | "decrease", registers) of every `plgpu.set_max_registers` a Mosaic GPU

@@ -191,23 +191,25 @@ def compiler_params(profile_space: int = 0, profile_dir: str = "") -> plgpu.Comp
                                 profile_space=profile_space, profile_dir=profile_dir)
 
 
-def check_warpgroup_registers(owner: str, consumer: int, producer: int) -> None:
-    """`setmaxnreg` budgets of a two-consumer, one-producer kernel: each a multiple of 8 in
-    [24, 256], and 2 x consumer + producer <= 512 (64K registers / 128 threads). Raises
-    ValueError naming `owner`'s field and value."""
-    for name, value in (("consumer_registers", consumer), ("producer_registers", producer)):
-        if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
-            raise ValueError(f"{owner}.{name} must be a multiple of 8 in [24, 256] "
-                             f"(setmaxnreg), got {value!r}")
-    if 2 * consumer + producer > 512:
-        raise ValueError(f"{owner}: 2 x consumer_registers={consumer} + producer_registers="
-                         f"{producer} exceeds 512 (64K registers / 128 threads)")
-
-
 # setmaxnreg budgets of a block's three warpgroups sum to at most 3 x 168: ptxas compiles a
 # 384-thread block at 168 registers a thread, and an increase is served only from the block's
 # own decreases (a 160 / 160 / 192 split, 512 in all, hung: docs/decode_kernel.md).
 REGISTER_BUDGET = 504
+
+
+def check_warpgroup_registers(owner: str, consumer: int, producer: int) -> None:
+    """`setmaxnreg` budgets of a two-consumer, one-producer kernel: each a multiple of 8 in
+    [24, 256], and 2 x consumer + producer <= REGISTER_BUDGET. Raises ValueError naming
+    `owner`'s field and value."""
+    for name, value in (("consumer_registers", consumer), ("producer_registers", producer)):
+        if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
+            raise ValueError(f"{owner}.{name} must be a multiple of 8 in [24, 256] "
+                             f"(setmaxnreg), got {value!r}")
+    if 2 * consumer + producer > REGISTER_BUDGET:
+        raise ValueError(f"{owner}: 2 x consumer_registers={consumer} + producer_registers="
+                         f"{producer} = {2 * consumer + producer} exceeds {REGISTER_BUDGET} "
+                         "(3 warpgroups x the 168 registers a thread ptxas gives a 384-thread "
+                         "block)")
 
 
 def check_warpgroup_budgets(owner: str, field: str, registers) -> None:

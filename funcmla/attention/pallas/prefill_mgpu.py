@@ -91,7 +91,8 @@ class MgpuPrefillConfig:
     num_stages: K/V tiles in flight (the ring's depth); q (48 KB) + num_stages x block_kv x
         (192 + 128) x 2 bytes must fit the SM's 227 KB.
     consumer_registers / producer_registers: `setmaxnreg` per warpgroup; 2 x consumer +
-        producer <= 512 (64K registers / 128 threads).
+        producer <= 504 (`mgpu_ops.REGISTER_BUDGET`: 3 x the 168 registers a thread ptxas
+        gives a 384-thread block).
     pingpong: the two consumers take turns on the matrix units (FlashAttention-3's
         inter-warpgroup schedule): each one's P V waits until the other has issued its next
         q k^T, so one's softmax runs under the other's products. Both meet on a two-arrival
