@@ -197,12 +197,17 @@ def compiler_params(profile_space: int = 0, profile_dir: str = "") -> plgpu.Comp
 REGISTER_BUDGET = 504
 
 
+def _is_budget(value) -> bool:
+    """Whether `value` is a `setmaxnreg` budget: an int, a multiple of 8 in [24, 256]."""
+    return isinstance(value, int) and value % 8 == 0 and 24 <= value <= 256
+
+
 def check_warpgroup_registers(owner: str, consumer: int, producer: int) -> None:
     """`setmaxnreg` budgets of a two-consumer, one-producer kernel: each a multiple of 8 in
     [24, 256], and 2 x consumer + producer <= REGISTER_BUDGET. Raises ValueError naming
     `owner`'s field and value."""
     for name, value in (("consumer_registers", consumer), ("producer_registers", producer)):
-        if not isinstance(value, int) or value % 8 or not 24 <= value <= 256:
+        if not _is_budget(value):
             raise ValueError(f"{owner}.{name} must be a multiple of 8 in [24, 256] "
                              f"(setmaxnreg), got {value!r}")
     if 2 * consumer + producer > REGISTER_BUDGET:
@@ -221,7 +226,7 @@ def check_warpgroup_budgets(owner: str, field: str, registers) -> None:
         raise ValueError(f"{owner}.{field} must be a tuple of three ints (producer, consumer 0, "
                          f"consumer 1), got {registers!r}")
     for name, value in zip(("producer", "consumer 0", "consumer 1"), registers):
-        if value % 8 or not 24 <= value <= 256:
+        if not _is_budget(value):
             raise ValueError(f"{owner}.{field}: the {name} budget must be a multiple of 8 in "
                              f"[24, 256] (setmaxnreg), got {value} in {registers!r}")
     if sum(registers) > REGISTER_BUDGET:
