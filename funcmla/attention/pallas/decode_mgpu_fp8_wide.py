@@ -121,7 +121,8 @@ _REGISTERS = {"mixed": (64, 240, 200), "fp8": (40, 232, 232)}
 # fp8_products="fp8": q and P each rounded once to e4m3 and both products on fp8 wgmmas; P in
 # [0, 1] is scaled by 2^8 first (e4m3 keeps weights down to 2^-17 of the row's largest,
 # subnormals included), the output by 2^-8 at the end. Shared memory is then q8 36 KB, V^T
-# 32 KB and P 4 KB beside the stages, so it takes a third stage (not timed against two).
+# 32 KB and P 4 KB beside the stages, so it takes a third stage (not timed against two; a
+# fourth: 1.017 / 0.995x the time, docs/decode_kernel.md, decision log).
 _P_SCALE = 256.0
 _FP8_PV_STAGES = 3
 
