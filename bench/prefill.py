@@ -33,7 +33,7 @@ profiler spans, each call queued behind a spin kernel so host gaps do not count)
 with CUDA events around calls queued behind a sleep kernel. Error: relative Frobenius error of
 out against `mha_attention_reference` (float32) on two heads.
 
-    python -m bench.prefill --out docs/results/            # the cases, JSON prefill_h200.json
+    python -m bench.prefill --out docs/results/            # the cases, prefill_<card>.json
     python -m bench.prefill --check --sweep --out out/     # + correctness shapes, tile sweep
     python -m bench.prefill --sweep --rounds 3 --only causal --configs kv128_s2_pp,kv64_s4_pp
                                                            # configs in alternating rounds
@@ -75,6 +75,7 @@ from funcmla.attention.reference import mha_attention_reference
 from funcmla.config import MLADims
 
 from .kernel_trace import format_summary, profiled_summary
+from .report import card_tag
 from .timing import device_kernel_times, environment, torch_host_us, torch_queued_us, write_json
 
 SM_SCALE = MLADims().sm_scale
@@ -624,7 +625,9 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
-    ap.add_argument("--name", default="prefill_h200.json")
+    ap.add_argument("--name", default=None,
+                    help="JSON file name (default prefill_<card>.json, the card from the "
+                         "device's name: h100, h200)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="correctness shapes first")
     ap.add_argument("--sweep", action="store_true", help="every tile config of SWEEP")
@@ -654,7 +657,8 @@ def main(argv=None):
     payload = dict(environment=environment(), sm_scale=SM_SCALE,
                    default_config=dataclasses.asdict(MgpuPrefillConfig()),
                    short_config=dict(max_kv_len=SHORT_KV_LEN, **dataclasses.asdict(SHORT_CONFIG)))
-    path = f"{args.out.rstrip('/')}/{args.name}"
+    name = args.name or f"prefill_{card_tag(jax.devices()[0].device_kind)}.json"
+    path = f"{args.out.rstrip('/')}/{name}"
     _SINK.update(path=path, payload=payload, t0=t0)
     if args.profile:
         payload["profiles"] = profile_rows(args)

@@ -5,6 +5,7 @@ so that a run stopped at its time limit still reports what it measured."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import traceback
 from typing import Callable
@@ -12,6 +13,14 @@ from typing import Callable
 
 def log(*a) -> None:
     print(*a, flush=True)
+
+
+def card_tag(device_name: str) -> str:
+    """The card's model as a file-name suffix ("NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA
+    H200" -> "h200"; "gpu" when no model is named), so that a script's default result file
+    names the card it ran on."""
+    m = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", device_name.replace("NVIDIA", ""))
+    return m.group(1).lower() if m else "gpu"
 
 
 class Report:

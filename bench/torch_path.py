@@ -29,7 +29,7 @@ read with k_scale = v_scale = 0.03 (the kernel mla_decode picks: the fp8 Mosaic 
 heads from 16 sequences, Triton elsewhere);
 bitwise and host time with the scale as a float and as a device tensor, the graph's layers
 with their own scales, misuse with bad scales; the JAX path reads the pool's uint8 bytes with
-kv_dtype (bitcast inside its jit). Written to launcher_torch_path_fp8_h200.json unless --name.
+kv_dtype (bitcast inside its jit). Written to launcher_torch_path_fp8_<card>.json unless --name.
 
 Usage: python -m bench.torch_path [--out docs/results/] [--reps 30] [--calls 2000]
        [--skip-grid] [--only-grid] [--kv-dtype bf16|fp8]
@@ -59,7 +59,7 @@ from .launch_cases import (  # noqa: E402
     misuse_checks,
     same_bits,
 )
-from .report import Report, log  # noqa: E402
+from .report import Report, card_tag, log  # noqa: E402
 from .timing import host_us  # noqa: E402
 
 RESULTS: dict = {"info": {}, "checks": {}, "verdicts": {}, "host_us": {}, "grid": [],
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/")
     ap.add_argument("--name", default=None,
-                    help="JSON file name (default launcher_torch_path[_fp8]_h200.json)")
+                    help="JSON file name (default launcher_torch_path[_fp8]_<card>.json, "
+                         "the card from the device's name: h100, h200)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-grid", action="store_true")
@@ -110,17 +111,19 @@ def main(argv=None) -> int:
                     help="the pool: bf16 (q's dtype) or float8_e4m3fn with k_scale / v_scale")
     args = ap.parse_args(argv)
     fp8 = args.kv_dtype == "fp8"
-    if args.name is None:
-        args.name = "launcher_torch_path_fp8_h200.json" if fp8 else "launcher_torch_path_h200.json"
     if args.plot:
         log(plot(args.plot))
         return 0
     os.makedirs(args.out, exist_ok=True)
-    REPORT.path = os.path.join(args.out, args.name)
 
     import jax
     import jaxlib
     import torch
+
+    if args.name is None:
+        tag = card_tag(torch.cuda.get_device_name(0))
+        args.name = f"launcher_torch_path{'_fp8' if fp8 else ''}_{tag}.json"
+    REPORT.path = os.path.join(args.out, args.name)
 
     from .timing import device_kernel_times
     from funcmla.attention.pallas import mla_decode
