@@ -30,6 +30,7 @@ jax.config.update("jax_num_cpu_devices", 4)  # CPU only; must precede the first 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from .report import card_tag  # noqa: E402
 from .timing import environment, median_time_s, print_table, write_json  # noqa: E402
 from funcmla.config import H200, custom_device, deepseek_v3_sm_scale  # noqa: E402
 from funcmla.metadata import BufferPlan, decode_metadata  # noqa: E402
@@ -250,7 +251,7 @@ def main(argv=None):
     if on_gpu and args.quick:
         sh = dataclasses.replace(sh, dp_ctx=4096)
     reps = args.reps or (20 if on_gpu else 3)
-    tag = f"{len(devices)}x{devices[0].device_kind.split()[-1].lower()}" if on_gpu else \
+    tag = f"{len(devices)}x{card_tag(devices[0].device_kind)}" if on_gpu else \
         f"cpu_functional{'_' + sh.impl if sh.impl != 'reference' else ''}"
     kind = ("scaling measurement" if on_gpu and len(devices) >= 2 else
             "single GPU: degree-2 points not run" if on_gpu else
