@@ -275,7 +275,11 @@ def test_fp8_mosaic_kernel_lowers_for_cuda(kernel, page_size, s_q, heads, splits
     Mosaic GPU pieces (q split, row gather, V conversion, column reductions, stores) and the
     shared-memory budget are checked at lowering, which the interpreter does not model."""
     module = {"narrow": decode_mgpu_fp8, "wide": decode_mgpu_fp8_wide}[kernel]
-    assert "mosaic_gpu" in lowered_for_cuda(module, page_size, s_q, heads, splits)
+    text = lowered_for_cuda(module, page_size, s_q, heads, splits)
+    assert "mosaic_gpu" in text
+    # the row gather is producer-waited here: its copies are waited for, never arrive
+    assert ("nvvm.cp.async.wait.group" in text) == (page_size < 8)
+    assert "nvvm.cp.async.mbarrier.arrive" not in text
 
 
 def test_fp8_mosaic_kernel_refuses_an_odd_stage_count(monkeypatch):

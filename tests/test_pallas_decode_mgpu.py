@@ -313,6 +313,9 @@ def test_lowers_for_cuda(page_size, splits):
         warnings.simplefilter("always")
         text = jax.export.export(fn, platforms=["cuda"])(q, pool, kv).mlir_module()
     assert "mosaic_gpu" in text
+    # the row gather's copies signal their stage as they land; the producer never waits
+    assert ("nvvm.cp.async.mbarrier.arrive" in text) == (page_size < 8)
+    assert "nvvm.cp.async.wait.group" not in text
     # no spelling that this jax deprecates (jax 0.11: plgpu.transpose_ref, plgpu.load with a
     # separate index): the warning names the kernel's own line
     ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught

@@ -45,9 +45,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
-    arrivals_per_tile,
+    filled_scratch,
+    init_filled,
     page_size_unsupported,
     produce_tiles,
+    wait_filled,
 )
 from funcmla.attention.pallas.mgpu_ops import (
     check_profile,
@@ -173,6 +175,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     row_lo = rb * BLOCK_M
 
     producer_registers, *consumer_registers = cfg.kernel_registers(_REGISTERS)
+    init_filled(k_full, interpret=interpret)
 
     @pl.when(wg == 2)
     def _producer():
@@ -241,12 +244,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def p_ref(slot):  # P of the stage's tile, over its rope columns
             return kv_smem.at[slot, :, pl.ds(d_v, BLOCK_KV)]
 
-        def scores(slot, tile, masked: bool):
-            """q k^T of the tile in `slot` [64, 64] fp32, unscaled; -inf past each row's
-            causal limit when `masked`."""
+        def scores(i, slot, tile, masked: bool):
+            """q k^T of the tile in `slot` (the block's i-th) [64, 64] fp32, unscaled; -inf
+            past each row's causal limit when `masked`."""
             with jax.named_scope("qk"):
                 with jax.named_scope("wait_kv"):
-                    plgpu.barrier_wait(k_full.at[slot])
+                    wait_filled(k_full, i, num_stages=_STAGES, async_proxy=True,
+                                interpret=interpret)
                 s = _qk(q_smem, kv_smem.at[slot], interpret)
             if masked:
                 s = jnp.where(tile * BLOCK_KV + cols_iota < limit, s, -jnp.inf)
@@ -293,7 +297,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             acc, m_i, l_i = carry
             slot = lax.rem(i, _STAGES)
             tile = first + i
-            s = scores(slot, tile, masked)
+            s = scores(i, slot, tile, masked)
             with jax.named_scope("softmax"):
                 m_i, alpha, p = softmax(slot, tile, s, m_i, masked)
                 p16 = p.astype(q_smem.dtype)
@@ -354,7 +358,6 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     o_stage = plgpu.SMEM((2, BLOCK_M, _HALF), o_dtype,
                          transforms=swizzled(_SWIZZLE, jnp.dtype(o_dtype).itemsize))
     lse_stage = plgpu.SMEM((BLOCK_M,), jnp.float32)
-    copies = arrivals_per_tile(kv.page_size)
     scratch = [
         plgpu.SMEM((BLOCK_M, d), q.dtype, transforms=transforms),
         # The output staging reuses the KV stages' memory (idle once both consumers meet at
@@ -365,7 +368,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((_STAGES, BLOCK_M), jnp.float32),  # alpha of each stage's tile
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
         plgpu.Barrier(),  # q landed
-        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
+        filled_scratch(kv.page_size, _STAGES, copies_arrive=True),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),  # stage released by both
         plgpu.Barrier(num_barriers=_STAGES),  # P and alpha of the stage's tile written
         plgpu.Barrier(num_arrivals=2),  # both consumers done; row sums written

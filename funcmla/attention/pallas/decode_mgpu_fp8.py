@@ -91,9 +91,11 @@ from funcmla.attention.pallas.fp8_q_split import (
 )
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
-    arrivals_per_tile,
+    filled_scratch,
+    init_filled,
     page_size_unsupported,
     produce_tiles,
+    wait_filled,
 )
 from funcmla.attention.pallas.mgpu_ops import (
     compiler_params,
@@ -290,6 +292,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
+    init_filled(k_full, interpret=interpret)
 
     @pl.when(wg == 2)
     def _producer():
@@ -322,15 +325,16 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         l0 = in_layout(jnp.zeros((BLOCK_KV, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
         n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
 
-        def scores(slot):
-            """S^T of stage `slot`'s tile [64, rows] fp32 (unscaled): fp8 `wgmma`s of the
-            stage (A, K-major) by q's (high, low) e4m3 parts (B, N = 2 rows), `_PROMOTE`
-            columns each into a fresh accumulator, summed in fp32 registers while the next
-            runs; then the halves summed. Tokens past kv_len are left to the caller's mask
-            (selected to -inf)."""
+        def scores(fill, slot):
+            """S^T of the block's fill-th tile, in stage `slot`, [64, rows] fp32 (unscaled):
+            fp8 `wgmma`s of the stage (A, K-major) by q's (high, low) e4m3 parts (B, N = 2
+            rows), `_PROMOTE` columns each into a fresh accumulator, summed in fp32 registers
+            while the next runs; then the halves summed. Tokens past kv_len are left to the
+            caller's mask (selected to -inf)."""
             stage = stages.at[slot]
             with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(k_full.at[slot])
+                wait_filled(k_full, fill, num_stages=_STAGES, async_proxy=True,
+                            interpret=interpret)
             if interpret:
                 s2 = lax.dot_general(stage[...].astype(jnp.float32),
                                      q_smem[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
@@ -370,7 +374,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             slot = lax.rem(c + 2 * j, _STAGES)
             valid = kv_len - tile * BLOCK_KV
             with jax.named_scope("qk"):
-                s = scores(slot)  # raw: the column scale multiplies s - max
+                s = scores(c + 2 * j, slot)  # raw: the column scale multiplies s - max
             with jax.named_scope("softmax"):
                 if masked:  # the iotas live only here (registers)
                     tok_iota = iota((BLOCK_KV, rows), 0, interpret)
@@ -612,7 +616,6 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
-    copies = arrivals_per_tile(kv.page_size)
     scratch = [
         plgpu.SMEM((2 * rows, d), jnp.float8_e4m3fn, transforms=swizzled(_FP8_SWIZZLE, 1)),
         plgpu.SMEM((2, rows), jnp.float32),
@@ -625,7 +628,8 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=swizzled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
         plgpu.Barrier(),  # q and the scales prepared
-        plgpu.Barrier(num_arrivals=copies, num_barriers=_STAGES),  # stage filled
+        # stage filled; the gather producer-waited (q's preparation before the first gathers)
+        filled_scratch(kv.page_size, _STAGES, copies_arrive=False),
         plgpu.Barrier(num_barriers=_STAGES),  # stage's bytes in its consumer's registers
         plgpu.Barrier(),  # consumer 1's (O^T, max, sum) handed over
     ]

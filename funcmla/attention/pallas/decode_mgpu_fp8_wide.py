@@ -78,9 +78,11 @@ from funcmla.attention.pallas.fp8_q_split import (
 )
 from funcmla.attention.pallas.mgpu_kv_copy import (
     BLOCK_KV,
-    arrivals_per_tile,
+    filled_scratch,
+    init_filled,
     page_size_unsupported,
     produce_tiles,
+    wait_filled,
 )
 from funcmla.attention.pallas.mgpu_ops import (
     compiler_params,
@@ -415,6 +417,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
+    n_stages = stages.shape[0]
+    init_filled(k_full, interpret=interpret)
+
+    def wait_kv(i, wgmma_reads: bool):
+        with jax.named_scope("wait_kv"):
+            wait_filled(k_full, i, num_stages=n_stages, async_proxy=wgmma_reads,
+                        interpret=interpret)
 
     @pl.when(wg == 2)
     def _producer():
@@ -431,9 +440,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             plgpu.set_max_registers(budgets[0], action="decrease")
 
         def convert_half0(i):
-            slot = lax.rem(i, stages.shape[0])
-            with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(k_full.at[slot])
+            slot = lax.rem(i, n_stages)
+            wait_kv(i, False)
 
             @pl.when(i > 0)  # consumer 0's previous P V has read V's columns 0-255
             def _():
@@ -446,7 +454,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 plgpu.barrier_arrive(v_full)
 
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
-                      start_entry=start_entry, kv_len=kv_len, num_stages=stages.shape[0],
+                      start_entry=start_entry, kv_len=kv_len, num_stages=n_stages,
                       page_size=page_size, swizzle=Q8_SWIZZLE, async_proxy=True,
                       interpret=interpret, prepare=prepare,
                       consume=None if fp8_pv else convert_half0)
@@ -503,11 +511,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(i, stages.shape[0])
+            slot = lax.rem(i, n_stages)
             tile = first + i
             with jax.named_scope("qk"):
-                with jax.named_scope("wait_kv"):
-                    plgpu.barrier_wait(k_full.at[slot])
+                wait_kv(i, True)
                 s = _scores(q8_smem, stages.at[slot], interpret)
                 plgpu.barrier_arrive(k_empty.at[slot])
             if masked:
@@ -561,9 +568,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                          interpret)
 
         def step(i, acc):
-            slot = lax.rem(i, stages.shape[0])
-            with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(k_full.at[slot])
+            slot = lax.rem(i, n_stages)
+            wait_kv(i, False)
 
             if fp8_pv:
                 @pl.when(i > 0)  # consumer 0's previous P V has read V^T
@@ -624,7 +630,6 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     b = t // s_q
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
-    copies = arrivals_per_tile(kv.page_size)
     fp8_tiles = swizzled(Q8_SWIZZLE, 1)
     f16_tiles = swizzled(_V_SWIZZLE, 2)
     n_stages = _FP8_PV_STAGES if fp8_pv else _STAGES
@@ -649,7 +654,8 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # alpha
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
         plgpu.Barrier(),  # q8 and the factors prepared
-        plgpu.Barrier(num_arrivals=copies, num_barriers=n_stages),  # stage filled
+        # stage filled; the gather producer-waited (q's preparation before the first gathers)
+        filled_scratch(kv.page_size, n_stages, copies_arrive=False),
         plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),  # stage read by q k^T and V
         plgpu.Barrier(),  # V converted (its columns 0-255, or V^T transposed)
         plgpu.Barrier(),  # consumer 0's P V done with V

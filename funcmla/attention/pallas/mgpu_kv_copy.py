@@ -7,6 +7,22 @@ Used by `decode_mgpu` (bf16 stages, 128-byte swizzle), `decode_mgpu_fp8` and
 (8, swizzle / itemsize) tiles either way, and the gather derives its addressing from the
 stage's swizzle and the pool's itemsize.
 
+Signalling (`filled_scratch`): a TMA copy completes its stage's Pallas barrier (`full[0]`,
+transaction bytes). The row gather signals in one of two ways, chosen by the kernel:
+
+* copies arrive (`decode_mgpu`): each producer thread ends its part of a tile with
+  `cp.async.mbarrier.arrive.noinc` on the stage's mbarrier in plain shared memory (`full[1]`,
+  128 arrivals a fill, initialized by `init_filled`; a Pallas barrier cannot be named inside
+  inline Mosaic GPU), so the producer goes on to the next stage while the rows are in flight,
+  and a reader waits on that mbarrier's phase parity (`wait_filled`), with a proxy fence where
+  `wgmma` reads the stage (`cp.async` writes through the generic proxy);
+* producer-waited (the fp8 kernels; `full[1]` is None): the producer waits for each tile's
+  copies, then arrives on the Pallas barrier, and runs its q preparation before the first
+  gathers rather than behind them. Arriving copies were faster in the bf16 kernel and slower
+  in the 16-row fp8 kernel at page 1 (`bench.kernel_ab --module
+  funcmla.attention.pallas.mgpu_kv_copy` at f6f2c8d; figures in docs/decode_kernel.md's
+  decision log).
+
 Bounds: every token is clamped to [0, kv_len - 1] and every table entry to the table before
 it is read, and copies wholly past kv_len read nothing, so a producer may run ahead of its
 consumers (and past the sequence) without reading out of bounds. Pool byte offsets are 64-bit
@@ -25,10 +41,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.mgpu_ops import release_seen, swizzled, wait_last_releases
 
-__all__ = ["BLOCK_KV", "page_size_unsupported", "gathers", "arrivals_per_tile", "gather_rows",
-           "gather_tile", "copy_tile", "fill_stage", "produce_tiles"]
+__all__ = ["BLOCK_KV", "page_size_unsupported", "gathers", "arrivals_per_tile",
+           "filled_scratch", "init_filled", "wait_filled", "gather_rows", "gather_tile",
+           "copy_tile", "fill_stage", "produce_tiles"]
 
 BLOCK_KV = 64  # KV tokens per tile
+_GATHER_THREADS = 128  # the producer warpgroup: each thread arrives once a gathered fill
 
 
 def page_size_unsupported(page_size: int) -> str | None:
@@ -51,6 +69,86 @@ def arrivals_per_tile(page_size: int) -> int:
     """Arrivals that fill a stage: one TMA copy a page under 64 tokens, else one a tile; the
     gather's 128 threads arrive as one warpgroup."""
     return 1 if gathers(page_size) else max(1, BLOCK_KV // page_size)
+
+
+def filled_scratch(page_size: int, num_stages: int, *, copies_arrive: bool):
+    """Scratch of the "stage filled" signal, one per stage: the Pallas barrier TMA copies
+    complete (`arrivals_per_tile`; the producer-waited gather, and in interpret mode any
+    gather, arrives on it too) and, when the row gather's `copies_arrive`, its mbarriers, 8
+    bytes each in plain shared memory (else None; the module docstring says which kernel
+    takes which, and why). A kernel passes the pair as `full` to `produce_tiles` and
+    `wait_filled`, and runs `init_filled` first."""
+    words = (plgpu.SMEM((num_stages, 2), jnp.uint32)
+             if copies_arrive and gathers(page_size) else None)
+    return (plgpu.Barrier(num_arrivals=arrivals_per_tile(page_size), num_barriers=num_stages),
+            words)
+
+
+def _copies_arrive(full, interpret: bool) -> bool:
+    """Whether the gathered tiles of `full` (`filled_scratch`) signal through their copies."""
+    return full[1] is not None and not interpret
+
+
+def init_filled(full, *, interpret: bool) -> None:
+    """Initializes the row gather's mbarriers (`filled_scratch`) to 128 arrivals a phase. Run
+    by every thread of the block before the warpgroups part: one thread initializes, then the
+    block meets (`bar.sync 0`), so no warpgroup arrives or waits before. A no-op where the
+    copies do not arrive (TMA pages, the producer-waited gather) and in interpret mode."""
+    if not _copies_arrive(full, interpret):
+        return
+    _, words = full
+    num_stages = words.shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def init(ctx, words):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import gpu, nvvm
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i32, i64 = (ir.IntegerType.get_signless(n) for n in (32, 64))
+        base = mu.memref_ptr(words)
+        one = mu.single_thread_predicate(mu.ThreadSubset.BLOCK)
+        for st in range(num_stages):
+            nvvm.mbarrier_init(mu.getelementptr(base, [st], i64), mu.c(_GATHER_THREADS, i32),
+                               predicate=one)
+        nvvm.fence_mbarrier_init()
+        gpu.barrier()
+
+    init(words)
+
+
+def wait_filled(full, fill, *, num_stages: int, async_proxy: bool, interpret: bool) -> None:
+    """Waits until fill `fill` (0, 1, ... of this block: stage fill % num_stages, its
+    fill // num_stages-th use) has landed. `async_proxy`: the reader is a `wgmma`, which reads
+    the stage through the async proxy, so a gathered stage (generic-proxy writes) is fenced
+    after the wait."""
+    barrier, words = full
+    slot = lax.rem(fill, num_stages)
+    if not _copies_arrive(full, interpret):
+        plgpu.barrier_wait(barrier.at[slot])
+        return
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat))
+    def wait(ctx, words, fill):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, nvvm
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i32 = ir.IntegerType.get_signless(32)
+        fill = fill.registers.item()
+        use = arith.divui(fill, mu.c(num_stages, i32))
+        parity = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(use, mu.c(1, i32)),
+                            mu.c(0, i32))
+        bars = mu.BarrierRef(base_address=mu.memref_ptr(words), offset=mu.c(0, i32), phases=None,
+                            num_barriers=num_stages)
+        bars[arith.remui(fill, mu.c(num_stages, i32))].wait_parity(parity)
+        if async_proxy:
+            nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    wait(words, fill)
 
 
 def _threads_per_row(swizzle: int) -> int:
@@ -146,9 +244,11 @@ def gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, swizzle: i
 
 
 def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok, *,
-                  page_size: int, swizzle: int, interpret: bool):
+                  page_size: int, swizzle: int, interpret: bool, words=None):
     """Starts copying pool `rows` (`gather_rows`) into stage `slot` of `stages`, in its
-    `swizzled` layout, as one committed group of 16-byte `cp.async` copies.
+    `swizzled` layout, as 16-byte `cp.async` copies: with `words` (the stages' mbarriers,
+    `filled_scratch`), each thread's copies then arrive on mbarrier `slot` as they land
+    (`cp.async.mbarrier.arrive.noinc`); without, they are one committed group.
 
     Thread t copies 16-byte vector t % tpr of each 64-column chunk of rows t // tpr +
     (128 / tpr) j, so a warp reads 32 / tpr whole swizzle-byte row segments an instruction
@@ -174,9 +274,12 @@ def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok,
     swizzle_shift = 7 - (swizzle.bit_length() - 1)
     splat = plgpu.Layout.WG_SPLAT(())
 
+    arrive = words is not None
+
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(swizzled(swizzle, itemsize)),
-                                  splat, _rows_layout(swizzle)))
-    def copy(ctx, pool, stages, slot, rows):
+                                  splat, _rows_layout(swizzle))
+                       + ((plgpu.RefType(),) if arrive else ()))
+    def copy(ctx, pool, stages, slot, rows, *words):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm, nvvm, vector
@@ -218,9 +321,13 @@ def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok,
                                      i8),
                     mu.getelementptr(src, [c * swizzle], i8),
                     16, nvvm.LoadCacheModifierKind.CG)
-        nvvm.cp_async_commit_group()
+        if arrive:
+            nvvm.cp_async_mbarrier_arrive(
+                mu.getelementptr(mu.memref_ptr(words[0]), [slot], i64), noinc=True)
+        else:
+            nvvm.cp_async_commit_group()
 
-    copy(kv_ref, stages, slot, rows)
+    copy(kv_ref, stages, slot, rows, *(() if words is None else (words,)))
 
 
 def _gather_wait(*, async_proxy: bool, interpret: bool):
@@ -245,16 +352,22 @@ def _gather_wait(*, async_proxy: bool, interpret: bool):
 def gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry, tile, kv_len, *,
                 page_size: int, swizzle: int, async_proxy: bool, interpret: bool):
     """Row-gathers tile `tile` into stage `slot` of `stages` from `rows` (this tile's
-    `gather_rows`), loads the next tile's rows while the copies land, waits for them
-    (`async_proxy`: fenced for `wgmma` readers) and arrives on barrier `full`. Returns the
-    next tile's rows, the loop carry."""
+    `gather_rows`) and loads the next tile's rows while the copies land; then either the
+    copies signal the stage's mbarrier themselves, or the producer waits for them
+    (`async_proxy`: fenced for `wgmma` readers) and arrives on the stage's Pallas barrier
+    (`full`, `filled_scratch`). Interpret mode copies at once and arrives on the Pallas
+    barrier. Returns the next tile's rows, the loop carry."""
+    barrier, words = full
+    sync = not _copies_arrive(full, interpret)
     with jax.named_scope("copy"):
         _gather_issue(kv_ref, table_ref, stages, slot, rows, start_entry, tile * BLOCK_KV,
-                      kv_len - 1, page_size=page_size, swizzle=swizzle, interpret=interpret)
+                      kv_len - 1, page_size=page_size, swizzle=swizzle, interpret=interpret,
+                      words=None if sync else words)
         rows = gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
                            page_size=page_size, swizzle=swizzle, interpret=interpret)
-        _gather_wait(async_proxy=async_proxy, interpret=interpret)
-        plgpu.barrier_arrive(full)
+        if sync:
+            _gather_wait(async_proxy=async_proxy, interpret=interpret)
+            plgpu.barrier_arrive(barrier.at[slot])
     return rows
 
 
@@ -264,7 +377,8 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
     """The producer's step i of a fori_loop over a split's tiles (tile first + i into stage
     i % num_stages of `stages`): waits until the stage's previous tile is released (barrier
     `empty`, from step num_stages on), then fills it (`gather_tile` at pages under 8, with
-    `rows` the loop carry; else `copy_tile`), arriving on barrier `full`. Returns the carry."""
+    `rows` the loop carry; else `copy_tile`), signalling `full` (`filled_scratch`). Returns
+    the carry."""
     slot = lax.rem(i, num_stages)
     tile = first + i
 
@@ -276,10 +390,10 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
                 release_seen(interpret)
 
     if gathers(page_size):  # the next tile's rows load while this one's copies land
-        return gather_tile(kv_ref, table_ref, stages, slot, rows, full.at[slot], start_entry,
+        return gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry,
                            tile, kv_len, page_size=page_size, swizzle=swizzle,
                            async_proxy=async_proxy, interpret=interpret)
-    copy_tile(kv_ref, table_ref, stages.at[slot], full.at[slot], start_entry, tile, kv_len,
+    copy_tile(kv_ref, table_ref, stages.at[slot], full[0].at[slot], start_entry, tile, kv_len,
               page_size=page_size)
     return rows
 
@@ -290,8 +404,8 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
     """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
     (`fill_stage`), then a wait on each stage's last release (`wait_last_releases`). `prepare()`,
     if given, is the producer's other work (the fp8 kernels' q split): run after the first
-    `num_stages` tiles are issued, so it overlaps their copies; with the row gather, which
-    waits for its own copies, it runs first. `consume(i)`, if given, is the producer's share
+    `num_stages` tiles are issued, so it overlaps their copies; with the producer-waited row
+    gather it runs first. `consume(i)`, if given, is the producer's share
     of tile first + i's work (it waits for the tile to land itself): run for each tile in
     order, before the tile's stage is refilled with tile first + i + num_stages."""
     fill = functools.partial(fill_stage, kv_ref, table_ref, stages, full, empty, first=first,
@@ -302,10 +416,11 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
                         page_size=page_size, swizzle=swizzle, interpret=interpret)
             if gathers(page_size) else 0)
     head = count if prepare is None and consume is None else jnp.minimum(count, num_stages)
-    if gathers(page_size) and prepare is not None:
+    prepare_first = gathers(page_size) and full[1] is None
+    if prepare_first and prepare is not None:
         prepare()
     rows = lax.fori_loop(0, head, fill, rows)
-    if not gathers(page_size) and prepare is not None:
+    if not prepare_first and prepare is not None:
         prepare()
     if consume is None:
         lax.fori_loop(head, count, fill, rows)
