@@ -405,9 +405,9 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
     (`fill_stage`), then a wait on each stage's last release (`wait_last_releases`). `prepare()`,
     if given, is the producer's other work (the fp8 kernels' q split): run after the first
     `num_stages` tiles are issued, so it overlaps their copies; with the producer-waited row
-    gather it runs first. `consume(i)`, if given, is the producer's share
-    of tile first + i's work (it waits for the tile to land itself): run for each tile in
-    order, before the tile's stage is refilled with tile first + i + num_stages."""
+    gather it runs first. `consume(i)`, if given, is the producer's share of tile first + i's
+    work (it waits for the tile to land itself): run for each tile in order, before the
+    tile's stage is refilled with tile first + i + num_stages."""
     fill = functools.partial(fill_stage, kv_ref, table_ref, stages, full, empty, first=first,
                              start_entry=start_entry, kv_len=kv_len, num_stages=num_stages,
                              page_size=page_size, swizzle=swizzle, async_proxy=async_proxy,
