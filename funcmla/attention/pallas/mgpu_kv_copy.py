@@ -124,9 +124,8 @@ def wait_filled(full, fill, *, num_stages: int, async_proxy: bool, interpret: bo
     the stage through the async proxy, so a gathered stage (generic-proxy writes) is fenced
     after the wait."""
     barrier, words = full
-    slot = lax.rem(fill, num_stages)
     if not _copies_arrive(full, interpret):
-        plgpu.barrier_wait(barrier.at[slot])
+        plgpu.barrier_wait(barrier.at[lax.rem(fill, num_stages)])
         return
     splat = plgpu.Layout.WG_SPLAT(())
 
@@ -416,7 +415,7 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
                         page_size=page_size, swizzle=swizzle, interpret=interpret)
             if gathers(page_size) else 0)
     head = count if prepare is None and consume is None else jnp.minimum(count, num_stages)
-    prepare_first = gathers(page_size) and full[1] is None
+    prepare_first = gathers(page_size) and not _copies_arrive(full, interpret)
     if prepare_first and prepare is not None:
         prepare()
     rows = lax.fori_loop(0, head, fill, rows)
