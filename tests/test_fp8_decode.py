@@ -277,9 +277,9 @@ def test_fp8_mosaic_kernel_lowers_for_cuda(kernel, page_size, s_q, heads, splits
     module = {"narrow": decode_mgpu_fp8, "wide": decode_mgpu_fp8_wide}[kernel]
     text = lowered_for_cuda(module, page_size, s_q, heads, splits)
     assert "mosaic_gpu" in text
-    # the row gather is producer-waited here: its copies are waited for, never arrive
-    assert ("nvvm.cp.async.wait.group" in text) == (page_size < 8)
-    assert "nvvm.cp.async.mbarrier.arrive" not in text
+    # the row gather's copies signal their stage as they land; the producer never waits
+    assert ("nvvm.cp.async.mbarrier.arrive" in text) == (page_size < 8)
+    assert "nvvm.cp.async.wait.group" not in text
 
 
 def test_fp8_mosaic_kernel_refuses_an_odd_stage_count(monkeypatch):

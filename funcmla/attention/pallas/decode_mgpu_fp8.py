@@ -628,8 +628,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=swizzled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
         plgpu.Barrier(),  # q and the scales prepared
-        # stage filled; the gather producer-waited (q's preparation before the first gathers)
-        filled_scratch(kv.page_size, _STAGES, copies_arrive=False),
+        filled_scratch(kv.page_size, _STAGES, copies_arrive=True),  # stage filled
         plgpu.Barrier(num_barriers=_STAGES),  # stage's bytes in its consumer's registers
         plgpu.Barrier(),  # consumer 1's (O^T, max, sum) handed over
     ]

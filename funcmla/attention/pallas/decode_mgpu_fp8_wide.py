@@ -654,8 +654,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # alpha
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
         plgpu.Barrier(),  # q8 and the factors prepared
-        # stage filled; the gather producer-waited (q's preparation before the first gathers)
-        filled_scratch(kv.page_size, n_stages, copies_arrive=False),
+        filled_scratch(kv.page_size, n_stages, copies_arrive=True),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),  # stage read by q k^T and V
         plgpu.Barrier(),  # V converted (its columns 0-255, or V^T transposed)
         plgpu.Barrier(),  # consumer 0's P V done with V

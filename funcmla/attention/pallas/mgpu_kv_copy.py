@@ -10,18 +10,14 @@ stage's swizzle and the pool's itemsize.
 Signalling (`filled_scratch`): a TMA copy completes its stage's Pallas barrier (`full[0]`,
 transaction bytes). The row gather signals in one of two ways, chosen by the kernel:
 
-* copies arrive (`decode_mgpu`): each producer thread ends its part of a tile with
+* copies arrive (all three decode kernels): each producer thread ends its part of a tile with
   `cp.async.mbarrier.arrive.noinc` on the stage's mbarrier in plain shared memory (`full[1]`,
   128 arrivals a fill, initialized by `init_filled`; a Pallas barrier cannot be named inside
   inline Mosaic GPU), so the producer goes on to the next stage while the rows are in flight,
   and a reader waits on that mbarrier's phase parity (`wait_filled`), with a proxy fence where
   `wgmma` reads the stage (`cp.async` writes through the generic proxy);
-* producer-waited (the fp8 kernels; `full[1]` is None): the producer waits for each tile's
-  copies, then arrives on the Pallas barrier, and runs its q preparation before the first
-  gathers rather than behind them. Arriving copies were faster in the bf16 kernel and slower
-  in the 16-row fp8 kernel at page 1 (`bench.kernel_ab --module
-  funcmla.attention.pallas.mgpu_kv_copy` at f6f2c8d; figures in docs/decode_kernel.md's
-  decision log).
+* producer-waited (`full[1]` is None): the producer waits for each tile's copies, then
+  arrives on the Pallas barrier.
 
 Bounds: every token is clamped to [0, kv_len - 1] and every table entry to the table before
 it is read, and copies wholly past kv_len read nothing, so a producer may run ahead of its
@@ -403,10 +399,10 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
     """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
     (`fill_stage`), then a wait on each stage's last release (`wait_last_releases`). `prepare()`,
     if given, is the producer's other work (the fp8 kernels' q split): run after the first
-    `num_stages` tiles are issued, so it overlaps their copies; with the producer-waited row
-    gather it runs first. `consume(i)`, if given, is the producer's share of tile first + i's
-    work (it waits for the tile to land itself): run for each tile in order, before the
-    tile's stage is refilled with tile first + i + num_stages."""
+    `num_stages` tiles are issued, so it overlaps their copies; with the row gather it runs
+    first (q's loads would queue behind the gathered copies). `consume(i)`, if given, is the
+    producer's share of tile first + i's work (it waits for the tile to land itself): run for
+    each tile in order, before the tile's stage is refilled with tile first + i + num_stages."""
     fill = functools.partial(fill_stage, kv_ref, table_ref, stages, full, empty, first=first,
                              start_entry=start_entry, kv_len=kv_len, num_stages=num_stages,
                              page_size=page_size, swizzle=swizzle, async_proxy=async_proxy,
@@ -415,11 +411,10 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
                         page_size=page_size, swizzle=swizzle, interpret=interpret)
             if gathers(page_size) else 0)
     head = count if prepare is None and consume is None else jnp.minimum(count, num_stages)
-    prepare_first = gathers(page_size) and not _copies_arrive(full, interpret)
-    if prepare_first and prepare is not None:
+    if gathers(page_size) and prepare is not None:
         prepare()
     rows = lax.fori_loop(0, head, fill, rows)
-    if not prepare_first and prepare is not None:
+    if not gathers(page_size) and prepare is not None:
         prepare()
     if consume is None:
         lax.fori_loop(head, count, fill, rows)
