@@ -185,8 +185,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         # a stage is released by both consumers
         produce_tiles(kv_ref, table_ref, kv_smem, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
-                      page_size=page_size, swizzle=_SWIZZLE, async_proxy=True,
-                      interpret=interpret)
+                      page_size=page_size, swizzle=_SWIZZLE, interpret=interpret)
 
     def _store(out, which: int, lse):
         """Output half `which` ([64, 256], this block's rows and split) and, with `lse`, the
@@ -368,7 +367,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((_STAGES, BLOCK_M), jnp.float32),  # alpha of each stage's tile
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
         plgpu.Barrier(),  # q landed
-        filled_scratch(kv.page_size, _STAGES, copies_arrive=True),  # stage filled
+        filled_scratch(kv.page_size, _STAGES),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),  # stage released by both
         plgpu.Barrier(num_barriers=_STAGES),  # P and alpha of the stage's tile written
         plgpu.Barrier(num_arrivals=2),  # both consumers done; row sums written

@@ -19,11 +19,12 @@ wgmma's N (which may be 16) rather than a 64-row M padded with zeros:
 One CUDA block handles 16 rows of one sequence and one KV split, with three warpgroups:
 
 * warpgroup 2 (producer): issues the first four 64-token fp8 tiles into the four landing
-  stages (page >= 8: one TMA copy a tile or a page; page 1 to 4: a `cp.async` row gather),
-  prepares q while they fly (`fp8_q_split.prepare_q_smem`: bf16 q from global memory,
-  scaled, split into its e4m3 pair and stored swizzled, and the column scales), then
-  refills a stage once its consumer has its last bytes in registers (after the tile's P V
-  operands are loaded);
+  stages (page >= 8: one TMA copy a tile or a page; page 1 to 4: a `cp.async` row gather,
+  its copies signalling the stage), prepares q while they fly (`fp8_q_split.prepare_q_smem`:
+  bf16 q from global memory, scaled, split into its e4m3 pair and stored swizzled, and the
+  column scales; before the gathers at pages under 8, since its loads would queue behind
+  them), then refills a stage once its consumer has its last bytes in registers (after the
+  tile's P V operands are loaded);
 * warpgroups 0 and 1 (consumers): the tiles alternate between them (tile i goes to consumer
   i % 2, through stage i % 4, so each consumer has a tile landing while it works on one),
   each running its own online softmax over its tiles with its own accumulator (64 fp32
@@ -307,8 +308,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
-                      page_size=page_size, swizzle=_FP8_SWIZZLE, async_proxy=True,
-                      interpret=interpret, prepare=prepare)
+                      page_size=page_size, swizzle=_FP8_SWIZZLE, interpret=interpret,
+                      prepare=prepare)
 
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -628,7 +629,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=swizzled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
         plgpu.Barrier(),  # q and the scales prepared
-        filled_scratch(kv.page_size, _STAGES, copies_arrive=True),  # stage filled
+        filled_scratch(kv.page_size, _STAGES),  # stage filled
         plgpu.Barrier(num_barriers=_STAGES),  # stage's bytes in its consumer's registers
         plgpu.Barrier(),  # consumer 1's (O^T, max, sum) handed over
     ]

@@ -22,7 +22,8 @@ warpgroups:
 
 * warpgroup 2 (producer): issues the first two fp8 tiles into the two landing stages (TMA
   copies, or a `cp.async` row gather under 8 tokens a page: `mgpu_kv_copy`), prepares q's
-  e4m3 parts and the row factors meanwhile (`fp8_q_split.prepare_q_smem`); then, tile by
+  e4m3 parts and the row factors meanwhile (`fp8_q_split.prepare_q_smem`; before the
+  gathers at pages under 8, as `produce_tiles` orders it); then, tile by
   tile, converts V's columns 0-255 once consumer 0's previous P V has read them, and
   refills the tile's stage once consumer 0's q k^T and consumer 1's conversion have read it;
 * warpgroup 0 (consumer): q k^T, the masked online softmax in base 2 (each row's factor
@@ -455,9 +456,8 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=n_stages,
-                      page_size=page_size, swizzle=Q8_SWIZZLE, async_proxy=True,
-                      interpret=interpret, prepare=prepare,
-                      consume=None if fp8_pv else convert_half0)
+                      page_size=page_size, swizzle=Q8_SWIZZLE, interpret=interpret,
+                      prepare=prepare, consume=None if fp8_pv else convert_half0)
         if not fp8_pv:
             @pl.when(count > 0)  # consumer 0's last P V: every phase of v_free is observed
             def _():
@@ -654,7 +654,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # alpha
         plgpu.SMEM((BLOCK_M,), jnp.float32),  # row sums, handed to consumer 1 at the end
         plgpu.Barrier(),  # q8 and the factors prepared
-        filled_scratch(kv.page_size, n_stages, copies_arrive=True),  # stage filled
+        filled_scratch(kv.page_size, n_stages),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),  # stage read by q k^T and V
         plgpu.Barrier(),  # V converted (its columns 0-255, or V^T transposed)
         plgpu.Barrier(),  # consumer 0's P V done with V

@@ -8,16 +8,16 @@ Used by `decode_mgpu` (bf16 stages, 128-byte swizzle), `decode_mgpu_fp8` and
 stage's swizzle and the pool's itemsize.
 
 Signalling (`filled_scratch`): a TMA copy completes its stage's Pallas barrier (`full[0]`,
-transaction bytes). The row gather signals in one of two ways, chosen by the kernel:
-
-* copies arrive (all three decode kernels): each producer thread ends its part of a tile with
-  `cp.async.mbarrier.arrive.noinc` on the stage's mbarrier in plain shared memory (`full[1]`,
-  128 arrivals a fill, initialized by `init_filled`; a Pallas barrier cannot be named inside
-  inline Mosaic GPU), so the producer goes on to the next stage while the rows are in flight,
-  and a reader waits on that mbarrier's phase parity (`wait_filled`), with a proxy fence where
-  `wgmma` reads the stage (`cp.async` writes through the generic proxy);
-* producer-waited (`full[1]` is None): the producer waits for each tile's copies, then
-  arrives on the Pallas barrier.
+transaction bytes). In the row gather each producer thread ends its part of a tile with
+`cp.async.mbarrier.arrive.noinc` on the stage's mbarrier in plain shared memory (`full[1]`, 128
+arrivals a fill, initialized by `init_filled`; a Pallas barrier cannot be named inside inline
+Mosaic GPU), so the producer goes on to the next stage while the rows are in flight, and a
+reader waits on that mbarrier's phase parity (`wait_filled`), with a proxy fence where `wgmma`
+reads the stage (`cp.async` writes through the generic proxy). A producer that waited for its
+own copies kept one gathered tile in flight: 0.964x / 0.965x the time at H128 B32 L4k page 1
+(bf16 / fp8 kernels; `bench.kernel_ab --module funcmla.attention.pallas.decode_mgpu_fp8_wide
+--base-file`, docs/decode_kernel.md's decision log). Interpret mode copies at once and arrives
+on the Pallas barrier.
 
 Bounds: every token is clamped to [0, kv_len - 1] and every table entry to the table before
 it is read, and copies wholly past kv_len read nothing, so a producer may run ahead of its
@@ -67,29 +67,28 @@ def arrivals_per_tile(page_size: int) -> int:
     return 1 if gathers(page_size) else max(1, BLOCK_KV // page_size)
 
 
-def filled_scratch(page_size: int, num_stages: int, *, copies_arrive: bool):
+def filled_scratch(page_size: int, num_stages: int):
     """Scratch of the "stage filled" signal, one per stage: the Pallas barrier TMA copies
-    complete (`arrivals_per_tile`; the producer-waited gather, and in interpret mode any
-    gather, arrives on it too) and, when the row gather's `copies_arrive`, its mbarriers, 8
-    bytes each in plain shared memory (else None; the module docstring says which kernel
-    takes which, and why). A kernel passes the pair as `full` to `produce_tiles` and
-    `wait_filled`, and runs `init_filled` first."""
-    words = (plgpu.SMEM((num_stages, 2), jnp.uint32)
-             if copies_arrive and gathers(page_size) else None)
+    complete (`arrivals_per_tile`; in interpret mode the gather arrives on it too) and, where
+    tiles are gathered, the gather's mbarriers, 8 bytes each in plain shared memory (else
+    None). A kernel passes the pair as `full` to `produce_tiles` and `wait_filled`, and runs
+    `init_filled` first."""
+    words = plgpu.SMEM((num_stages, 2), jnp.uint32) if gathers(page_size) else None
     return (plgpu.Barrier(num_arrivals=arrivals_per_tile(page_size), num_barriers=num_stages),
             words)
 
 
 def _copies_arrive(full, interpret: bool) -> bool:
-    """Whether the gathered tiles of `full` (`filled_scratch`) signal through their copies."""
+    """Whether the tiles of `full` (`filled_scratch`) are gathered by copies that signal
+    their stage themselves (not in interpret mode)."""
     return full[1] is not None and not interpret
 
 
 def init_filled(full, *, interpret: bool) -> None:
     """Initializes the row gather's mbarriers (`filled_scratch`) to 128 arrivals a phase. Run
     by every thread of the block before the warpgroups part: one thread initializes, then the
-    block meets (`bar.sync 0`), so no warpgroup arrives or waits before. A no-op where the
-    copies do not arrive (TMA pages, the producer-waited gather) and in interpret mode."""
+    block meets (`bar.sync 0`), so no warpgroup arrives or waits before. A no-op at TMA
+    pages and in interpret mode."""
     if not _copies_arrive(full, interpret):
         return
     _, words = full
@@ -239,11 +238,11 @@ def gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, swizzle: i
 
 
 def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok, *,
-                  page_size: int, swizzle: int, interpret: bool, words=None):
+                  page_size: int, swizzle: int, interpret: bool, words):
     """Starts copying pool `rows` (`gather_rows`) into stage `slot` of `stages`, in its
-    `swizzled` layout, as 16-byte `cp.async` copies: with `words` (the stages' mbarriers,
-    `filled_scratch`), each thread's copies then arrive on mbarrier `slot` as they land
-    (`cp.async.mbarrier.arrive.noinc`); without, they are one committed group.
+    `swizzled` layout, as 16-byte `cp.async` copies; each thread's copies then arrive on
+    mbarrier `slot` of `words` (the stages' mbarriers, `filled_scratch`) as they land
+    (`cp.async.mbarrier.arrive.noinc`).
 
     Thread t copies 16-byte vector t % tpr of each 64-column chunk of rows t // tpr +
     (128 / tpr) j, so a warp reads 32 / tpr whole swizzle-byte row segments an instruction
@@ -269,12 +268,9 @@ def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok,
     swizzle_shift = 7 - (swizzle.bit_length() - 1)
     splat = plgpu.Layout.WG_SPLAT(())
 
-    arrive = words is not None
-
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(swizzled(swizzle, itemsize)),
-                                  splat, _rows_layout(swizzle))
-                       + ((plgpu.RefType(),) if arrive else ()))
-    def copy(ctx, pool, stages, slot, rows, *words):
+                                  splat, _rows_layout(swizzle), plgpu.RefType()))
+    def copy(ctx, pool, stages, slot, rows, words):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm, nvvm, vector
@@ -316,59 +312,32 @@ def _gather_issue(kv_ref, table_ref, stages, slot, rows, entry0, tok0, last_tok,
                                      i8),
                     mu.getelementptr(src, [c * swizzle], i8),
                     16, nvvm.LoadCacheModifierKind.CG)
-        if arrive:
-            nvvm.cp_async_mbarrier_arrive(
-                mu.getelementptr(mu.memref_ptr(words[0]), [slot], i64), noinc=True)
-        else:
-            nvvm.cp_async_commit_group()
+        nvvm.cp_async_mbarrier_arrive(mu.getelementptr(mu.memref_ptr(words), [slot], i64),
+                                      noinc=True)
 
-    copy(kv_ref, stages, slot, rows, *(() if words is None else (words,)))
-
-
-def _gather_wait(*, async_proxy: bool, interpret: bool):
-    """Waits for the row gather's copies to land. `async_proxy`: also makes them visible to
-    the async proxy (cp.async writes go through the generic one; `wgmma` reading the stage
-    from shared memory needs the fence, plain loads ordered by a barrier do not)."""
-    if interpret:
-        return
-
-    @plgpu.inline_mgpu()
-    def wait(ctx):
-        del ctx
-        from jax._src.lib.mlir.dialects import nvvm
-
-        nvvm.cp_async_wait_group(0)
-        if async_proxy:
-            nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-
-    wait()
+    copy(kv_ref, stages, slot, rows, words)
 
 
 def gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry, tile, kv_len, *,
-                page_size: int, swizzle: int, async_proxy: bool, interpret: bool):
+                page_size: int, swizzle: int, interpret: bool):
     """Row-gathers tile `tile` into stage `slot` of `stages` from `rows` (this tile's
-    `gather_rows`) and loads the next tile's rows while the copies land; then either the
-    copies signal the stage's mbarrier themselves, or the producer waits for them
-    (`async_proxy`: fenced for `wgmma` readers) and arrives on the stage's Pallas barrier
-    (`full`, `filled_scratch`). Interpret mode copies at once and arrives on the Pallas
-    barrier. Returns the next tile's rows, the loop carry."""
+    `gather_rows`), its copies signalling the stage's mbarrier (`full`, `filled_scratch`) as
+    they land, and loads the next tile's rows meanwhile. Interpret mode copies at once and
+    arrives on the stage's Pallas barrier. Returns the next tile's rows, the loop carry."""
     barrier, words = full
-    sync = not _copies_arrive(full, interpret)
     with jax.named_scope("copy"):
         _gather_issue(kv_ref, table_ref, stages, slot, rows, start_entry, tile * BLOCK_KV,
                       kv_len - 1, page_size=page_size, swizzle=swizzle, interpret=interpret,
-                      words=None if sync else words)
+                      words=words)
         rows = gather_rows(table_ref, start_entry, (tile + 1) * BLOCK_KV, kv_len - 1,
                            page_size=page_size, swizzle=swizzle, interpret=interpret)
-        if sync:
-            _gather_wait(async_proxy=async_proxy, interpret=interpret)
+        if interpret:
             plgpu.barrier_arrive(barrier.at[slot])
     return rows
 
 
 def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_entry, kv_len, *,
-               num_stages: int, page_size: int, swizzle: int, async_proxy: bool,
-               interpret: bool):
+               num_stages: int, page_size: int, swizzle: int, interpret: bool):
     """The producer's step i of a fori_loop over a split's tiles (tile first + i into stage
     i % num_stages of `stages`): waits until the stage's previous tile is released (barrier
     `empty`, from step num_stages on), then fills it (`gather_tile` at pages under 8, with
@@ -387,15 +356,15 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
     if gathers(page_size):  # the next tile's rows load while this one's copies land
         return gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry,
                            tile, kv_len, page_size=page_size, swizzle=swizzle,
-                           async_proxy=async_proxy, interpret=interpret)
+                           interpret=interpret)
     copy_tile(kv_ref, table_ref, stages.at[slot], full[0].at[slot], start_entry, tile, kv_len,
               page_size=page_size)
     return rows
 
 
 def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start_entry,
-                  kv_len, num_stages: int, page_size: int, swizzle: int, async_proxy: bool,
-                  interpret: bool, prepare=None, consume=None):
+                  kv_len, num_stages: int, page_size: int, swizzle: int, interpret: bool,
+                  prepare=None, consume=None):
     """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
     (`fill_stage`), then a wait on each stage's last release (`wait_last_releases`). `prepare()`,
     if given, is the producer's other work (the fp8 kernels' q split): run after the first
@@ -405,8 +374,7 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
     each tile in order, before the tile's stage is refilled with tile first + i + num_stages."""
     fill = functools.partial(fill_stage, kv_ref, table_ref, stages, full, empty, first=first,
                              start_entry=start_entry, kv_len=kv_len, num_stages=num_stages,
-                             page_size=page_size, swizzle=swizzle, async_proxy=async_proxy,
-                             interpret=interpret)
+                             page_size=page_size, swizzle=swizzle, interpret=interpret)
     rows = (gather_rows(table_ref, start_entry, first * BLOCK_KV, kv_len - 1,
                         page_size=page_size, swizzle=swizzle, interpret=interpret)
             if gathers(page_size) else 0)
