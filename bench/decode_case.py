@@ -30,11 +30,24 @@ from .decode_reference import f32_reference, rel_err, xla_decode
 from .decode_targets import case_label
 from .decode_timing import profile_timings, time_calls
 
-__all__ = ["bench_case", "fmt_case"]
+__all__ = ["case_dispatch", "bench_case", "fmt_case"]
 
 # The float32 reference of the case last checked, by (key, shape, kv_scale): variants of one
 # case share it, and only one is kept since they can be large.
 _REFS: dict = {}
+
+
+def case_dispatch(h: int, b: int, ctx: int, page_size: int, config: DecodeKernelConfig, *,
+                  s_q: int = 1, fp8: bool = False) -> tuple[DecodeKernelConfig, bool, int]:
+    """What `mla_decode` runs for a case (b sequences of ctx tokens, h heads, a bf16 q and a
+    bf16 or fp8 pool): the config its Triton path resolves, whether the Mosaic GPU kernel
+    runs, and the split rule's count."""
+    rows = s_q * h
+    cfg = fp8_triton_config(config, rows) if fp8 else config
+    kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), page_size, s_q,
+                     kv_dtype=kv_dtype)
+    return cfg, mgpu, decode_num_splits(cfg, b, rows, ctx, mgpu=mgpu, kv_fp8=fp8)
 
 
 def bench_case(key: jax.Array, h: int, b: int, ctx: int, page_size: int, ceiling: float,
@@ -66,12 +79,10 @@ def bench_case(key: jax.Array, h: int, b: int, ctx: int, page_size: int, ceiling
     t_main = time_calls(kern, args, reps)
     t_compile = time.perf_counter() - t0
     rows = s_q * h
-    cfg = fp8_triton_config(config, rows) if fp8 else config
+    cfg, mgpu, rule = case_dispatch(h, b, ctx, page_size, config, s_q=s_q, fp8=fp8)
     bm = cfg.resolved_block_m(rows)
-    mgpu = uses_mgpu(cfg, jax.ShapeDtypeStruct((b * s_q, h, D), jnp.bfloat16), page_size, s_q,
-                     kv_dtype=pools[0].dtype)
     kernel = "mgpu" if mgpu else "triton"
-    ns = num_splits or decode_num_splits(cfg, b, rows, ctx, mgpu=mgpu, kv_fp8=fp8)
+    ns = num_splits or rule
     t_kern = None
     if kernel_only and ns > 1:
         def parts(q, p, m):

@@ -75,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                 reps=args.reps, kv_scale=kv_scale)
     rows, table = [], []
     for name, (h, b, ctx, page) in cases:
-        def run(splits):
+        def run(splits: int):
             return decode_case.bench_case(jax.random.key(1), h, b, ctx, page, float("inf"),
                                           args.reps, config, num_splits=splits,
                                           baseline=False, kv_scale=kv_scale)
 
-        rule = run(None)["num_splits"]  # also compiles and warms the rule's program
+        rule = decode_case.case_dispatch(h, b, ctx, page, config, fp8=kv_scale is not None)[2]
         counts = counts_to_time(rule, requested)
         runs = {n: [] for n in counts}
         for r in range(args.rounds):

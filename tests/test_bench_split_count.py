@@ -26,3 +26,16 @@ def test_counts_to_time_puts_the_rules_count_first_once():
 def test_main_refuses_a_bad_case_name_before_importing_jax_work():
     with pytest.raises(ValueError, match="h<heads>_b<batch>_ctx<k>k_p<page>"):
         split_count.main(["--cases", "h16_b32_4k", "--splits", "2"])
+
+
+def test_case_dispatch_gives_the_split_rules_documented_counts():
+    """The count bench.split_count times as the rule's (`decode_case.case_dispatch`): 4 splits
+    at 16 heads, batch 32, 4k (the Triton sweep's fastest, docs/decode_kernel.md), one at
+    128 heads, batch 128, 16k (256 blocks already fill the chip)."""
+    from bench import decode_case
+    from funcmla.attention.pallas import DecodeKernelConfig
+
+    config = DecodeKernelConfig()
+    assert decode_case.case_dispatch(16, 32, 4096, 64, config)[2] == 4
+    assert decode_case.case_dispatch(16, 32, 4096, 64, config, fp8=True)[2] == 4
+    assert decode_case.case_dispatch(128, 128, 16384, 64, config)[2] == 1
