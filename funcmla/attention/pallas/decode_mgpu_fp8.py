@@ -23,8 +23,8 @@ One CUDA block handles 16 rows of one sequence and one KV split, with three warp
   its copies signalling the stage), prepares q while they fly (`fp8_q_split.prepare_q_smem`:
   bf16 q from global memory, scaled, split into its e4m3 pair and stored swizzled, and the
   column scales; before the gathers at pages under 8, since its loads would queue behind
-  them), then refills a stage once its consumer has scored the tile and holds V's bytes in
-  registers (`_v_bytes`), before that tile's softmax and P V;
+  them), then refills a stage once its consumer has its last bytes in registers (after the
+  tile's P V operands are loaded);
 * warpgroups 0 and 1 (consumers): the tiles alternate between them (tile i goes to consumer
   i % 2, through stage i % 4, so each consumer has a tile landing while it works on one),
   each running its own online softmax over its tiles with its own accumulator (64 fp32
@@ -123,10 +123,10 @@ _FP8_SWIZZLE = Q8_SWIZZLE  # bytes; 64 fp8 columns per swizzle tile (576 is 9): 
 # truncated alignment (about 13-14 bits kept), so the error grows with the instructions
 # chained on one accumulator; each group of columns starts from zero and is summed in fp32.
 _PROMOTE = 128
-# fp8 landing stages: two per consumer (a stage is held until its tile is scored). Even: tile t
-# goes to consumer t % 2 through stage t % _STAGES, so each stage's fills all go to one
-# consumer, whose barrier waits track that stage's phase parity (a thread flips its parity bit
-# at each wait); with an odd count the waits fall out of step. Five, with a barrier set per consumer, took
+# fp8 landing stages: two per consumer (a stage is held until its P V). Even: tile t goes to
+# consumer t % 2 through stage t % _STAGES, so each stage's fills all go to one consumer, whose
+# barrier waits track that stage's phase parity (a thread flips its parity bit at each wait);
+# with an odd count the waits fall out of step. Five, with a barrier set per consumer, took
 # 1.009-1.023x the time of four on the H100 (decision log, docs/decode_kernel.md).
 _STAGES = 4
 _REGISTERS = (40, 232, 232)  # `setmaxnreg` (producer, consumer 0, consumer 1), as decode_mgpu's
@@ -297,7 +297,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(wg == 2)
     def _producer():
-        # a stage is released once its consumer has scored it and holds V's bytes
+        # a stage is released once its consumer's P V has its last bytes in registers
         def prepare():  # q's rows, then the registers go to the consumers
             with jax.named_scope("prepare_q"):
                 prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, row_lo,
@@ -326,13 +326,12 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         l0 = in_layout(jnp.zeros((BLOCK_KV, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
         n_plain = jnp.clip((kv_len - s_q + 1) // BLOCK_KV - first, 0, count)
 
-        def scores(fill, slot, load_v):
-            """(S^T, V's bytes) of the block's fill-th tile, in stage `slot`: S^T [64, rows]
-            fp32 (unscaled) by fp8 `wgmma`s of the stage (A, K-major) by q's (high, low) e4m3
-            parts (B, N = 2 rows), `_PROMOTE` columns each into a fresh accumulator, summed in
-            fp32 registers while the next runs, then the halves summed; `load_v()` (V's bytes
-            into registers) runs under the first `wgmma`. Once it returns the stage has been
-            read in full. Tokens past kv_len are left to the caller's mask (selected to -inf)."""
+        def scores(fill, slot):
+            """S^T of the block's fill-th tile, in stage `slot`, [64, rows] fp32 (unscaled):
+            fp8 `wgmma`s of the stage (A, K-major) by q's (high, low) e4m3 parts (B, N = 2
+            rows), `_PROMOTE` columns each into a fresh accumulator, summed in fp32 registers
+            while the next runs; then the halves summed. Tokens past kv_len are left to the
+            caller's mask (selected to -inf)."""
             stage = stages.at[slot]
             with jax.named_scope("wait_kv"):
                 wait_filled(k_full, fill, num_stages=_STAGES, async_proxy=True,
@@ -341,7 +340,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 s2 = lax.dot_general(stage[...].astype(jnp.float32),
                                      q_smem[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
-                return _fold(s2, rows, interpret), load_v()
+                return _fold(s2, rows, interpret)
             n_groups = -(-d // _PROMOTE)  # the last group takes what is left
             zeros = in_layout(jnp.zeros((BLOCK_KV, 2 * rows), jnp.float32), plgpu.Layout.WGMMA,
                               interpret)
@@ -355,7 +354,6 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                                 q_smem.at[:, cols].transpose((1, 0)))
 
                 issue(0)
-                v_bytes = load_v()
                 total = None
                 for g in range(n_groups):
                     more = g + 1 < n_groups
@@ -365,11 +363,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                     total = part if total is None else total + part
                     if g + 2 < n_groups:
                         accs[g % 2][...] = zeros
-                return total, v_bytes
+                return total
 
-            s2, v_bytes = pl.run_scoped(body, plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32),
-                                        plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32))
-            return _fold(s2, rows, interpret), v_bytes
+            s2 = pl.run_scoped(body, plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32),
+                               plgpu.ACC((BLOCK_KV, 2 * rows), jnp.float32))
+            return _fold(s2, rows, interpret)
 
         def step(j, carry, masked: bool):
             acc, m_i, l_i = carry
@@ -377,11 +375,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             slot = lax.rem(c + 2 * j, _STAGES)
             valid = kv_len - tile * BLOCK_KV
             with jax.named_scope("qk"):
-                s, v_bytes = scores(c + 2 * j, slot, functools.partial(
-                    _v_bytes, stages, slot, valid, masked, interpret))
-                # raw scores: the column scale multiplies s - max. The stage is read: free it
-                # for the next tile's copy before this one's softmax and P V
-                plgpu.barrier_arrive(k_empty.at[slot])
+                s = scores(c + 2 * j, slot)  # raw: the column scale multiplies s - max
             with jax.named_scope("softmax"):
                 if masked:  # the iotas live only here (registers)
                     tok_iota = iota((BLOCK_KV, rows), 0, interpret)
@@ -400,7 +394,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 warpgroup_sync(interpret)  # every thread's P stores, before P V reads them
             with jax.named_scope("pv"):
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                acc = _pv(acc, v_bytes, p_ref, interpret)
+                acc = _pv(acc, stages, slot, p_ref,
+                          lambda: plgpu.barrier_arrive(k_empty.at[slot]), valid, masked,
+                          interpret)
             return acc, m_new, l_i
 
         n_mine = jnp.maximum((count - c + 1) // 2, 0)
@@ -451,31 +447,31 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         pl.when(wg == c)(functools.partial(consumer, c))
 
 
-def _v_bytes(stages, slot, valid, masked: bool, interpret: bool):
-    """The fp8 bytes of stage `slot`'s V [64 tokens, 512] that this thread feeds to P V, loaded
-    into registers so that the stage can be released before the softmax (`_v_operand` converts
-    them a 16-token group at a time). Tokens past `valid` are zeroed when `masked`.
+def _v_operand(stages, slot, kk: int, valid, masked: bool, interpret: bool):
+    """V^T of tokens 16 kk .. 16 kk + 15 of stage `slot`: [512, 16] f16 in the WGMMA layout
+    (the register A operand of P V), converted from the stage's fp8 bytes, its rows in
+    `latent_column` order. Tokens past `valid` are zeroed when `masked`.
 
-    GPU: 16 16-byte loads a thread, token group kk, half kg, pair member e at load
-    4 kk + 2 kg + e, held as the 64 words of a [512, 16] int32 WGMMA-layout array (a container:
-    only `_v_operand` reads it). Thread (warp w, lane l) holds O^T rows 64 mb + 16 w + 8 h + l // 4
-    and tokens 2 (l % 4) + {0, 1} (+ 8) of each group: with rows mapped to latent columns
-    128 w + 16 (l // 4) + 2 mb + h (`latent_column`), its 16 rows are 16 contiguous bytes of a
-    token's row, one 16-byte load a token. Odd quads of lanes load the odd token first, so the 8
-    lanes of a load phase hit 8 distinct 16-byte bank groups. Interpret mode: the [64, 512]
-    fp8 slice itself."""
+    Thread (warp w, lane l) holds rows 64 mb + 16 w + 8 h + l // 4 and tokens 2 (l % 4) + {0, 1}
+    (+ 8): with rows mapped to latent columns 128 w + 16 (l // 4) + 2 mb + h, its 16 rows are
+    16 contiguous bytes of a token's row, one 16-byte load a token. Odd quads of lanes load the
+    odd token first, so the 8 lanes of a load phase hit 8 distinct 16-byte bank groups; the
+    `prmt` that pairs each column's two tokens undoes the order, and `cvt.rn.f16x2.e4m3x2`
+    converts a pair."""
     if interpret:
-        v = stages[slot, :, pl.ds(0, _DV)]
+        v = stages[slot, pl.ds(16 * kk, 16), pl.ds(0, _DV)]
         if masked:
-            v = jnp.where(lax.broadcasted_iota(jnp.int32, v.shape, 0) < valid, v,
+            v = jnp.where(lax.broadcasted_iota(jnp.int32, v.shape, 0) + 16 * kk < valid, v,
                           jnp.zeros_like(v))
-        return v
+        vt = v.astype(jnp.float16).T  # rows are latent columns in order here
+        block = latent_row_block(lax.broadcasted_iota(jnp.int32, (_DV, 1), 0))
+        return jnp.where(_int_block(block), vt / _INT_SCALE, vt)
     splat = plgpu.Layout.WG_SPLAT(())
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(_FP8_SWIZZLE, 1)), splat, splat),
-                       return_type=plgpu.ShapeDtypeStruct((_DV, 16), jnp.int32,
+                       return_type=plgpu.ShapeDtypeStruct((_DV, 16), jnp.float16,
                                                           layout=plgpu.Layout.WGMMA))
-    def load_bytes(ctx, stages, slot, valid):
+    def operand(ctx, stages, slot, valid):
         del ctx
         import numpy as np
         from jax._src.lib.mlir import ir
@@ -484,10 +480,11 @@ def _v_bytes(stages, slot, valid, masked: bool, interpret: bool):
         from jax.experimental.mosaic.gpu import utils as mu
 
         i8, i32 = (ir.IntegerType.get_signless(n) for n in (8, 32))
-        v4, v2 = (ir.VectorType.get((n,), i32) for n in (4, 2))
+        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+        v4 = ir.VectorType.get((4,), i32)
         slot, valid = slot.registers.item(), valid.registers.item()
         regs_shape = fa.WGMMA_LAYOUT.registers_shape((_DV, 16))
-        if regs_shape != (8, 2, 1, 1, 2, 1, 1, 1, 1):
+        if regs_shape != (8, 2, 1, 1, 2, 1, 1, 1, 1):  # (row block, token group, half)
             raise NotImplementedError(f"WGMMA layout registers {regs_shape}")
 
         def k(n):
@@ -504,65 +501,24 @@ def _v_bytes(stages, slot, valid, masked: bool, interpret: bool):
                                         k(9)), arith.shli(vec, k(4)))
         base = arith.addi(arith.muli(slot, k(BLOCK_KV * _D)), col_off)
         ptr0 = mu.memref_ptr(stages)
-        words = []
-        for kk in range(BLOCK_KV // 16):
-            for kg in range(2):
-                for e in range(2):  # token 16 kk + 8 kg + 2 q4 + (e ^ odd)
-                    r8 = arith.addi(arith.shli(q4, k(1)), arith.xori(odd, k(e)))
-                    off = arith.addi(base, arith.addi(
-                        arith.shli(r8, k(6)), k((2 * kk + kg) * (_D // _FP8_SWIZZLE) * 512)))
-                    x = llvm.load(v4, mu.getelementptr(ptr0, [off], i8), alignment=16)
-                    if masked:
-                        tok = arith.addi(r8, k(16 * kk + 8 * kg))
-                        x = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, valid), x,
-                                         vector.broadcast(v4, k(0)))
-                    words += [vector.extract(x, dynamic_position=[], static_position=[j])
-                              for j in range(4)]
-        regs = np.empty(regs_shape, dtype=object)
-        for n, idx in enumerate(np.ndindex(regs_shape)):
-            regs[idx] = vector.from_elements(v2, words[2 * n:2 * n + 2])
-        return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=True)
-
-    return load_bytes(stages, slot, valid)
-
-
-def _v_operand(v_bytes, kk: int, interpret: bool):
-    """V^T of tokens 16 kk .. 16 kk + 15: [512, 16] f16 in the WGMMA layout (the register A
-    operand of P V), converted from `_v_bytes`' registers, its rows in `latent_column` order.
-
-    A `prmt` pairs each column's two tokens (undoing the odd quads' load order); the pair is
-    converted by `cvt.rn.f16x2.e4m3x2` in the even row blocks and on the integer pipe in the
-    odd ones (`INT_PAIR_SELECT`)."""
-    if interpret:
-        vt = v_bytes[16 * kk:16 * kk + 16].astype(jnp.float16).T  # latent columns in order
-        block = latent_row_block(lax.broadcasted_iota(jnp.int32, (_DV, 1), 0))
-        return jnp.where(_int_block(block), vt / _INT_SCALE, vt)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct((_DV, 16), jnp.float16,
-                                                          layout=plgpu.Layout.WGMMA))
-    def operand(ctx, v_bytes):
-        del ctx
-        import numpy as np
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm, vector
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        i32 = ir.IntegerType.get_signless(32)
-        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-        regs_shape = fa.WGMMA_LAYOUT.registers_shape((_DV, 16))  # (row block, group, half)
-        words = [vector.extract(r, dynamic_position=[], static_position=[i])
-                 for r in v_bytes.registers.flat for i in range(2)]
-
-        def k(n):
-            return mu.c(n, i32)
-
-        t = arith.remui(mu.thread_idx(), k(128))
-        odd = arith.andi(arith.shrui(arith.andi(t, k(31)), k(2)), k(1))
         # byte selectors pairing (even token, odd token) of two columns; swapped on odd quads
         sel = [arith.xori(k(lo), arith.muli(odd, k(lo ^ sw)))
                for lo, sw in ((0x5140, 0x1504), (0x7362, 0x3726))]
+
+        def load_token(kg: int, e: int):
+            """16 bytes of token 16 kk + 8 kg + 2 q4 + (e ^ odd): this thread's columns."""
+            r8 = arith.addi(arith.shli(q4, k(1)), arith.xori(odd, k(e)))
+            off = arith.addi(base, arith.addi(arith.shli(r8, k(6)),
+                                              k((2 * kk + kg) * (_D // _FP8_SWIZZLE) * 512)))
+            x = llvm.load(v4, mu.getelementptr(ptr0, [off], i8), alignment=16)
+            if masked:
+                tok = arith.addi(r8, k(16 * kk + 8 * kg))
+                x = arith.select(arith.cmpi(arith.CmpIPredicate.slt, tok, valid), x,
+                                 vector.broadcast(v4, k(0)))
+            return x
+
+        def word(x, j):
+            return vector.extract(x, dynamic_position=[], static_position=[j])
 
         def prmt(a, b, s):
             return llvm.inline_asm(i32, [a, b, s], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
@@ -584,18 +540,17 @@ def _v_operand(v_bytes, kk: int, interpret: bool):
 
         regs = np.empty(regs_shape, dtype=object)
         for kg in range(2):
-            load0 = 4 * (4 * kk + 2 * kg)  # the first word of load (kk, kg, e = 0)
-            x0, x1 = words[load0:load0 + 4], words[load0 + 4:load0 + 8]
+            x0, x1 = load_token(kg, 0), load_token(kg, 1)
             for j in range(4):
                 for s_i in range(2):
-                    paired = prmt(x0[j], x1[j], sel[s_i])
+                    paired = prmt(word(x0, j), word(x1, j), sel[s_i])
                     for half in range(2):
                         c = 4 * j + 2 * s_i + half  # the thread's column 2 mb + h
                         conv = int_cvt if (c // 2) % 2 else cvt  # odd row blocks
                         regs[c // 2, kg, 0, 0, c % 2, 0, 0, 0, 0] = conv(paired, half)
         return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return operand(v_bytes)
+    return operand(stages, slot, valid)
 
 
 def latent_column(m):
@@ -616,23 +571,26 @@ def latent_row_block(c):
     return (c & 15) >> 1
 
 
-def _pv(acc, v_bytes, p_ref, interpret: bool):
-    """acc [512, N] + V^T P^T over a tile's 64 tokens, 16 a `wgmma` (V^T in registers,
-    `_v_operand` from `_v_bytes`; P^T slices from shared memory), the next operand converted
-    while one runs."""
+def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool):
+    """acc [512, N] + V^T P^T over the stage's 64 tokens, 16 a `wgmma` (V^T in registers,
+    `_v_operand`; P^T slices from shared memory), the next operand converted while one runs;
+    `release()` once the last bytes of the stage are in registers."""
     if interpret:
         for kk in range(BLOCK_KV // 16):
-            a = _v_operand(v_bytes, kk, interpret)
+            a = _v_operand(stages, slot, kk, valid, masked, interpret)
             acc = acc + lax.dot_general(a.astype(jnp.float32),
                                         p_ref[pl.ds(16 * kk, 16), :].astype(jnp.float32),
                                         (((1,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
+        release()
         return acc
 
     def body(acc_ref):
         for kk in range(BLOCK_KV // 16):
-            plgpu.wgmma(acc_ref, _v_operand(v_bytes, kk, interpret),
-                        p_ref.at[pl.ds(16 * kk, 16)])
+            a = _v_operand(stages, slot, kk, valid, masked, interpret)
+            if kk == BLOCK_KV // 16 - 1:
+                release()
+            plgpu.wgmma(acc_ref, a, p_ref.at[pl.ds(16 * kk, 16)])
             plgpu.wgmma_wait(1)
         plgpu.wgmma_wait(0)
 
