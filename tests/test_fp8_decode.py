@@ -291,15 +291,6 @@ def test_fp8_mosaic_kernel_refuses_an_odd_stage_count(monkeypatch):
         lowered_for_cuda(decode_mgpu_fp8, 64, 1, 16, 1)
 
 
-def test_fp8_mosaic_rescale_skip_lowers_to_a_warp_vote_and_a_branch(monkeypatch):
-    """`_RESCALE_RAISED_ONLY`: O^T's rescale under a per-warp `scf.if` on a `vote.any` of the
-    factors that are not 1 (`mgpu_ops.rescaled`); off, neither is in the module."""
-    assert "vote.sync.any" not in lowered_for_cuda(decode_mgpu_fp8, 64, 1, 16, 1)
-    monkeypatch.setattr(decode_mgpu_fp8, "_RESCALE_RAISED_ONLY", True)
-    text = lowered_for_cuda(decode_mgpu_fp8, 64, 1, 16, 1)
-    assert "vote.sync.any.pred" in text and "scf.if" in text
-
-
 @pytest.mark.parametrize("kernel,products,registers,expected", [
     ("narrow", "mixed", None, (40, 232, 232)),
     ("narrow", "mixed", (24, 240, 240), (24, 240, 240)),
@@ -586,30 +577,6 @@ def test_gpu_fp8_matches_dequantized_reference(heads, page_size):
     # 128 heads run the 64-row fp8 Mosaic GPU kernel; 4 sequences at 16 heads, Triton
     _check(out, lse, *oracle(p["q"], p["pool"], p["slot_lists"], 1, 0.37, 1.9),
            lse_rtol=WIDE_HUGE_LSE_RTOL if heads == 128 else 1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [1, 64])
-def test_gpu_fp8_mosaic_rescale_skip_is_bit_identical(monkeypatch, page_size):
-    """The 16-row kernel with O^T's rescale skipped where every factor of a warp is 1
-    (`_RESCALE_RAISED_ONLY`) gives the bits of the kernel that always multiplies (x * 1 is
-    x), over sequences whose maxes rise at tiles far apart."""
-    rng = np.random.default_rng(11)
-    p = _problem(rng, batch=16, heads=16, s_q=1, page_size=page_size,
-                 lens=[1000, 0, 513, 7, 4096, 65, 2000, 130] * 2)
-    if page_size == 1:
-        indptr, indices = _csr(p["slot_lists"])
-        meta = dict(kv_indptr=jnp.asarray(indptr), kv_indices=jnp.asarray(indices))
-    else:
-        meta = dict(page_table=PageTable(p["table"], p["lens"], page_size))
-    runs = []
-    for skip in (False, True):
-        monkeypatch.setattr(decode_mgpu_fp8, "_RESCALE_RAISED_ONLY", skip)
-        jax.clear_caches()
-        runs.append(mla_decode(p["q"], p["pool"], **meta, sm_scale=SCALE, k_scale=0.37,
-                               v_scale=1.9, config=DecodeKernelConfig(kernel="mgpu")))
-    np.testing.assert_array_equal(np.asarray(runs[0][0]), np.asarray(runs[1][0]))
-    np.testing.assert_array_equal(np.asarray(runs[0][1]), np.asarray(runs[1][1]))
 
 
 @pytest.mark.gpu

@@ -104,7 +104,6 @@ from funcmla.attention.pallas.mgpu_ops import (
     iota,
     load,
     mgpu_params,
-    rescaled,
     swizzled,
     warpgroup_sync,
 )
@@ -130,9 +129,6 @@ _PROMOTE = 128
 # with an odd count the waits fall out of step. Five, with a barrier set per consumer, took
 # 1.009-1.023x the time of four on the H100 (decision log, docs/decode_kernel.md).
 _STAGES = 4
-# O^T's rescale skipped in a warp whose rows' running maxes all stayed put (alpha 1: exact,
-# `mgpu_ops.rescaled`); a knob for `bench.kernel_ab --set`.
-_RESCALE_RAISED_ONLY = False
 _REGISTERS = (40, 232, 232)  # `setmaxnreg` (producer, consumer 0, consumer 1), as decode_mgpu's
 _CONSUMERS = 2
 _D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
@@ -397,11 +393,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 plgpu.commit_smem()
                 warpgroup_sync(interpret)  # every thread's P stores, before P V reads them
             with jax.named_scope("pv"):
-                if _RESCALE_RAISED_ONLY:
-                    (acc,) = rescaled((acc,), (lax.broadcast_in_dim(alpha, acc.shape, [1]),),
-                                      interpret)
-                else:
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
                 acc = _pv(acc, stages, slot, p_ref,
                           lambda: plgpu.barrier_arrive(k_empty.at[slot]), valid, masked,
                           interpret)

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "rescaled", "release_seen",
+__all__ = ["load", "store", "in_layout", "iota", "mma_acc", "mma_acc_and", "release_seen",
            "wait_last_releases", "swizzled", "warpgroup_sync", "compiler_params",
            "check_warpgroup_registers", "check_warpgroup_budgets", "check_profile",
            "mgpu_params", "REGISTER_BUDGET",
@@ -102,63 +102,6 @@ def mma_acc_and(acc, a, b, x, under, interpret: bool):
         x_ref[...] = under(x_ref[...])
 
     return pl.run_state(body)((plgpu.ACC.init(acc), x))
-
-
-def rescaled(xs, scales, interpret: bool):
-    """tuple(x * scale for x, scale in zip(xs, scales)), each pair in the WGMMA layout, with
-    the multiplies skipped in a warp where every scale its threads hold is 1 (a `vote.any`,
-    then a per-warp `scf.if`): exact, since x * 1 is x. The online softmax's rescale factors
-    are 1 wherever a row's running max did not rise, which is most tiles of a long split."""
-    if interpret:
-        return tuple(x * sc for x, sc in zip(xs, scales))
-    n = len(xs)
-    wgmma = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(wgmma,) * (2 * n),
-                       return_type=tuple(plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=wgmma)
-                                         for x in xs))
-    def scale(ctx, *arrays):
-        del ctx
-        import numpy as np
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-        vals, scs = arrays[:n], arrays[n:]
-        if any(v.registers.shape != sc.registers.shape for v, sc in zip(vals, scs)):
-            raise ValueError("rescaled: each x and its scale must have one shape")
-        i32 = ir.IntegerType.get_signless(32)
-        one = arith.constant(ir.F32Type.get(), 1.0)
-        raised = None
-        for sc in scs:
-            for reg in sc.registers.flat:
-                for i in range(ir.VectorType(reg.type).shape[0]):
-                    e = vector.extract(reg, dynamic_position=[], static_position=[i])
-                    ne = arith.cmpf(arith.CmpFPredicate.UNE, e, one)
-                    raised = ne if raised is None else arith.ori(raised, ne)
-        warp_any = llvm.inline_asm(
-            i32, [arith.extui(i32, raised)],
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff; "
-            "selp.b32 $0, 1, 0, p; }", "=r,r", has_side_effects=True)
-        cond = arith.cmpi(arith.CmpIPredicate.ne, warp_any, arith.constant(i32, 0))
-        flat = [r for v in vals for r in v.registers.flat]
-        if_op = scf.IfOp(cond, [r.type for r in flat], has_else=True)
-        with ir.InsertionPoint(if_op.then_block):
-            scf.yield_([arith.mulf(r, s) for v, sc in zip(vals, scs)
-                        for r, s in zip(v.registers.flat, sc.registers.flat)])
-        with ir.InsertionPoint(if_op.else_block):
-            scf.yield_(flat)
-        out, at = [], 0
-        for v in vals:
-            regs = np.empty(v.registers.shape, dtype=object)
-            for idx in np.ndindex(regs.shape):
-                regs[idx] = if_op.results[at]
-                at += 1
-            out.append(fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
-                                          _is_signed=None))
-        return tuple(out)
-
-    return scale(*xs, *scales)
 
 
 def release_seen(interpret: bool) -> None:
