@@ -97,7 +97,6 @@ from funcmla.attention.pallas.mgpu_kv_copy import (
     page_size_unsupported,
     produce_tiles,
     wait_filled,
-    words_arrivals,
 )
 from funcmla.attention.pallas.mgpu_ops import (
     compiler_params,
@@ -120,12 +119,6 @@ _LN2 = 0.6931471805599453
 # from L2.
 BLOCK_ROWS = 16
 _FP8_SWIZZLE = Q8_SWIZZLE  # bytes; 64 fp8 columns per swizzle tile (576 is 9): stages, q8
-# A stage's (and q8's) column parts at pages of 64 tokens and more, (columns, swizzle bytes): a
-# TMA box row is the swizzle's bytes, and 128-byte rows stream 1.36x faster than 64-byte ones on
-# the H200 (`python -m bench.tma_stream`); 576 columns are not a multiple of 128, so the rope's
-# 64 take their own part. Smaller pages (a copy a page, or the row gather) keep one part.
-_PAGE_PARTS = ((512, 128), (64, 64))
-_ONE_PART = ((576, _FP8_SWIZZLE),)
 # Columns of q k^T per fp8 accumulator: Hopper's fp8 wgmma adds into its accumulator with
 # truncated alignment (about 13-14 bits kept), so the error grows with the instructions
 # chained on one accumulator; each group of columns starts from zero and is summed in fp32.
@@ -162,25 +155,6 @@ def fp8_narrow_supported(rows: int, page_size: int, head_dim: int, v_head_dim: i
         return f"folded rows s_q*H = {rows} is not a multiple of {BLOCK_ROWS}"
     return (fp8_operands_unsupported(head_dim, v_head_dim, q_dtype, kv_dtype)
             or page_size_unsupported(page_size))
-
-
-def stage_parts(page_size: int) -> tuple[tuple[int, int], ...]:
-    """The (columns, swizzle bytes) column parts of a stage and of q8 at this page size: a tile
-    a TMA copy (pages of 64 tokens and more) fills two, 512 columns at a 128-byte swizzle and
-    the rope at 64; smaller pages one 64-byte-swizzled part."""
-    return _PAGE_PARTS if page_size >= BLOCK_KV else _ONE_PART
-
-
-def _group_operands(parts, stages, q8, slot, c0: int, width: int):
-    """(stage slot's columns, q8's columns) c0 .. c0 + width - 1 of the scores, from the
-    `stage_parts` refs `stages` and `q8` of the one part that holds them."""
-    col0 = 0
-    for (w, _), stage, q in zip(parts, stages, q8):
-        if col0 <= c0 and c0 + width <= col0 + w:
-            cols = pl.ds(c0 - col0, width)
-            return stage.at[slot, :, cols], q.at[:, cols]
-        col0 += w
-    raise ValueError(f"score columns {c0}..{c0 + width - 1} straddle the stage parts {parts}")
 
 
 def _col_reduce(x, op: str, scratch, interpret: bool):
@@ -315,13 +289,11 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
     budgets = cfg.kernel_registers(_REGISTERS)
     d = kv_ref.shape[1]
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
-    parts = stage_parts(page_size)  # stages and q_smem: a ref a part
 
     start_entry, kv_len = seq_start_and_len(form, meta, b, entries_per_seq)
     first, last = split_tile_range(kv_len, split, num_splits, BLOCK_KV)
     count = jnp.maximum(last - first, 0)
-    init_filled(k_full, interpret=interpret,
-                arrivals=words_arrivals(page_size, len(parts)))
+    init_filled(k_full, interpret=interpret)
 
     @pl.when(wg == 2)
     def _producer():
@@ -329,18 +301,14 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         def prepare():  # q's rows, then the registers go to the consumers
             with jax.named_scope("prepare_q"):
                 prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q_smem, scale_smem, b, row_lo,
-                               sm_scale=sm_scale, interpret=interpret,
-                               swizzles=tuple(sw for _, sw in parts))
+                               sm_scale=sm_scale, interpret=interpret)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(budgets[0], action="decrease")
 
-        produce_tiles(kv_ref, table_ref, stages if len(stages) > 1 else stages[0], k_full,
-                      k_empty, first=first, count=count,
+        produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
-                      page_size=page_size,
-                      swizzle=tuple(sw for _, sw in parts) if len(parts) > 1 else parts[0][1],
-                      interpret=interpret,
+                      page_size=page_size, swizzle=_FP8_SWIZZLE, interpret=interpret,
                       prepare=prepare)
 
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -364,14 +332,13 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
             rows), `_PROMOTE` columns each into a fresh accumulator, summed in fp32 registers
             while the next runs; then the halves summed. Tokens past kv_len are left to the
             caller's mask (selected to -inf)."""
+            stage = stages.at[slot]
             with jax.named_scope("wait_kv"):
                 wait_filled(k_full, fill, num_stages=_STAGES, async_proxy=True,
                             interpret=interpret)
             if interpret:
-                stage = jnp.concatenate([st[slot] for st in stages], axis=1)
-                q8 = jnp.concatenate([q[...] for q in q_smem], axis=1)
-                s2 = lax.dot_general(stage.astype(jnp.float32), q8.astype(jnp.float32),
-                                     (((1,), (1,)), ((), ())),
+                s2 = lax.dot_general(stage[...].astype(jnp.float32),
+                                     q_smem[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
                 return _fold(s2, rows, interpret)
             n_groups = -(-d // _PROMOTE)  # the last group takes what is left
@@ -382,9 +349,9 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 accs = (acc_a, acc_b)
 
                 def issue(g):
-                    a, q8 = _group_operands(parts, stages, q_smem, slot, g * _PROMOTE,
-                                            min(_PROMOTE, d - g * _PROMOTE))
-                    plgpu.wgmma(accs[g % 2], a, q8.transpose((1, 0)))
+                    cols = pl.ds(g * _PROMOTE, min(_PROMOTE, d - g * _PROMOTE))
+                    plgpu.wgmma(accs[g % 2], stage.at[:, cols],
+                                q_smem.at[:, cols].transpose((1, 0)))
 
                 issue(0)
                 total = None
@@ -427,7 +394,7 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 warpgroup_sync(interpret)  # every thread's P stores, before P V reads them
             with jax.named_scope("pv"):
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                acc = _pv(acc, stages[0], parts[0][1], slot, p_ref,
+                acc = _pv(acc, stages, slot, p_ref,
                           lambda: plgpu.barrier_arrive(k_empty.at[slot]), valid, masked,
                           interpret)
             return acc, m_new, l_i
@@ -480,18 +447,17 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
         pl.when(wg == c)(functools.partial(consumer, c))
 
 
-def _v_operand(stages, swizzle: int, slot, kk: int, valid, masked: bool, interpret: bool):
-    """V^T of tokens 16 kk .. 16 kk + 15 of stage `slot` (`stages`: the stage part holding
-    columns 0..511, `swizzle` bytes): [512, 16] f16 in the WGMMA layout (the register A operand
-    of P V), converted from the stage's fp8 bytes, its rows in `latent_column` order. Tokens
-    past `valid` are zeroed when `masked`.
+def _v_operand(stages, slot, kk: int, valid, masked: bool, interpret: bool):
+    """V^T of tokens 16 kk .. 16 kk + 15 of stage `slot`: [512, 16] f16 in the WGMMA layout
+    (the register A operand of P V), converted from the stage's fp8 bytes, its rows in
+    `latent_column` order. Tokens past `valid` are zeroed when `masked`.
 
     Thread (warp w, lane l) holds rows 64 mb + 16 w + 8 h + l // 4 and tokens 2 (l % 4) + {0, 1}
     (+ 8): with rows mapped to latent columns 128 w + 16 (l // 4) + 2 mb + h, its 16 rows are
-    16 contiguous bytes of a token's row, one 16-byte load a token. The 8 lanes of a load phase
-    hit 8 distinct 16-byte bank groups: at a 64-byte swizzle odd quads of lanes load the odd
-    token first (the `prmt` that pairs each column's two tokens undoes the order), at 128 bytes
-    every lane loads the even token first. `cvt.rn.f16x2.e4m3x2` converts a pair."""
+    16 contiguous bytes of a token's row, one 16-byte load a token. Odd quads of lanes load the
+    odd token first, so the 8 lanes of a load phase hit 8 distinct 16-byte bank groups; the
+    `prmt` that pairs each column's two tokens undoes the order, and `cvt.rn.f16x2.e4m3x2`
+    converts a pair."""
     if interpret:
         v = stages[slot, pl.ds(16 * kk, 16), pl.ds(0, _DV)]
         if masked:
@@ -502,7 +468,7 @@ def _v_operand(stages, swizzle: int, slot, kk: int, valid, masked: bool, interpr
         return jnp.where(_int_block(block), vt / _INT_SCALE, vt)
     splat = plgpu.Layout.WG_SPLAT(())
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(swizzle, 1)), splat, splat),
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(swizzled(_FP8_SWIZZLE, 1)), splat, splat),
                        return_type=plgpu.ShapeDtypeStruct((_DV, 16), jnp.float16,
                                                           layout=plgpu.Layout.WGMMA))
     def operand(ctx, stages, slot, valid):
@@ -527,28 +493,13 @@ def _v_operand(stages, swizzle: int, slot, kk: int, valid, masked: bool, interpr
         t = arith.remui(mu.thread_idx(), k(128))
         w, lane = arith.shrui(t, k(5)), arith.andi(t, k(31))
         g, q4 = arith.shrui(lane, k(2)), arith.andi(lane, k(3))
-        shape = ir.MemRefType(stages.type).shape  # [stages, 8, w // sw, 8, sw] (tiled)
-        if len(shape) != 5 or shape[-1] != swizzle:
-            raise NotImplementedError(f"a stage part tiled as {shape}")
-        width = shape[-3] * shape[-1]
-        # the row tiles' bytes: 8 rows of the part's width
-        tile_row_bytes = 8 * width
-        if swizzle == 64:
-            odd = arith.andi(g, k(1))
-            # The thread's 16 latent columns start at 128 w + 16 g: 64-column tile
-            # 2 w + g // 4, 16-byte vector g % 4 of it, swizzled by the row's bits
-            # ((r % 8) // 2 = q4).
-            vec = arith.xori(arith.andi(g, k(3)), q4)
-            col_off = arith.addi(arith.shli(arith.addi(arith.shli(w, k(1)),
-                                                       arith.shrui(g, k(2))), k(9)),
-                                 arith.shli(vec, k(4)))
-        elif swizzle == 128:
-            odd = k(0)
-            # 128-column tile w, 16-byte vector g of it, swizzled by r % 8 (in `load_token`)
-            col_off = arith.shli(w, k(10))
-        else:
-            raise NotImplementedError(f"V^T from a {swizzle}-byte swizzle")
-        base = arith.addi(arith.muli(slot, k(BLOCK_KV * width)), col_off)
+        odd = arith.andi(g, k(1))
+        # The thread's 16 latent columns start at 128 w + 16 g: 64-column tile 2 w + g // 4,
+        # 16-byte vector g % 4 of it, swizzled by the row's bits ((r % 8) // 2 = q4).
+        vec = arith.xori(arith.andi(g, k(3)), q4)
+        col_off = arith.addi(arith.shli(arith.addi(arith.shli(w, k(1)), arith.shrui(g, k(2))),
+                                        k(9)), arith.shli(vec, k(4)))
+        base = arith.addi(arith.muli(slot, k(BLOCK_KV * _D)), col_off)
         ptr0 = mu.memref_ptr(stages)
         # byte selectors pairing (even token, odd token) of two columns; swapped on odd quads
         sel = [arith.xori(k(lo), arith.muli(odd, k(lo ^ sw)))
@@ -557,10 +508,8 @@ def _v_operand(stages, swizzle: int, slot, kk: int, valid, masked: bool, interpr
         def load_token(kg: int, e: int):
             """16 bytes of token 16 kk + 8 kg + 2 q4 + (e ^ odd): this thread's columns."""
             r8 = arith.addi(arith.shli(q4, k(1)), arith.xori(odd, k(e)))
-            off = arith.addi(base, arith.addi(arith.muli(r8, k(swizzle)),
-                                              k((2 * kk + kg) * tile_row_bytes)))
-            if swizzle == 128:
-                off = arith.addi(off, arith.shli(arith.xori(g, r8), k(4)))
+            off = arith.addi(base, arith.addi(arith.shli(r8, k(6)),
+                                              k((2 * kk + kg) * (_D // _FP8_SWIZZLE) * 512)))
             x = llvm.load(v4, mu.getelementptr(ptr0, [off], i8), alignment=16)
             if masked:
                 tok = arith.addi(r8, k(16 * kk + 8 * kg))
@@ -622,14 +571,13 @@ def latent_row_block(c):
     return (c & 15) >> 1
 
 
-def _pv(acc, stages, swizzle: int, slot, p_ref, release, valid, masked: bool, interpret: bool):
-    """acc [512, N] + V^T P^T over the stage's 64 tokens (`stages`: the stage part of V's
-    columns, `swizzle` bytes), 16 a `wgmma` (V^T in registers, `_v_operand`; P^T slices from
-    shared memory), the next operand converted while one runs; `release()` once the last bytes
-    of the stage are in registers."""
+def _pv(acc, stages, slot, p_ref, release, valid, masked: bool, interpret: bool):
+    """acc [512, N] + V^T P^T over the stage's 64 tokens, 16 a `wgmma` (V^T in registers,
+    `_v_operand`; P^T slices from shared memory), the next operand converted while one runs;
+    `release()` once the last bytes of the stage are in registers."""
     if interpret:
         for kk in range(BLOCK_KV // 16):
-            a = _v_operand(stages, swizzle, slot, kk, valid, masked, interpret)
+            a = _v_operand(stages, slot, kk, valid, masked, interpret)
             acc = acc + lax.dot_general(a.astype(jnp.float32),
                                         p_ref[pl.ds(16 * kk, 16), :].astype(jnp.float32),
                                         (((1,), (0,)), ((), ())),
@@ -639,7 +587,7 @@ def _pv(acc, stages, swizzle: int, slot, p_ref, release, valid, masked: bool, in
 
     def body(acc_ref):
         for kk in range(BLOCK_KV // 16):
-            a = _v_operand(stages, swizzle, slot, kk, valid, masked, interpret)
+            a = _v_operand(stages, slot, kk, valid, masked, interpret)
             if kk == BLOCK_KV // 16 - 1:
                 release()
             plgpu.wgmma(acc_ref, a, p_ref.at[pl.ds(16 * kk, 16)])
@@ -669,13 +617,10 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
     final = num_splits == 1
     o_dtype = q.dtype if final else jnp.dtype(partial_dtype)
     pv_swizzle = 2 * rows  # bytes of one P^T row (f16)
-    parts = stage_parts(kv.page_size)
     scratch = [
-        tuple(plgpu.SMEM((2 * rows, w), jnp.float8_e4m3fn, transforms=swizzled(sw, 1))
-              for w, sw in parts),
+        plgpu.SMEM((2 * rows, d), jnp.float8_e4m3fn, transforms=swizzled(_FP8_SWIZZLE, 1)),
         plgpu.SMEM((2, rows), jnp.float32),
-        tuple(plgpu.SMEM((_STAGES, BLOCK_KV, w), kv_pool.dtype, transforms=swizzled(sw, 1))
-              for w, sw in parts),
+        plgpu.SMEM((_STAGES, BLOCK_KV, d), kv_pool.dtype, transforms=swizzled(_FP8_SWIZZLE, 1)),
         plgpu.SMEM((rows,), jnp.float32),  # lse staging
         # consumer 1's hand-off: O^T, max, sum
         plgpu.SMEM((v_head_dim, rows), jnp.float32),
@@ -684,7 +629,7 @@ def decode_call(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_scale: float
         plgpu.SMEM((_CONSUMERS, BLOCK_KV, rows), jnp.float16, transforms=swizzled(pv_swizzle, 2)),
         plgpu.SMEM((_CONSUMERS, _RED_BYTES // 4), jnp.float32),
         plgpu.Barrier(),  # q and the scales prepared
-        filled_scratch(kv.page_size, _STAGES, parts=len(parts)),  # stage filled
+        filled_scratch(kv.page_size, _STAGES),  # stage filled
         plgpu.Barrier(num_barriers=_STAGES),  # stage's bytes in its consumer's registers
         plgpu.Barrier(),  # consumer 1's (O^T, max, sum) handed over
     ]

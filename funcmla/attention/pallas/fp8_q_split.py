@@ -69,42 +69,30 @@ def prepare_q(q: jax.Array, *, sm_scale: float, k_scale: jax.Array, v_scale: jax
 
 
 def prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo, *,
-                   sm_scale: float, interpret: bool, parts: int = 2,
-                   swizzles: tuple[int, ...] = (Q8_SWIZZLE,)):
+                   sm_scale: float, interpret: bool, parts: int = 2):
     """One warpgroup: rows row_lo .. row_lo + n - 1 of sequence `b` (q_ref [B, R, 576], bf16
-    or f16, in global memory; n = rows of q8_smem // parts, a multiple of 16) split into
-    q8_smem [parts n, 576] (rows 0..n-1 the high parts, n..2n-1 the low ones; parts=1 keeps the
-    high parts alone, q rounded once to e4m3) and their factors into scale_smem [2, n], the
-    values `prepare_q` gives. q8_smem is one ref or a tuple of refs [parts n, w_i] of
-    consecutive column ranges (the stage parts of `mgpu_kv_copy.stage_parts`, since a `wgmma`
-    takes one swizzle for both operands), part i (8, swizzles[i])-tiled at a swizzles[i]-byte
-    swizzle. Thread t takes rows t // 8 + 16 p and 8 columns (16 bytes of bf16) at 8 (t % 8) of
-    each 64-column chunk; a row's largest |q| meets over its 8 threads by shuffles."""
+    or f16, in global memory; n = q8_smem.shape[0] // parts, a multiple of 16) split into
+    q8_smem [parts n, 576] ((8, 64)-tiled, 64-byte swizzle: rows 0..n-1 the high parts, n..2n-1
+    the low ones; parts=1 keeps the high parts alone, q rounded once to e4m3) and their factors
+    into scale_smem [2, n], the values `prepare_q` gives. Thread t takes rows t // 8 + 16 p and
+    8 columns (16 bytes of bf16) at 8 (t % 8) of each 64-column chunk; a row's largest |q|
+    meets over its 8 threads by shuffles."""
     if parts not in (1, 2):
         raise ValueError(f"parts must be 1 or 2, got {parts!r}")
-    q8_parts = q8_smem if isinstance(q8_smem, tuple) else (q8_smem,)
-    if len(swizzles) != len(q8_parts):
-        raise ValueError(f"{len(q8_parts)} q8 parts need as many swizzles, got {swizzles!r}")
-    n = q8_parts[0].shape[0] // parts
+    n = q8_smem.shape[0] // parts
     if interpret:
         q8, scales = prepare_q(q_ref[pl.ds(b, 1), pl.ds(row_lo, n)], sm_scale=sm_scale,
                                k_scale=k_scale_ref[...], v_scale=v_scale_ref[...])
-        col0 = 0
-        for part in q8_parts:
-            part[...] = q8[0, :parts * n, col0:col0 + part.shape[1]]
-            col0 += part.shape[1]
+        q8_smem[...] = q8[0, :parts * n]
         scale_smem[...] = scales[0]
         return
     splat = plgpu.Layout.WG_SPLAT(())
-    widths = tuple(part.shape[1] for part in q8_parts)
-    n_parts = len(q8_parts)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  *(plgpu.RefType(swizzled(sw, 1)) for sw in swizzles),
-                                  plgpu.RefType(), splat, splat))
-    def prep(ctx, q, k_scale, v_scale, *rest):
+                                  plgpu.RefType(swizzled(Q8_SWIZZLE, 1)), plgpu.RefType(),
+                                  splat, splat))
+    def prep(ctx, q, k_scale, v_scale, q8, scales, b, row_lo):
         del ctx
-        q8s, (scales, b, row_lo) = rest[:n_parts], rest[n_parts:]
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
         from jax.experimental.mosaic.gpu import utils as mu
@@ -148,15 +136,8 @@ def prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_
         vec = arith.andi(t, k(7))
         gptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(q))
         k_scale, vs = scalar(k_scale), scalar(v_scale)
+        lo_rows = (n // 8) * n_chunks * 512  # row n + R sits n // 8 tile rows further
         v2 = ir.VectorType.get((2,), i32)
-        # chunk j's part, its first column there and the part's swizzle
-        chunk_part = []
-        for j in range(n_chunks):
-            col0 = 0
-            for i, (w, sw) in enumerate(zip(widths, swizzles)):
-                if col0 <= _CHUNK * j < col0 + w:
-                    chunk_part.append((i, _CHUNK * j - col0, w, sw))
-                col0 += w
         for p in range(n // 16):
             r = arith.addi(arith.shrui(t, k(3)), k(16 * p))
             row = arith.addi(arith.addi(arith.muli(b, k(q_rows)), row_lo), r)
@@ -182,43 +163,33 @@ def prepare_q_smem(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_
             down = arith.bitcast(f32, arith.shli(arith.subi(e, k(Q_TOP)), k(23)))
             down = arith.select(arith.cmpi(arith.CmpIPredicate.eq, e_raw, k(0xFF)),
                                 mu.c(float("nan"), f32), down)
-            # Element (R, c) of a part of width W at an S-byte swizzle lives at byte
-            # ((R // 8) * (W / S) + c // S) * 8 S + (R % 8) * S + (((c % S) // 16) ^ ((R % 8)
-            # >> (7 - log2 S))) * 16 + c % 16; this thread's 8 columns of a chunk are the half
-            # (vec % 2) of 16-byte vector (c % S) // 16 + vec // 2. Low rows n + R sit n // 8
-            # tile rows further: n W bytes.
+            # Element (R, c) of q8 lives at byte ((R // 8) * 9 + c // 64) * 512 + (R % 8) * 64
+            # + (((c % 64) // 16) ^ ((R % 8) // 2)) * 16 + c % 16 (64-byte swizzle); this
+            # thread's 8 columns of a chunk are the half (vec % 2) of 16-byte vector vec // 2.
             r8 = arith.andi(r, k(7))
-
-            def dst(j):
-                i, c0, w, sw = chunk_part[j]
-                shift = 7 - (sw.bit_length() - 1)
-                vec16 = arith.addi(arith.shrui(vec, k(1)), k((c0 % sw) // 16))
-                off = arith.addi(
-                    arith.addi(arith.muli(arith.shrui(r, k(3)), k(8 * w)),
-                               arith.muli(r8, k(sw))),
-                    arith.addi(arith.shli(arith.xori(vec16, arith.shrui(r8, k(shift))), k(4)),
-                               arith.shli(arith.andi(vec, k(1)), k(3))))
-                off = arith.addi(off, k((c0 // sw) * 8 * sw))
-                return mu.getelementptr(mu.memref_ptr(q8s[i]), [off], i8), n * w
-
+            dst_off = arith.addi(
+                arith.addi(arith.muli(arith.shrui(r, k(3)), k(n_chunks * 512)),
+                           arith.shli(r8, k(6))),
+                arith.addi(arith.shli(arith.xori(arith.shrui(vec, k(1)), arith.shrui(r8, k(1))),
+                                      k(4)), arith.shli(arith.andi(vec, k(1)), k(3))))
+            dst = mu.getelementptr(mu.memref_ptr(q8), [dst_off], i8)
             for j, x in enumerate(xs):
                 x = arith.mulf(x, splat(up, f32))  # exact: a power of two
                 xv = [elem(x, i) for i in range(8)]
                 hi = [to_e4m3(xv[4 * h:4 * h + 4]) for h in range(2)]
-                dst_j, lo_rows = dst(j)
-                parts_out = [(hi, 0)]
+                parts_out = [(hi, j * 512)]
                 if parts == 2:
                     back = [v for w in hi for half in range(2) for v in from_e4m3(w, half)]
                     res = [arith.subf(a, c) for a, c in zip(xv, back)]  # exact in fp32
                     lo = [to_e4m3(res[4 * h:4 * h + 4]) for h in range(2)]
-                    parts_out.append((lo, lo_rows))
+                    parts_out.append((lo, lo_rows + j * 512))
                 for words, off in parts_out:
                     llvm.store(vector.from_elements(v2, words),
-                               mu.getelementptr(dst_j, [off], i8), alignment=8)
+                               mu.getelementptr(dst, [off], i8), alignment=8)
             ri = arith.index_castui(ir.IndexType.get(), r)
             # the row's 8 threads store the same values
             factor = arith.mulf(arith.mulf(down, mu.c(float(sm_scale) * _LOG2E, f32)), k_scale)
             memref.store(factor, scales, [mu.c(0, ir.IndexType.get()), ri])
             memref.store(vs, scales, [mu.c(1, ir.IndexType.get()), ri])
 
-    prep(q_ref, k_scale_ref, v_scale_ref, *q8_parts, scale_smem, b, row_lo)
+    prep(q_ref, k_scale_ref, v_scale_ref, q8_smem, scale_smem, b, row_lo)

@@ -2,11 +2,10 @@
 tile of pool rows: TMA copies (one a tile at page >= 64, one a page at pages 8 to 32), or, at
 pages under 8 tokens, which a TMA copy cannot place inside an 8-row swizzled tile (Hopper's TMA
 has no row gather), a `cp.async` row gather; and the producer's whole loop (`produce_tiles`).
-Used by `decode_mgpu` (bf16 stages, 128-byte swizzle), `decode_mgpu_fp8` (fp8 stages at TMA
-pages in two column parts, 512 columns at a 128-byte swizzle and 64 at 64, `stage_parts`; one
-64-byte-swizzled part where rows are gathered) and `decode_mgpu_fp8_wide` (fp8 stages, 64-byte
-swizzle); a stage part is `swizzled` (8, swizzle / itemsize) tiles, and the gather derives its
-addressing from the stage's swizzle and the pool's itemsize.
+Used by `decode_mgpu` (bf16 stages, 128-byte swizzle), `decode_mgpu_fp8` and
+`decode_mgpu_fp8_wide` (fp8 stages, 64-byte swizzle); a stage is `swizzled`
+(8, swizzle / itemsize) tiles either way, and the gather derives its addressing from the
+stage's swizzle and the pool's itemsize.
 
 Signalling (`filled_scratch`): a TMA copy completes its stage's Pallas barrier (`full[0]`,
 transaction bytes). In the row gather each producer thread ends its part of a tile with
@@ -40,8 +39,7 @@ from funcmla.attention.pallas.mgpu_ops import release_seen, swizzled, wait_last_
 
 __all__ = ["BLOCK_KV", "page_size_unsupported", "gathers", "arrivals_per_tile",
            "filled_scratch", "init_filled", "wait_filled", "gather_rows", "gather_tile",
-           "stage_parts", "words_arrivals", "copy_tile", "copy_tile_parts", "fill_stage",
-           "produce_tiles"]
+           "copy_tile", "fill_stage", "produce_tiles"]
 
 BLOCK_KV = 64  # KV tokens per tile
 _GATHER_THREADS = 128  # the producer warpgroup: each thread arrives once a gathered fill
@@ -69,25 +67,15 @@ def arrivals_per_tile(page_size: int) -> int:
     return 1 if gathers(page_size) else max(1, BLOCK_KV // page_size)
 
 
-def filled_scratch(page_size: int, num_stages: int, parts: int = 1):
+def filled_scratch(page_size: int, num_stages: int):
     """Scratch of the "stage filled" signal, one per stage: the Pallas barrier TMA copies
-    complete (`arrivals_per_tile`, times the stage's column `parts` at TMA pages, each part
-    its own copy; in interpret mode the gather and the parts' copies arrive on it too) and,
-    where tiles are gathered or copied in parts (`copy_tile_parts`), mbarriers of 8 bytes each
-    in plain shared memory (else None). A kernel passes the pair as `full` to `produce_tiles`
-    and `wait_filled`, and runs `init_filled` first."""
-    if gathers(page_size) and parts != 1:
-        raise ValueError(f"the row gather fills a stage of one part, not {parts}")
-    words = (plgpu.SMEM((num_stages, 2), jnp.uint32)
-             if gathers(page_size) or parts > 1 else None)
-    return (plgpu.Barrier(num_arrivals=arrivals_per_tile(page_size) * parts,
-                          num_barriers=num_stages), words)
-
-
-def words_arrivals(page_size: int, parts: int) -> int:
-    """Arrivals that complete a fill on the plain mbarriers of `filled_scratch`: each thread
-    of the gathering warpgroup, or each part's TMA copy (`copy_tile_parts`)."""
-    return _GATHER_THREADS if gathers(page_size) else parts * arrivals_per_tile(page_size)
+    complete (`arrivals_per_tile`; in interpret mode the gather arrives on it too) and, where
+    tiles are gathered, the gather's mbarriers, 8 bytes each in plain shared memory (else
+    None). A kernel passes the pair as `full` to `produce_tiles` and `wait_filled`, and runs
+    `init_filled` first."""
+    words = plgpu.SMEM((num_stages, 2), jnp.uint32) if gathers(page_size) else None
+    return (plgpu.Barrier(num_arrivals=arrivals_per_tile(page_size), num_barriers=num_stages),
+            words)
 
 
 def _copies_arrive(full, interpret: bool) -> bool:
@@ -96,12 +84,11 @@ def _copies_arrive(full, interpret: bool) -> bool:
     return full[1] is not None and not interpret
 
 
-def init_filled(full, *, interpret: bool, arrivals: int = _GATHER_THREADS) -> None:
-    """Initializes the plain mbarriers of `filled_scratch` (the row gather's, or those of a
-    stage in parts, `copy_tile_parts`) to `arrivals` a phase (`words_arrivals`). Run by every
-    thread of the block before the warpgroups part: one thread initializes, then the block
-    meets (`bar.sync 0`), so no warpgroup arrives or waits before. A no-op where the stages
-    have no such mbarriers and in interpret mode."""
+def init_filled(full, *, interpret: bool) -> None:
+    """Initializes the row gather's mbarriers (`filled_scratch`) to 128 arrivals a phase. Run
+    by every thread of the block before the warpgroups part: one thread initializes, then the
+    block meets (`bar.sync 0`), so no warpgroup arrives or waits before. A no-op at TMA
+    pages and in interpret mode."""
     if not _copies_arrive(full, interpret):
         return
     _, words = full
@@ -118,7 +105,7 @@ def init_filled(full, *, interpret: bool, arrivals: int = _GATHER_THREADS) -> No
         base = mu.memref_ptr(words)
         one = mu.single_thread_predicate(mu.ThreadSubset.BLOCK)
         for st in range(num_stages):
-            nvvm.mbarrier_init(mu.getelementptr(base, [st], i64), mu.c(arrivals, i32),
+            nvvm.mbarrier_init(mu.getelementptr(base, [st], i64), mu.c(_GATHER_THREADS, i32),
                                predicate=one)
         nvvm.fence_mbarrier_init()
         gpu.barrier()
@@ -176,98 +163,28 @@ def _tile_source(kv_ref, table_ref, start_entry, tok, page_size: int):
     return kv_ref.at[pl.ds(page * page_size + tok % page_size, rows)]
 
 
-def stage_parts(stages) -> tuple:
-    """A stage ring as its column parts: `stages` is one ref [num_stages, 64, d] or a tuple of
-    refs [num_stages, 64, w_i] holding consecutive column ranges of the pool's rows (each part
-    its own swizzle, e.g. 512 columns at 128 bytes and 64 at 64: a TMA box row is the
-    swizzle's bytes, and 128-byte rows read faster, `bench.tma_stream`)."""
-    return stages if isinstance(stages, tuple) else (stages,)
-
-
 def copy_tile(kv_ref, table_ref, dst, full, start_entry, tile, kv_len, *, page_size: int):
-    """TMA-copies tile `tile`'s pool rows into stage `dst` (a ref [64, d], or a tuple of
-    refs of consecutive column parts, `stage_parts`), each copy arriving on barrier `full`
-    (`arrivals_per_tile` of them a part); pages >= 8. Copies wholly past kv_len read nothing
+    """TMA-copies tile `tile`'s pool rows into stage ref `dst`, each copy arriving on barrier
+    `full` (`arrivals_per_tile` of them); pages >= 8. Copies wholly past kv_len read nothing
     (their table entries may be padding or past the table) and arrive all the same, so the
     stage's barrier completes."""
     copies = arrivals_per_tile(page_size)
     rows = min(page_size, BLOCK_KV)
-    parts = stage_parts(dst)
-
-    def part_sources(src):
-        col0 = 0
-        for part in parts:
-            width = part.shape[-1]
-            yield (src if len(parts) == 1 else src.at[:, pl.ds(col0, width)]), part
-            col0 += width
-
     with jax.named_scope("copy"):  # the producer's phase, as in `gather_tile`
         for j in range(copies):
             tok = tile * BLOCK_KV + j * rows
             if copies == 1:
                 src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-                for part_src, part in part_sources(src):
-                    plgpu.copy_gmem_to_smem(part_src, part, full)
+                plgpu.copy_gmem_to_smem(src, dst, full)
             else:
                 @pl.when(tok < kv_len)
                 def _():
                     src = _tile_source(kv_ref, table_ref, start_entry, tok, page_size)
-                    for part_src, part in part_sources(src):
-                        plgpu.copy_gmem_to_smem(part_src, part.at[pl.ds(j * rows, rows)], full)
+                    plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(j * rows, rows)], full)
 
                 @pl.when(tok >= kv_len)
                 def _():
-                    for _part in parts:
-                        plgpu.barrier_arrive(full)
-
-
-def copy_tile_parts(kv_ref, table_ref, parts, swizzles, words, slot, start_entry, tile, *,
-                    page_size: int) -> None:
-    """TMA-copies tile `tile` (page >= 64: one page) into stage `slot` of the column parts
-    `parts` (refs [num_stages, 64, w_i] of consecutive columns, part i `swizzles[i]`-byte
-    swizzled), each copy arriving on mbarrier `slot` of `words` (`filled_scratch`, initialized
-    to `words_arrivals`). Issued as Mosaic GPU copies: Pallas's copy tiles the whole pool row,
-    which a part's tile width need not divide (576 fp8 columns at 128), where Mosaic GPU's tiling
-    rounds the pool down to whole tiles (`Rounding.DOWN`): every part's columns lie below, and
-    rows past the last multiple of 8 belong to no whole page of 64."""
-    if page_size < BLOCK_KV:
-        raise ValueError(f"stage parts take pages of {BLOCK_KV} tokens or more, not {page_size}")
-    page = table_ref[start_entry + tile * BLOCK_KV // page_size]
-    row0 = page * page_size + (tile * BLOCK_KV) % page_size
-    splat = plgpu.Layout.WG_SPLAT(())
-    n = len(parts)
-    num_stages = parts[0].shape[0]
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),
-                                  *(plgpu.RefType(swizzled(sw, 1)) for sw in swizzles),
-                                  plgpu.RefType(), splat, splat))
-    def copy(ctx, pool, *rest):
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith
-        from jax.experimental.mosaic.gpu import launch_context as mlc
-        from jax.experimental.mosaic.gpu import utils as mu
-
-        stage_refs, (words, slot, row0) = rest[:n], rest[n:]
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        slot, row0 = slot.registers.item(), row0.registers.item()
-        bars = mu.BarrierRef(base_address=mu.memref_ptr(words), offset=mu.c(0, i32),
-                             phases=None, num_barriers=num_stages)
-        barrier = bars[slot]
-        row0 = arith.index_cast(index, row0)
-        col0 = 0
-        for ref, sw in zip(stage_refs, swizzles):
-            shape = ir.MemRefType(ref.type).shape  # [stages, 8, w // sw, 8, sw] (tiled)
-            width = shape[-3] * shape[-1]
-            dst = mu.memref_slice(ref, arith.index_cast(index, slot))
-            ctx.async_copy(src_ref=pool, dst_ref=dst,
-                           gmem_slice=(mu.ds(row0, BLOCK_KV), mu.ds(col0, width)),
-                           gmem_transform=mlc.TileTransform((8, sw),
-                                                            rounding=mlc.Rounding.DOWN),
-                           swizzle=sw, barrier=barrier, arrive=True)
-            col0 += width
-
-    with jax.named_scope("copy"):
-        copy(kv_ref, *parts, words, slot, row0)
+                    plgpu.barrier_arrive(full)
 
 
 def gather_rows(table_ref, entry0, tok0, last_tok, *, page_size: int, swizzle: int,
@@ -420,13 +337,12 @@ def gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry, tile, 
 
 
 def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_entry, kv_len, *,
-               num_stages: int, page_size: int, swizzle, interpret: bool):
+               num_stages: int, page_size: int, swizzle: int, interpret: bool):
     """The producer's step i of a fori_loop over a split's tiles (tile first + i into stage
-    i % num_stages of `stages`, one ref or, at TMA pages, a tuple of column parts,
-    `stage_parts`): waits until the stage's previous tile is released (barrier `empty`, from
-    step num_stages on), then fills it (`gather_tile` at pages under 8, with `rows` the loop
-    carry; `copy_tile_parts` for parts, `swizzle` then a tuple, one a part; else `copy_tile`),
-    signalling `full` (`filled_scratch`). Returns the carry."""
+    i % num_stages of `stages`): waits until the stage's previous tile is released (barrier
+    `empty`, from step num_stages on), then fills it (`gather_tile` at pages under 8, with
+    `rows` the loop carry; else `copy_tile`), signalling `full` (`filled_scratch`). Returns
+    the carry."""
     slot = lax.rem(i, num_stages)
     tile = first + i
 
@@ -441,18 +357,13 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
         return gather_tile(kv_ref, table_ref, stages, slot, rows, full, start_entry,
                            tile, kv_len, page_size=page_size, swizzle=swizzle,
                            interpret=interpret)
-    parts = stage_parts(stages)
-    if len(parts) > 1 and not interpret:
-        copy_tile_parts(kv_ref, table_ref, parts, swizzle, full[1], slot, start_entry,
-                        tile, page_size=page_size)
-        return rows
-    copy_tile(kv_ref, table_ref, tuple(p.at[slot] for p in parts),
-              full[0].at[slot], start_entry, tile, kv_len, page_size=page_size)
+    copy_tile(kv_ref, table_ref, stages.at[slot], full[0].at[slot], start_entry, tile, kv_len,
+              page_size=page_size)
     return rows
 
 
 def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start_entry,
-                  kv_len, num_stages: int, page_size: int, swizzle, interpret: bool,
+                  kv_len, num_stages: int, page_size: int, swizzle: int, interpret: bool,
                   prepare=None, consume=None):
     """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
     (`fill_stage`), then a wait on each stage's last release (`wait_last_releases`). `prepare()`,
