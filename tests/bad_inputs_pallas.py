@@ -60,8 +60,8 @@ def _pages(table, lengths, page_size, q=None, pool=None, **kw):
                               **{"sm_scale": SCALE, "interpret": True, **kw})
 
 
-def _mgpu(page_size=64, heads=64, dtype=jnp.bfloat16, **kw):
-    """mla_decode_rows_mgpu on a page table of `page_size`."""
+def _mgpu(page_size=64, heads=64, dtype=jnp.bfloat16, pool_rows=256, **kw):
+    """mla_decode_rows_mgpu on a page table of `page_size` over `pool_rows` rows."""
     def call():
         if is_power_of_two(page_size):
             kv = KVRows(jnp.ones((B * 2,), jnp.int32), None, jnp.full((B,), 4, jnp.int32),
@@ -70,7 +70,7 @@ def _mgpu(page_size=64, heads=64, dtype=jnp.bfloat16, **kw):
             kv = KVRows(jnp.ones((B * 2,), jnp.int32), jnp.array([0, 2], jnp.int32),
                         jnp.full((B,), 4, jnp.int32), page_size, 2 * page_size)
         args = {"sm_scale": SCALE, "s_q": 1, "num_splits": 1, "interpret": True, **kw}
-        return mla_decode_rows_mgpu(_q(heads=heads, dtype=dtype), _pool(256, dtype=dtype), kv,
+        return mla_decode_rows_mgpu(_q(heads=heads, dtype=dtype), _pool(pool_rows, dtype=dtype), kv,
                                     **args)
     return call
 
@@ -193,6 +193,12 @@ CASES: list[BadInput] = [
     # ------------------------------------------------------------------ kernel="mgpu" shapes
     BadInput("pallas.decode.mgpu_heads", _csr(config=DecodeKernelConfig(kernel="mgpu")),
              ValueError, ("kernel='mgpu'", "s_q\\*H = 16", "multiple of 64")),
+    BadInput("pallas.decode.mgpu_pool_rows",
+             _pages(jnp.ones((B, 2), jnp.int32), jnp.full((B,), 100, jnp.int32), 64,
+                    q=_q(heads=64), pool=_pool(260), config=DecodeKernelConfig(kernel="mgpu")),
+             ValueError, ("kernel='mgpu'", "kv_pool has 260 rows", "not a multiple of 8")),
+    BadInput("pallas.mgpu.pool_rows", _mgpu(pool_rows=260),
+             ValueError, ("mla_decode_rows_mgpu", "kv_pool has 260 rows", "multiple of 8")),
     BadInput("pallas.mgpu.heads_not_64_rows", _mgpu(heads=48),
              ValueError, ("s_q\\*H = 48", "multiple of 64")),
     BadInput("pallas.mgpu.page_size_24", _mgpu(page_size=24),

@@ -178,6 +178,36 @@ def test_rejects_unsupported_call():
         run(p, s_q=1, page_size=64, num_splits=1, interpret=True)
 
 
+def test_pool_rows_off_the_8_row_tiles_leave_the_mosaic_kernels_at_tma_pages():
+    """A TMA copy views the pool as 8-row tiles, so at pages of 8 tokens and more a pool whose
+    rows are not a multiple of 8 is no Mosaic GPU kernel's (bf16, fp8 and the fp8 products
+    alike): kernel="mgpu" raises naming the rows before anything lowers (Mosaic GPU's own
+    tiling error was the message before), "auto" keeps Triton with that reason, and the row
+    gather (pages under 8) takes any pool."""
+    q = jax.ShapeDtypeStruct((2, 128, 576), jnp.bfloat16)
+    mgpu = DecodeKernelConfig(kernel="mgpu")
+    for kv_dtype in (None, jnp.float8_e4m3fn):
+        for page_size in (8, 64):
+            with pytest.raises(ValueError, match=r"kernel='mgpu': kv_pool has 4100 rows, not a "
+                                                 r"multiple of 8: .*TMA"):
+                kernel_choice(mgpu, q, page_size, 1, kv_dtype=kv_dtype, pool_rows=4100)
+            name, why = kernel_choice(DecodeKernelConfig(), q, page_size, 1, kv_dtype=kv_dtype,
+                                      pool_rows=4100)
+            assert name == "triton" and "4100 rows" in why
+            assert kernel_choice(mgpu, q, page_size, 1, kv_dtype=kv_dtype,
+                                 pool_rows=4104)[0] == "mgpu"
+        assert kernel_choice(mgpu, q, 1, 1, kv_dtype=kv_dtype, pool_rows=4101)[0] == "mgpu"
+    with pytest.raises(ValueError, match=r"fp8_products='fp8' .*kv_pool has 4100 rows"):
+        kernel_choice(DecodeKernelConfig(fp8_products="fp8"), q, 64, 1,
+                      kv_dtype=jnp.float8_e4m3fn, pool_rows=4100)
+    rng = np.random.default_rng(1)
+    p = make_problem(rng, batch=2, heads=64, s_q=1, page_size=64, lens=[70, 9], max_pages=2)
+    pool = jnp.concatenate([p["pool"], p["pool"][:4]])  # rows + 4
+    with pytest.raises(ValueError, match=r"kv_pool has \d+ rows, not a multiple of 8"):
+        mla_decode(p["q"], pool, page_table=PageTable(p["table"], p["lens"], 64), sm_scale=SCALE,
+                   config=mgpu, interpret=True)
+
+
 @pytest.mark.parametrize("fields,needle", [
     (dict(profile_space=-1, profile_dir="/tmp"), "profile_space=-1"),
     (dict(profile_space=161, profile_dir="/tmp"), r"profile_space=161 .*\[0, 160\]"),

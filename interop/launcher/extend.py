@@ -117,7 +117,8 @@ class ExtendLaunchConfig:
             self.kv_dtype or self.dtype)
         kernel = extend_kernel_config(self.kernel, self.num_heads, c, p, self.page_size,
                                       head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-                                      dtype=jnp.dtype(self.dtype), kv_dtype=kv_dtype)
+                                      dtype=jnp.dtype(self.dtype), kv_dtype=kv_dtype,
+                                      pool_rows=self.pool_rows)
         return DecodeLaunchConfig(
             num_seqs=p, num_heads=self.num_heads, pool_rows=self.pool_rows,
             kv_capacity=self.kv_capacity, sm_scale=self.sm_scale, s_q=c,

@@ -244,7 +244,8 @@ def triton_reason(config: DecodeLaunchConfig) -> str:
     c = config
     q = _sds((c.num_seqs * c.s_q, c.num_heads, c.head_dim), _JNP_DTYPES[c.dtype])
     return kernel_choice(c.kernel, q, c.page_size, c.s_q, v_head_dim=c.v_head_dim,
-                         kv_dtype=_KV_DTYPES[c.kv_dtype] if c.fp8 else None)[1]
+                         kv_dtype=_KV_DTYPES[c.kv_dtype] if c.fp8 else None,
+                         pool_rows=c.pool_rows)[1]
 
 
 def decode_plan(config: DecodeLaunchConfig) -> DecodePlan:

@@ -49,6 +49,7 @@ from funcmla.attention.pallas.decode_mgpu import (
     mgpu_split_config,
 )
 from funcmla.attention.pallas.merge import merge_splits_pallas
+from funcmla.attention.pallas.mgpu_kv_copy import pool_rows_unsupported
 from funcmla.attention.pallas.mgpu_ops import interpreter_unsupported
 from funcmla.layout import PageTable, is_power_of_two
 
@@ -164,10 +165,11 @@ def fp8_mgpu_supported(rows: int, page_size: int, head_dim: int, v_head_dim: int
 
 def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
                   v_head_dim: int = 512, interpret: bool = False,
-                  kv_dtype=None) -> tuple[str, str]:
+                  kv_dtype=None, pool_rows: int | None = None) -> tuple[str, str]:
     """("mgpu" or "triton", why) for q ([T, H, D], an array or a ShapeDtypeStruct) over a pool
-    of `kv_dtype` (default q's) at this page size (`DecodeKernelConfig.kernel`); raises for
-    kernel="mgpu" on a shape or dtype it does not take.
+    of `kv_dtype` (default q's) and `pool_rows` rows (when known) at this page size
+    (`DecodeKernelConfig.kernel`); raises for kernel="mgpu" on a shape, dtype or pool it does
+    not take (`mgpu_kv_copy.pool_rows_unsupported`).
 
     "mgpu" is one of three Mosaic GPU kernels: `decode_mgpu` for a bf16 pool, and for an fp8
     pool `decode_mgpu_fp8_wide` at a multiple of 64 folded rows or `decode_mgpu_fp8` at
@@ -186,7 +188,8 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
     dtype = q.dtype if kv_dtype is None else kv_dtype
     fp8 = jnp.dtype(dtype) != jnp.dtype(q.dtype)
     if fp8 and config.fp8_products == "fp8":
-        return _fp8_products_choice(config, rows, page_size, q, v_head_dim, dtype, interpret)
+        return _fp8_products_choice(config, rows, page_size, q, v_head_dim, dtype, interpret,
+                                    pool_rows)
     if config.kernel == "triton":
         return "triton", "DecodeKernelConfig.kernel='triton'"
     if fp8:
@@ -195,6 +198,7 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
             why = f"kv_pool dtype {jnp.dtype(dtype).name}: no fp8 Mosaic GPU kernel takes it: {why}"
     else:
         why = mgpu_decode_supported(rows, page_size, q.shape[2], v_head_dim, q.dtype)
+    why = why or pool_rows_unsupported(pool_rows, page_size)
     if why is None and interpret:
         why = interpreter_unsupported()
     if config.kernel == "mgpu":
@@ -224,7 +228,7 @@ def kernel_choice(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
 
 
 def _fp8_products_choice(config: DecodeKernelConfig, rows: int, page_size: int, q, v_head_dim,
-                         kv_dtype, interpret: bool) -> tuple[str, str]:
+                         kv_dtype, interpret: bool, pool_rows: int | None) -> tuple[str, str]:
     """`kernel_choice` for an fp8 pool with fp8_products="fp8": the 64-row fp8 Mosaic GPU
     kernel, or ValueError naming why it cannot run."""
     why = None
@@ -233,6 +237,7 @@ def _fp8_products_choice(config: DecodeKernelConfig, rows: int, page_size: int, 
     else:  # fp8_wide_supported names rows that are not a multiple of 64 first
         why = decode_mgpu_fp8_wide.fp8_wide_supported(rows, page_size, q.shape[2], v_head_dim,
                                                       q.dtype, kv_dtype)
+        why = why or pool_rows_unsupported(pool_rows, page_size)
         if why is None and interpret:
             why = interpreter_unsupported()
         if why is None and not interpret and jax.default_backend() != "gpu":
@@ -244,10 +249,11 @@ def _fp8_products_choice(config: DecodeKernelConfig, rows: int, page_size: int, 
 
 
 def uses_mgpu(config: DecodeKernelConfig, q, page_size: int, s_q: int, *,
-              v_head_dim: int = 512, interpret: bool = False, kv_dtype=None) -> bool:
+              v_head_dim: int = 512, interpret: bool = False, kv_dtype=None,
+              pool_rows: int | None = None) -> bool:
     """Whether `mla_decode` runs the Mosaic GPU kernel (`kernel_choice`)."""
     return kernel_choice(config, q, page_size, s_q, v_head_dim=v_head_dim, interpret=interpret,
-                         kv_dtype=kv_dtype)[0] == "mgpu"
+                         kv_dtype=kv_dtype, pool_rows=pool_rows)[0] == "mgpu"
 
 
 def _triton_rows(q, kv_pool, kv: KVRows, *, sm_scale, s_q, num_splits, config, v_head_dim,
@@ -303,6 +309,7 @@ def mla_decode_rows_mgpu(q: jax.Array, kv_pool: jax.Array, kv: KVRows, *, sm_sca
         raise ValueError("num_splits must be a positive int, got None")
     why = mgpu_decode_supported(s_q * q.shape[1], kv.page_size, q.shape[2], v_head_dim,
                                 kv_pool.dtype)
+    why = why or pool_rows_unsupported(kv_pool.shape[0], kv.page_size)
     if why is not None:
         raise ValueError(f"mla_decode_rows_mgpu: {why}")
     if not isinstance(config, MgpuDecodeConfig):
@@ -338,7 +345,7 @@ def _mla_decode_kv(q, kv_pool, kv: KVRows, scales, *, sm_scale, s_q, num_splits,
     t, h, _ = q.shape
     rows = s_q * h
     mgpu = uses_mgpu(config, q, kv.page_size, s_q, v_head_dim=v_head_dim, interpret=interpret,
-                     kv_dtype=kv_pool.dtype)
+                     kv_dtype=kv_pool.dtype, pool_rows=kv_pool.shape[0])
     if mgpu and scales is not None:
         kernel = fp8_mgpu_kernel(rows, config)
         ns = num_splits or decode_num_splits(config, t // s_q, rows, kv.max_kv_len, mgpu=True,

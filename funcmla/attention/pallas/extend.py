@@ -71,10 +71,12 @@ def num_pseudo_seqs(num_tokens: int, num_requests: int, chunk: int,
 def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
                          num_pseudo: int, page_size: int, *, head_dim: int = 576,
                          v_head_dim: int = 512, dtype=jnp.bfloat16, kv_dtype=None,
-                         interpret: bool = False) -> DecodeKernelConfig:
+                         interpret: bool = False,
+                         pool_rows: int | None = None) -> DecodeKernelConfig:
     """The decode config an extend runs with: `config` itself, except that kernel="auto" on
     a GPU becomes "mgpu" where the Mosaic GPU kernel takes the shape (bf16 pool, C * H a
-    multiple of 64, the page size) and the pseudo-sequences give at least
+    multiple of 64, the page size, the pool's `pool_rows` when given) and the pseudo-sequences
+    give at least
     `config.mgpu_min_blocks` blocks of 64 rows: `api.kernel_choice` over the pseudo-sequences
     (an extend is a decode of s_q = C over them), fp8 pools alike (H200, H128 B8 1024 tokens
     over 4k: 26.6 / 28.8 ms on the 64-row fp8 Mosaic GPU kernel against 69.0 / 70.2 ms on
@@ -86,7 +88,7 @@ def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
         return config
     q = jax.ShapeDtypeStruct((num_pseudo * chunk, num_heads, head_dim), dtype)
     pick, _ = kernel_choice(config, q, page_size, chunk, v_head_dim=v_head_dim,
-                            interpret=interpret, kv_dtype=kv_dtype)
+                            interpret=interpret, kv_dtype=kv_dtype, pool_rows=pool_rows)
     return dataclasses.replace(config, kernel="mgpu") if pick == "mgpu" else config
 
 
@@ -336,7 +338,7 @@ def mla_extend(q: jax.Array, kv_pool: jax.Array, *, qo_indptr: jax.Array,
                                       head_dim=q.shape[2], v_head_dim=v_head_dim, dtype=q.dtype,
                                       kv_dtype=(kv_pool.dtype if kv_dtype is None
                                                 else KV_FP8_DTYPE),
-                                      interpret=interpret)
+                                      interpret=interpret, pool_rows=kv_pool.shape[0])
     return _mla_extend(q, kv_pool, qo_indptr, table, kv_meta, scales, page_size=page_size,
                        max_kv_len=int(bound), entries_per_row=entries, chunk=chunk,
                        num_pseudo=num_pseudo, causal=causal, sm_scale=float(sm_scale),

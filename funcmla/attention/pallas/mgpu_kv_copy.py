@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.mgpu_ops import release_seen, swizzled, wait_last_releases
 
-__all__ = ["BLOCK_KV", "page_size_unsupported", "gathers", "arrivals_per_tile",
+__all__ = ["BLOCK_KV", "page_size_unsupported", "pool_rows_unsupported", "gathers", "arrivals_per_tile",
            "filled_scratch", "init_filled", "wait_filled", "gather_rows", "gather_tile",
            "copy_tile", "fill_stage", "produce_tiles"]
 
@@ -53,6 +53,16 @@ def page_size_unsupported(page_size: int) -> str | None:
     if page_size > BLOCK_KV and page_size % BLOCK_KV:
         return f"page size {page_size} is not a multiple of the {BLOCK_KV}-token tile"
     return None
+
+
+def pool_rows_unsupported(pool_rows: int | None, page_size: int) -> str | None:
+    """None when the TMA copies (pages of 8 tokens and more) can read a pool of `pool_rows`
+    rows (or the row count is not known), else why not: a copy views the pool as 8-row tiles,
+    which must cover it whole. The row gather (pages under 8) reads any pool."""
+    if pool_rows is None or gathers(page_size) or pool_rows % 8 == 0:
+        return None
+    return (f"kv_pool has {pool_rows} rows, not a multiple of 8: the Mosaic GPU kernels' TMA "
+            f"copies (page size {page_size} >= 8) view the pool as 8-row tiles")
 
 
 def gathers(page_size: int) -> bool:
