@@ -1,9 +1,11 @@
 """How fast the Mosaic GPU decode kernels' producer streams a paged pool when nothing else runs:
 a kernel with the decode kernels' grid (one block a sequence and split) and producer
 (`mgpu_kv_copy.produce_tiles`: TMA tiles or pages, the `cp.async` row gather under 8 tokens a
-page), whose consumer warpgroup only waits for each tile and releases its stage. Its read rate
-is the most a decode kernel of that stage layout can read; the layouts differ in the pool's
-dtype and width, the stage swizzle (a TMA box row is `swizzle` bytes) and the stage count.
+page), whose consumer warpgroup only waits for each tile and releases its stage: the rate a
+stage layout streams at with no work beside it. Layouts differ in the pool's dtype and width,
+the stage swizzle (a TMA box row is `swizzle` bytes) and the stage count; layouts of the same
+bytes side by side show what the layout costs. It bounds no kernel: on the H200 the 16-row fp8
+kernel read faster than its own layout's stream (docs/decode_kernel.md, "fp8 KV").
 
     python -m bench.tma_stream --cases b128_ctx16k_p64,b32_ctx4k_p64 \\
         --layouts fp8_576_sw64_s4,bf16_576_sw128_s2,bf16_576_sw64_s2 --out out/
@@ -120,10 +122,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
 
     @pl.when(lax.axis_index("wg") == 0)
     def _consumer():
-        def step(i, _):
+        def step(i, carry):
             wait_filled(full, i, num_stages=lay.stages, async_proxy=False, interpret=interpret)
             plgpu.barrier_arrive(empty.at[lax.rem(i, lay.stages)])
-            return _
+            return carry
 
         lax.fori_loop(0, count, step, 0)
         o_stage[...] = jnp.full(o_stage.shape, count, jnp.int32)

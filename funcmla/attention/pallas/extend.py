@@ -76,12 +76,11 @@ def extend_kernel_config(config: DecodeKernelConfig, num_heads: int, chunk: int,
     """The decode config an extend runs with: `config` itself, except that kernel="auto" on
     a GPU becomes "mgpu" where the Mosaic GPU kernel takes the shape (bf16 pool, C * H a
     multiple of 64, the page size, the pool's `pool_rows` when given) and the pseudo-sequences
-    give at least
-    `config.mgpu_min_blocks` blocks of 64 rows: `api.kernel_choice` over the pseudo-sequences
-    (an extend is a decode of s_q = C over them), fp8 pools alike (H200, H128 B8 1024 tokens
-    over 4k: 26.6 / 28.8 ms on the 64-row fp8 Mosaic GPU kernel against 69.0 / 70.2 ms on
-    Triton, page 64 / 1; docs/decode_kernel.md, "Extend"). An extend runs the "mixed" fp8
-    products (`DecodeKernelConfig.fp8_products` is a decode setting)."""
+    give at least `config.mgpu_min_blocks` blocks of 64 rows: `api.kernel_choice` over the
+    pseudo-sequences (an extend is a decode of s_q = C over them), fp8 pools alike (H200, H128
+    B8 1024 tokens over 4k: 26.6 / 28.8 ms on the 64-row fp8 Mosaic GPU kernel against 69.0 /
+    70.2 ms on Triton, page 64 / 1; docs/decode_kernel.md, "Extend"). An extend runs the
+    "mixed" fp8 products (`DecodeKernelConfig.fp8_products` is a decode setting)."""
     if config.fp8_products != "mixed":
         config = dataclasses.replace(config, fp8_products="mixed")
     if config.kernel != "auto":

@@ -37,9 +37,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from funcmla.attention.pallas.mgpu_ops import release_seen, swizzled, wait_last_releases
 
-__all__ = ["BLOCK_KV", "page_size_unsupported", "pool_rows_unsupported", "gathers", "arrivals_per_tile",
-           "filled_scratch", "init_filled", "wait_filled", "gather_rows", "gather_tile",
-           "copy_tile", "fill_stage", "produce_tiles"]
+__all__ = ["BLOCK_KV", "page_size_unsupported", "pool_rows_unsupported", "gathers",
+           "arrivals_per_tile", "filled_scratch", "init_filled", "wait_filled", "gather_rows",
+           "gather_tile", "copy_tile", "fill_stage", "produce_tiles"]
 
 BLOCK_KV = 64  # KV tokens per tile
 _GATHER_THREADS = 128  # the producer warpgroup: each thread arrives once a gathered fill
