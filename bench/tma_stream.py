@@ -175,22 +175,15 @@ def stream_call(pool, kv, *, num_splits: int, lay: StreamLayout, interpret: bool
 
 def case_metadata(key, b: int, ctx: int, page_size: int):
     """(KVRows, slots) of b full sequences of ctx tokens, pages (or, at page 1, tokens) in a
-    random order, pool row 0 unused."""
-    import jax
-    import jax.numpy as jnp
-
+    random order, pool row 0 unused (`decode_data.case_tables`, the decode benchmark's)."""
     from funcmla.attention.pallas.decode_common import kv_rows_from_csr, kv_rows_from_page_table
-    from funcmla.layout import PageTable
 
+    from .decode_data import case_tables
+
+    meta, slots, _ = case_tables(key, b, ctx, page_size)
     if page_size == 1:
-        perm = jax.random.permutation(key, jnp.arange(1, b * ctx + 1, dtype=jnp.int32))
-        indptr = jnp.arange(b + 1, dtype=jnp.int32) * ctx
-        return kv_rows_from_csr(indptr, perm, ctx), b * ctx + 1
-    per_seq = -(-ctx // page_size)
-    pages = b * per_seq
-    perm = jax.random.permutation(key, jnp.arange(1, pages + 1, dtype=jnp.int32))
-    table = PageTable(perm.reshape(b, per_seq), jnp.full((b,), ctx, jnp.int32), page_size)
-    return kv_rows_from_page_table(table), (pages + 1) * page_size
+        return kv_rows_from_csr(meta["kv_indptr"], meta["kv_indices"], ctx), slots
+    return kv_rows_from_page_table(meta["page_table"]), slots
 
 
 def _pool(key, slots: int, lay: StreamLayout):
