@@ -129,10 +129,6 @@ _PROMOTE = 128
 # with an odd count the waits fall out of step. Five, with a barrier set per consumer, took
 # 1.009-1.023x the time of four on the H100 (decision log, docs/decode_kernel.md).
 _STAGES = 4
-# q's rows ahead of the first tiles' bytes: prepared before the first copies are issued
-# (`_PREPARE_FIRST`), or prefetched into L2 by TMA before them (`_Q_PREFETCH`)
-_PREPARE_FIRST = False
-_Q_PREFETCH = False
 _REGISTERS = (40, 232, 232)  # `setmaxnreg` (producer, consumer 0, consumer 1), as decode_mgpu's
 _CONSUMERS = 2
 _D, _DV = 576, 512  # latent row (K) and its first 512 columns (V)
@@ -310,13 +306,10 @@ def _kernel(*refs, form: str, entries_per_seq: int | None, page_size: int, num_s
                 plgpu.barrier_arrive(q_bar)
             plgpu.set_max_registers(budgets[0], action="decrease")
 
-        if _Q_PREFETCH and not interpret:
-            for j in range(d // 192):
-                plgpu.async_prefetch(q_ref.at[b, pl.ds(row_lo, rows), pl.ds(192 * j, 192)])
         produce_tiles(kv_ref, table_ref, stages, k_full, k_empty, first=first, count=count,
                       start_entry=start_entry, kv_len=kv_len, num_stages=_STAGES,
                       page_size=page_size, swizzle=_FP8_SWIZZLE, interpret=interpret,
-                      prepare=prepare, prepare_first=True if _PREPARE_FIRST else None)
+                      prepare=prepare)
 
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 

@@ -374,7 +374,7 @@ def fill_stage(kv_ref, table_ref, stages, full, empty, i, rows, first, start_ent
 
 def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start_entry,
                   kv_len, num_stages: int, page_size: int, swizzle: int, interpret: bool,
-                  prepare=None, consume=None, prepare_first: bool | None = None):
+                  prepare=None, consume=None):
     """The producer warpgroup's whole loop: tiles first .. first + count - 1 into the stages
     (`fill_stage`), then a wait on each stage's last release (`wait_last_releases`). `prepare()`,
     if given, is the producer's other work (the fp8 kernels' q split): run after the first
@@ -389,12 +389,10 @@ def produce_tiles(kv_ref, table_ref, stages, full, empty, *, first, count, start
                         page_size=page_size, swizzle=swizzle, interpret=interpret)
             if gathers(page_size) else 0)
     head = count if prepare is None and consume is None else jnp.minimum(count, num_stages)
-    if prepare_first is None:  # the row gather's rule, or either order where a kernel asks
-        prepare_first = gathers(page_size)
-    if prepare_first and prepare is not None:
+    if gathers(page_size) and prepare is not None:
         prepare()
     rows = lax.fori_loop(0, head, fill, rows)
-    if not prepare_first and prepare is not None:
+    if not gathers(page_size) and prepare is not None:
         prepare()
     if consume is None:
         lax.fori_loop(head, count, fill, rows)
